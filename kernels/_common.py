@@ -1,0 +1,125 @@
+"""Shared pieces of the kernels: compute dtypes, workspace carving, block iteration.
+
+A fast kernel works on 2-D views ``(rows, cols)`` of its operands (any strides) and walks
+them in blocks of at most ``block`` elements. Every block is first brought into contiguous
+buffers of the compute dtype carved out of the caller's workspace, so that each ufunc runs
+the same contiguous SIMD loop whatever the strides, offsets or block boundaries were: that is
+what makes results bit-identical however requests are later batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+#: Byte alignment of every buffer carved out of a workspace (one cache line).
+ALIGN = 64
+
+#: Elements per block when the caller does not choose: 64K float32 = 256 KiB per buffer: large
+#: enough to amortise the ~1 us cost of each ufunc call, small enough to stay in cache.
+DEFAULT_BLOCK = 65536
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Return the dtype a kernel computes in: float64 for float64, float32 otherwise.
+
+    FLOAT16 and BFLOAT16 are computed in float32 and rounded once into the output (SPEC).
+    """
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def aligned(nbytes: int) -> int:
+    """Round ``nbytes`` up to a multiple of :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class Carver:
+    """Hands out aligned, typed buffers from a workspace, in a fixed order.
+
+    The planner and the kernel carve the same sequence of buffers, so the planner's byte
+    count is exactly what the kernel uses (one :data:`ALIGN` of slack covers the workspace's
+    own base address).
+    """
+
+    def __init__(self, workspace: np.ndarray | None) -> None:
+        self._ws = workspace
+        base = 0 if workspace is None else workspace.ctypes.data
+        self._offset = (-base) % ALIGN
+
+    def take(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """Return a contiguous 1-D buffer of ``count`` elements of ``dtype``."""
+        nbytes = count * dtype.itemsize
+        assert self._ws is not None, "a non-empty buffer needs a workspace"
+        start = self._offset
+        self._offset = start + aligned(nbytes)
+        if start + nbytes > self._ws.nbytes:
+            msg = f"workspace of {self._ws.nbytes} bytes is too small for the kernel's buffers"
+            raise ValueError(msg)
+        return self._ws[start : start + nbytes].view(dtype)
+
+
+def workspace_bytes(buffers: list[tuple[int, np.dtype]]) -> int:
+    """Bytes a :class:`Carver` needs for ``buffers`` (count, dtype), slack included."""
+    total = sum(aligned(count * dtype.itemsize) for count, dtype in buffers if count)
+    return total + ALIGN if total else 0
+
+
+def blocks(rows: int, cols: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(r0, r1, c0, c1)`` tiles covering a ``rows x cols`` grid row-major.
+
+    A tile holds at most ``block`` elements: whole rows when a row fits, else pieces of one
+    row.
+    """
+    if cols <= block:
+        step = block // cols
+        for r0 in range(0, rows, step):
+            yield r0, min(rows, r0 + step), 0, cols
+    else:
+        for r in range(rows):
+            for c0 in range(0, cols, block):
+                yield r, r + 1, c0, min(cols, c0 + block)
+
+
+def rows_view(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Return ``array`` reshaped to ``shape`` without copying, or None when that needs a copy."""
+    try:
+        return np.reshape(array, shape, copy=False)
+    except ValueError:
+        return None
+
+
+def overlaps(out: np.ndarray, *inputs: np.ndarray) -> bool:
+    """True when ``out`` may share memory with one of ``inputs`` (a cheap bounds check)."""
+    return any(np.may_share_memory(out, x) for x in inputs)
+
+
+def staged(carve: Carver, array: np.ndarray, stage: bool, shape: tuple[int, ...]) -> np.ndarray:
+    """View ``array`` as ``shape``; when ``stage``, first copy it into the workspace."""
+    if not stage:
+        return np.reshape(array, shape, copy=False)
+    buf = carve.take(array.size, array.dtype)
+    np.copyto(buf.reshape(array.shape), array)
+    return buf.reshape(shape)
+
+
+def direct(view: np.ndarray, dtype: np.dtype) -> bool:
+    """True when ufuncs can use ``view`` as is: the compute dtype and C-contiguous.
+
+    Anything else goes through ``copyto``: a ufunc given a cast or a strided 2-D operand
+    allocates a hidden 8192-element scratch buffer per call, while ``copyto`` does not.
+    """
+    return view.dtype == dtype and view.flags.c_contiguous
+
+
+def as_compute(buf: np.ndarray, view: np.ndarray) -> np.ndarray:
+    """``view`` itself when ufuncs can use it directly, else ``view`` copied into ``buf``."""
+    if direct(view, buf.dtype):
+        return view
+    np.copyto(buf, view, casting="unsafe")
+    return buf
+
+
+def store(target: np.ndarray, result: np.ndarray) -> None:
+    """Round ``result`` once into ``target`` (unbuffered cast)."""
+    np.copyto(target, result, casting="unsafe")

@@ -1,0 +1,190 @@
+"""GluBackward kernels: the reference formula and a blocked, allocation-free fast kernel.
+
+``self`` of shape ``S`` is split along ``dim`` into halves ``a`` and ``b``. With
+``outer = prod(S[:dim])`` and ``H = S[dim] // 2 * prod(S[dim + 1:])`` a C-ordered ``self`` is
+the view ``(outer, 2, H)``, ``grad_out`` is ``(outer, H)`` and the operation is elementwise
+over the ``(outer, H)`` grid::
+
+    s      = 1 / (1 + exp(-b))
+    grad_a = grad_out * s
+    grad_b = grad_a * (a - a * s)
+
+The fast kernel walks that grid in blocks small enough to stay in L2, so each input element
+is read from memory once and each output element written once. Operands that cannot be
+viewed that way (transposed, some step-slices) are first copied into the workspace, and an
+``out`` that overlaps an input is computed into the workspace and copied at the end: both
+copies are part of the planned workspace size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from kernels._common import (
+    DEFAULT_BLOCK,
+    Carver,
+    as_compute,
+    blocks,
+    compute_dtype,
+    direct,
+    overlaps,
+    rows_view,
+    staged,
+    store,
+    workspace_bytes,
+)
+
+#: Compute-dtype block buffers :func:`glu_backward_rows` needs.
+ROW_BUFFERS = 4
+
+__all__ = [
+    "ROW_BUFFERS",
+    "GluPlan",
+    "glu_backward_fast",
+    "glu_backward_reference",
+    "glu_backward_rows",
+    "plan_glu_backward",
+]
+
+
+@np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
+def glu_backward_reference(grad_out: np.ndarray, self: np.ndarray, dim: int) -> np.ndarray:
+    """Return ``glu_backward(grad_out, self, dim)`` computed straight from the SPEC formula.
+
+    FLOAT16 / BFLOAT16 are computed in float32, DOUBLE in float64, and rounded once.
+    """
+    ct = compute_dtype(self.dtype)
+    a, b = np.split(self.astype(ct), 2, axis=dim)
+    g = grad_out.astype(ct)
+    s = 1 / (1 + np.exp(-b))
+    grad_a = g * s
+    grad_b = grad_a * (a - a * s)
+    return np.concatenate([grad_a, grad_b], axis=dim).astype(self.dtype)
+
+
+class GluPlan(NamedTuple):
+    """The geometry and workspace layout of one GluBackward launch (pure data)."""
+
+    shape: tuple[int, ...]
+    dim: int
+    outer: int
+    half: int
+    dtype: np.dtype
+    block: int
+    stage_grad: bool
+    stage_self: bool
+    stage_out: bool
+    workspace_bytes: int
+
+    @property
+    def size(self) -> int:
+        """Elements of ``self`` (0 for an empty launch)."""
+        return 2 * self.outer * self.half
+
+
+def plan_glu_backward(
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    dim: int,
+    out: np.ndarray,
+    *,
+    block: int = DEFAULT_BLOCK,
+) -> GluPlan:
+    """Plan a launch on validated arguments: which operands to stage, workspace bytes."""
+    shape = self.shape
+    dim %= self.ndim
+    outer = math.prod(shape[:dim])
+    half = shape[dim] // 2 * math.prod(shape[dim + 1 :])
+    n = outer * half
+    ct = compute_dtype(self.dtype)
+    stage_self = rows_view(self, (outer, 2, half)) is None
+    stage_grad = rows_view(grad_out, (outer, half)) is None
+    stage_out = rows_view(out, (outer, 2, half)) is None or overlaps(out, grad_out, self)
+    buffers = [
+        (2 * n if stage_self else 0, self.dtype),
+        (n if stage_grad else 0, self.dtype),
+        (2 * n if stage_out else 0, self.dtype),
+    ] + [(min(block, n), ct)] * ROW_BUFFERS
+    nbytes = workspace_bytes(buffers) if n else 0
+    return GluPlan(
+        shape, dim, outer, half, self.dtype, block, stage_grad, stage_self, stage_out, nbytes
+    )
+
+
+def glu_backward_fast(
+    plan: GluPlan,
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    out: np.ndarray,
+    workspace: np.ndarray | None,
+) -> None:
+    """Compute GluBackward into ``out`` using only ``workspace`` for scratch memory.
+
+    Args:
+        plan: from :func:`plan_glu_backward` on arrays of the same geometry.
+        grad_out, self, out: the operands (any strides; ``out`` may overlap the inputs only
+            when the plan stages it).
+        workspace: a ``uint8`` array of at least ``plan.workspace_bytes`` (None when 0).
+    """
+    if plan.size == 0:
+        return
+    outer, half = plan.outer, plan.half
+    carve = Carver(workspace)
+    self3 = staged(carve, self, plan.stage_self, (outer, 2, half))
+    grad2 = staged(carve, grad_out, plan.stage_grad, (outer, half))
+    if plan.stage_out:
+        target = carve.take(2 * outer * half, plan.dtype)
+        out3 = target.reshape(outer, 2, half)
+    else:
+        out3 = np.reshape(out, (outer, 2, half), copy=False)
+    ct = compute_dtype(plan.dtype)
+    bufs = [carve.take(min(plan.block, outer * half), ct) for _ in range(ROW_BUFFERS)]
+    glu_backward_rows(
+        grad2, self3[:, 0, :], self3[:, 1, :], out3[:, 0, :], out3[:, 1, :], bufs, plan.block
+    )
+    if plan.stage_out:
+        np.copyto(out, target.reshape(plan.shape))
+
+
+@np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
+def glu_backward_rows(
+    g: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    out_a: np.ndarray,
+    out_b: np.ndarray,
+    bufs: list[np.ndarray],
+    block: int,
+) -> None:
+    """The blocked core on 2-D views of one shape ``(rows, cols)``.
+
+    ``bufs``: :data:`ROW_BUFFERS` buffers of ``min(block, rows * cols)`` elements of the
+    compute dtype.
+    """
+    rows, cols = g.shape
+    ct = bufs[0].dtype
+    one = ct.type(1)
+    for r0, r1, c0, c1 in blocks(rows, cols, block):
+        tile = (r1 - r0, c1 - c0)
+        n = tile[0] * tile[1]
+        s, t, u, v = (buf[:n].reshape(tile) for buf in bufs)
+        # s = sigmoid(b) in a contiguous buffer, so exp always takes the same SIMD loop
+        # (bit-identical results whatever the operands' strides or the tile boundaries).
+        np.negative(as_compute(s, b[r0:r1, c0:c1]), out=s)
+        np.exp(s, out=s)
+        np.add(s, one, out=s)
+        np.reciprocal(s, out=s)
+        np.multiply(as_compute(t, g[r0:r1, c0:c1]), s, out=t)  # grad_a, unrounded
+        store(out_a[r0:r1, c0:c1], t)  # rounded once into out
+        aa = as_compute(u, a[r0:r1, c0:c1])
+        np.multiply(aa, s, out=v)
+        np.subtract(aa, v, out=v)
+        ob = out_b[r0:r1, c0:c1]
+        if direct(ob, ct):
+            np.multiply(t, v, out=ob)  # grad_b = grad_a * (a - a * s), straight into out
+        else:
+            np.multiply(t, v, out=v)
+            store(ob, v)

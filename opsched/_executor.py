@@ -1,0 +1,226 @@
+"""Executors: the prepared plan of one launch (the device's ``aclOpExecutor``).
+
+``*_get_workspace_size`` checks the arguments, plans the launch and returns an executor.
+By default it is single-use. :meth:`Executor.set_repeatable` (right after planning, as
+``aclSetAclOpExecutorRepeatable``) lets it launch many times, with new arrays of the same
+geometry bound in between (:meth:`Executor.bind`, the device's ``aclSetInputTensorAddr`` /
+``aclSetOutputTensorAddr``), until :meth:`Executor.destroy` (``aclDestroyAclOpExecutor``).
+
+Every misuse is a ParamInvalidError (161002) whose message says what was wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import attrs
+import numpy as np
+
+from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
+from opsched.ops import Operator
+from opsched.ops._base import check_present, dtype_name
+
+__all__ = ["Executor", "ExecutorState", "geometry_of"]
+
+
+class ExecutorState(enum.Enum):
+    """Where an executor is in its life."""
+
+    #: Planned; may be launched (once, or many times when repeatable).
+    READY = "ready"
+    #: A single-use executor that has been launched: it cannot launch again.
+    SPENT = "spent"
+    #: Released by :meth:`Executor.destroy`.
+    DESTROYED = "destroyed"
+
+
+def geometry_of(array: np.ndarray) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+    """What an executor fixes about a bound array: shape, dtype and strides."""
+    return array.shape, array.dtype, array.strides
+
+
+@attrs.define(eq=False)
+class Executor:
+    """A planned launch of one operator on bound arrays.
+
+    Create one with an ``opsched.aclnn.*_get_workspace_size`` function, never directly.
+    """
+
+    op: Operator
+    tensors: dict[str, np.ndarray]
+    scalars: dict[str, Any]
+    plan: Any
+    workspace_size: int
+    _repeatable: bool = attrs.field(default=False, init=False)
+    _state: ExecutorState = attrs.field(default=ExecutorState.READY, init=False)
+    _launches: int = attrs.field(default=0, init=False)
+
+    @property
+    def repeatable(self) -> bool:
+        """Whether :meth:`set_repeatable` was called."""
+        return self._repeatable
+
+    @property
+    def state(self) -> ExecutorState:
+        """The executor's :class:`ExecutorState`."""
+        return self._state
+
+    @property
+    def launches(self) -> int:
+        """How many launches this executor has started."""
+        return self._launches
+
+    def set_repeatable(self) -> None:
+        """Allow many launches (``aclSetAclOpExecutorRepeatable``); call before the first.
+
+        Raises:
+            ParamInvalidError: the executor was already launched or destroyed.
+        """
+        self._require_live("set_repeatable")
+        if self._launches:
+            msg = (
+                f"{self.op.name} executor: set_repeatable() must be called right after "
+                f"get_workspace_size, before the first launch (it has {self._launches})"
+            )
+            raise ParamInvalidError(msg)
+        self._repeatable = True
+
+    def bind(self, /, **arrays: np.ndarray) -> None:
+        """Bind new arrays of the same geometry for the next launch (repeatable only).
+
+        Args:
+            **arrays: argument name to array, e.g. ``bind(grad_out=g, self=x, out=o)``.
+
+        Raises:
+            TypeError: an unknown argument name, or a value that is not a numpy array.
+            ParamNullptrError: a value is None.
+            ParamInvalidError: the executor is not repeatable or is destroyed, or an array's
+                shape, dtype or strides differ from the ones it was planned for.
+        """
+        self._require_live("bind")
+        op = self.op.name
+        if not self._repeatable:
+            msg = f"{op} executor: bind() needs a repeatable executor; call set_repeatable()"
+            raise ParamInvalidError(msg)
+        for name, array in arrays.items():
+            if name not in self.tensors:
+                names = self.op.tensor_names
+                msg = f"{op}.bind: unknown argument {name!r}; expected one of {names}"
+                raise TypeError(msg)
+            check_present(op, **{name: array})
+            if not isinstance(array, np.ndarray):
+                msg = f"{op}.bind: {name} must be a numpy.ndarray, got {type(array).__qualname__}"
+                raise TypeError(msg)
+            want, got = geometry_of(self.tensors[name]), geometry_of(array)
+            if want != got:
+                msg = (
+                    f"{op}.bind: {name} has shape {got[0]}, dtype {dtype_name(got[1])}, "
+                    f"strides {got[2]}; the executor was planned for shape {want[0]}, dtype "
+                    f"{dtype_name(want[1])}, strides {want[2]}"
+                )
+                raise ParamInvalidError(msg)
+        self.tensors.update(arrays)
+
+    def destroy(self) -> None:
+        """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""
+        self._state = ExecutorState.DESTROYED
+        self.tensors = {}
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+    def prepare_launch(
+        self, op: Operator, workspace: object, workspace_size: object
+    ) -> Callable[[], None]:
+        """Check a launch request and consume one launch; return the work to run.
+
+        The returned callable runs the kernel on the arrays bound *now* (later ``bind``
+        calls do not affect it) and raises RuntimeLaunchError if the kernel fails.
+
+        Raises:
+            ParamInvalidError: wrong operator, executor spent or destroyed, workspace
+                missing or smaller than planned, output overlapping an input unplanned.
+            TypeError: workspace or workspace_size of the wrong kind.
+        """
+        name = op.name
+        if self.op is not op:
+            msg = f"{name}: the executor was prepared for {self.op.name}, not {name}"
+            raise ParamInvalidError(msg)
+        self._require_live("launch")
+        if self._state is ExecutorState.SPENT:
+            msg = (
+                f"{name}: this single-use executor was already launched; call "
+                "set_repeatable() right after get_workspace_size to launch it again"
+            )
+            raise ParamInvalidError(msg)
+        ws = self._check_workspace(name, workspace, workspace_size)
+        tensors = dict(self.tensors)
+        if op.unplanned_overlap(self.plan, tensors):
+            msg = (
+                f"{name}: the bound output overlaps an input, but the executor was planned "
+                "for separate buffers; plan a new executor for overlapping arrays"
+            )
+            raise ParamInvalidError(msg)
+        self._launches += 1
+        if not self._repeatable:
+            self._state = ExecutorState.SPENT
+        plan = self.plan
+
+        def work() -> None:
+            try:
+                op.run(plan, tensors, ws)
+            except Exception as exc:
+                msg = f"{name}: the launch failed: {type(exc).__name__}: {exc}"
+                raise RuntimeLaunchError(msg) from exc
+
+        return work
+
+    def _check_workspace(
+        self, name: str, workspace: object, workspace_size: object
+    ) -> np.ndarray | None:
+        if isinstance(workspace_size, bool) or not hasattr(workspace_size, "__index__"):
+            msg = f"{name}: workspace_size must be an integer, got {workspace_size!r}"
+            raise TypeError(msg)
+        size = operator.index(workspace_size)
+        need = self.workspace_size
+        if size < need:
+            msg = f"{name}: workspace_size={size} is smaller than the {need} bytes planned"
+            raise ParamInvalidError(msg)
+        if need == 0:
+            return None
+        if workspace is None:
+            msg = f"{name}: workspace is None but the executor needs {need} bytes"
+            raise ParamInvalidError(msg)
+        if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8:
+            msg = f"{name}: workspace must be a numpy uint8 array, got {workspace!r:.60}"
+            raise TypeError(msg)
+        if not workspace.flags.c_contiguous or workspace.nbytes < need:
+            msg = (
+                f"{name}: workspace must be a contiguous uint8 array of at least {need} "
+                f"bytes; got {workspace.nbytes} bytes, contiguous={workspace.flags.c_contiguous}"
+            )
+            raise ParamInvalidError(msg)
+        return workspace.reshape(-1)
+
+    def _require_live(self, what: str) -> None:
+        if self._state is ExecutorState.DESTROYED:
+            msg = f"{self.op.name} executor: {what} after destroy()"
+            raise ParamInvalidError(msg)
+
+
+def null_executor(name: str) -> InnerError:
+    """The error for launching ``None`` instead of an executor (561103)."""
+    msg = f"{name}: executor is None; pass the executor from get_workspace_size"
+    return InnerError(msg, status=Status.ERR_INNER_NULLPTR)

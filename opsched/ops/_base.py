@@ -1,0 +1,158 @@
+"""What every operator descriptor shares: the dtype table, argument checks, the base class.
+
+An operator descriptor holds everything operator-specific (SPEC checks in their order,
+output allocation, planning, which kernel runs). The two-phase API, the executor and, later,
+the scheduler talk only to descriptors, so a new operator is one new module.
+"""
+
+from __future__ import annotations
+
+import abc
+import operator
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from opsched._errors import ParamInvalidError, ParamNullptrError
+
+__all__ = [
+    "DTYPE_NAMES",
+    "Operator",
+    "Tensors",
+    "check_dtype",
+    "check_present",
+    "check_types",
+    "dtype_name",
+    "index_value",
+]
+
+#: aclnn dtype names of the numpy dtypes opsched computes in (SPEC, common rules).
+DTYPE_NAMES: dict[np.dtype, str] = {
+    np.dtype(np.float64): "DOUBLE",
+    np.dtype(np.float32): "FLOAT",
+    np.dtype(np.float16): "FLOAT16",
+    np.dtype(ml_dtypes.bfloat16): "BFLOAT16",
+}
+
+Tensors = Mapping[str, np.ndarray]
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The aclnn name of ``dtype`` (e.g. ``FLOAT16``), else numpy's name."""
+    return DTYPE_NAMES.get(np.dtype(dtype), str(dtype))
+
+
+def check_present(op: str, **tensors: object) -> None:
+    """Raise ParamNullptrError (161001) for the first argument that is None."""
+    for name, value in tensors.items():
+        if value is None:
+            msg = f"{op}: {name} is None; a tensor (numpy array) is required"
+            raise ParamNullptrError(msg)
+
+
+def check_types(op: str, **tensors: object) -> None:
+    """Raise TypeError for the first argument that is neither None nor a numpy array."""
+    for name, value in tensors.items():
+        if value is not None and not isinstance(value, np.ndarray):
+            msg = (
+                f"{op}: {name} must be a numpy.ndarray, got {type(value).__module__}."
+                f"{type(value).__qualname__}"
+            )
+            raise TypeError(msg)
+
+
+def check_dtype(
+    op: str, allowed: tuple[np.dtype, ...], reference: tuple[str, np.ndarray], **tensors: Any
+) -> None:
+    """Raise ParamInvalidError (161002) for a dtype outside ``allowed`` or unlike the
+    reference tensor's, checking the reference first and then ``tensors`` in order."""
+    ref_name, ref = reference
+    names = ", ".join(dtype_name(d) for d in allowed)
+    for name, value in {ref_name: ref, **tensors}.items():
+        if value is None:
+            continue
+        if value.dtype not in allowed:
+            msg = f"{op}: {name}.dtype is {dtype_name(value.dtype)}; expected one of {names}"
+            raise ParamInvalidError(msg)
+        if value.dtype != ref.dtype:
+            msg = (
+                f"{op}: {name}.dtype is {dtype_name(value.dtype)} but {ref_name}.dtype is "
+                f"{dtype_name(ref.dtype)}; they must be equal"
+            )
+            raise ParamInvalidError(msg)
+
+
+def index_value(op: str, name: str, value: object) -> int:
+    """Return ``value`` as an int when it is a Python or numpy integer (not bool)."""
+    if isinstance(value, bool | np.bool_):
+        msg = f"{op}: {name} must be an integer, got bool {value!r}"
+        raise TypeError(msg)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        msg = f"{op}: {name} must be an integer, got {type(value).__qualname__} {value!r}"
+        raise TypeError(msg) from None
+
+
+class Operator(abc.ABC):
+    """An operator descriptor: one instance per operator, stateless.
+
+    A request is a mapping of argument names to arrays (``tensors``) plus scalar arguments
+    (``scalars``, e.g. ``dim``). Subclasses define the SPEC checks, allocation, planning and
+    the kernels.
+    """
+
+    #: The aclnn operator name, e.g. ``"GluBackward"``.
+    name: ClassVar[str]
+    #: Tensor argument names in signature order; the last ones are ``outputs``.
+    tensor_names: ClassVar[tuple[str, ...]]
+    #: Output tensor argument names.
+    outputs: ClassVar[tuple[str, ...]]
+    #: Inputs the kernel still reads while it writes outputs: an output overlapping one of
+    #: them must be staged through the workspace.
+    overlap_inputs: ClassVar[tuple[str, ...]]
+
+    @abc.abstractmethod
+    def check(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+    ) -> dict[str, Any]:
+        """Run the SPEC checks in order; return the normalised scalars.
+
+        With ``allocate`` the outputs may be None (they will be allocated) and are then not
+        checked.
+
+        Raises:
+            ParamNullptrError, ParamInvalidError: as SPEC lists, the first failing check.
+            TypeError: an argument of the wrong kind (not an array, dim not an integer).
+        """
+
+    @abc.abstractmethod
+    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Return new, C-contiguous arrays for the outputs of a checked request."""
+
+    @abc.abstractmethod
+    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:
+        """Plan a launch (geometry, staging, workspace layout) for checked arguments."""
+
+    @abc.abstractmethod
+    def workspace_size(self, plan: Any) -> int:
+        """Bytes of workspace the planned launch uses."""
+
+    @abc.abstractmethod
+    def run(self, plan: Any, tensors: Tensors, workspace: np.ndarray | None) -> None:
+        """Run the fast kernel for ``plan`` on ``tensors``."""
+
+    @abc.abstractmethod
+    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
+        """Return the reference kernel's result (a new array) for a checked request."""
+
+    def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
+        """True when an output overlaps an input but ``plan`` does not stage the output
+        (arrays rebound on a repeatable executor planned for separate buffers)."""
+        return not plan.stage_out and any(
+            np.may_share_memory(tensors[o], tensors[i])
+            for o in self.outputs
+            for i in self.overlap_inputs
+        )

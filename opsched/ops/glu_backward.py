@@ -1,0 +1,113 @@
+"""GluBackward (``aclnnGluBackward``): checks in SPEC order, planning, kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from kernels.glu import GluPlan, glu_backward_fast, glu_backward_reference, plan_glu_backward
+from opsched._errors import ParamInvalidError
+from opsched.ops._base import (
+    Operator,
+    Tensors,
+    check_dtype,
+    check_present,
+    check_types,
+    index_value,
+)
+
+__all__ = ["GLU_BACKWARD", "GluBackward"]
+
+MAX_DIMS = 8
+
+
+class GluBackward(Operator):
+    """``out = glu_backward(grad_out, self, dim)``; see SPEC "GluBackward"."""
+
+    name: ClassVar[str] = "GluBackward"
+    tensor_names: ClassVar[tuple[str, ...]] = ("grad_out", "self", "out")
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    overlap_inputs: ClassVar[tuple[str, ...]] = ("grad_out", "self")
+    dtypes: ClassVar[tuple[np.dtype, ...]] = tuple(
+        np.dtype(d) for d in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16)
+    )
+
+    def check(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+    ) -> dict[str, Any]:
+        op = self.name
+        grad_out, x, out = tensors["grad_out"], tensors["self"], tensors["out"]
+        required = {"grad_out": grad_out, "self": x}
+        if not allocate:
+            required["out"] = out
+        check_present(op, **required)
+        check_types(op, grad_out=grad_out, self=x, out=out)
+        dim = index_value(op, "dim", scalars["dim"])
+        # 2. dtypes: self's in the list; grad_out and out equal to it.
+        check_dtype(op, self.dtypes, ("self", x), grad_out=grad_out, out=out)
+        # 3. ranks.
+        for name, t in (("self", x), ("grad_out", grad_out), ("out", out)):
+            if t is not None and t.ndim > MAX_DIMS:
+                msg = f"{op}: {name} has {t.ndim} dims; at most {MAX_DIMS} are supported"
+                raise ParamInvalidError(msg)
+        if x.ndim == 0:
+            msg = f"{op}: self is 0-dimensional; it needs at least 1 dim to split"
+            raise ParamInvalidError(msg)
+        # 4. dim range.
+        if not -x.ndim <= dim < x.ndim:
+            msg = (
+                f"{op}: dim={dim} is out of range [{-x.ndim}, {x.ndim - 1}] for self of "
+                f"shape {x.shape}"
+            )
+            raise ParamInvalidError(msg)
+        dim %= x.ndim
+        # 5. an even split.
+        if x.shape[dim] % 2:
+            msg = (
+                f"{op}: self.shape[{dim}] is {x.shape[dim]} (self shape {x.shape}); it must "
+                "be even to split into two halves"
+            )
+            raise ParamInvalidError(msg)
+        # 6. grad_out is self with dim halved.
+        half = self.grad_shape(x.shape, dim)
+        if grad_out.shape != half:
+            msg = (
+                f"{op}: grad_out.shape is {grad_out.shape}; expected {half} (self shape "
+                f"{x.shape} halved along dim {dim})"
+            )
+            raise ParamInvalidError(msg)
+        # 7. out is self's shape.
+        if out is not None and out.shape != x.shape:
+            msg = f"{op}: out.shape is {out.shape}; expected self's shape {x.shape}"
+            raise ParamInvalidError(msg)
+        return {"dim": dim}
+
+    @staticmethod
+    def grad_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+        """``shape`` with ``shape[dim]`` halved: the shape of ``grad_out``."""
+        return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
+
+    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        x = tensors["self"]
+        return {"out": np.empty(x.shape, x.dtype)}
+
+    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GluPlan:
+        return plan_glu_backward(
+            tensors["grad_out"], tensors["self"], scalars["dim"], tensors["out"], block=block
+        )
+
+    def workspace_size(self, plan: GluPlan) -> int:
+        return plan.workspace_bytes
+
+    def run(self, plan: GluPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
+        glu_backward_fast(plan, tensors["grad_out"], tensors["self"], tensors["out"], workspace)
+
+    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
+        return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])
+
+
+#: The GluBackward descriptor.
+GLU_BACKWARD = GluBackward()

@@ -1,0 +1,74 @@
+"""Helpers shared by the tests: random operands, float64 goldens, SPEC tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+GLU_DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
+GN_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
+
+#: SPEC tolerances (rtol, atol) against a higher-precision golden.
+_TOL = {
+    np.dtype(np.float64): (1e-10, 1e-10),
+    np.dtype(np.float32): (1e-4, 1e-4),
+    BF16: (2e-2, 2e-3),
+}
+
+
+def tolerance(dtype: np.dtype, op: str) -> tuple[float, float]:
+    """(rtol, atol) of SPEC for ``dtype``; FLOAT16 differs between the two operators."""
+    if dtype == np.float16:
+        return (1e-3, 1e-3) if op == "glu" else (1e-2, 1e-3)
+    return _TOL[np.dtype(dtype)]
+
+
+def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, scale: float = 1.0):
+    """Standard-normal values rounded into ``dtype``."""
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def glu_golden(grad_out: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
+    """GluBackward in float64 from the inputs' exact values, written independently."""
+    x64 = x.astype(np.float64)
+    g = grad_out.astype(np.float64)
+    a, b = np.split(x64, 2, axis=dim)
+    s = 0.5 * (1.0 + np.tanh(0.5 * b))  # sigmoid, another formula than the kernels'
+    return np.concatenate([g * s, g * s * a * (1.0 - s)], axis=dim)
+
+
+def gn_golden(x, dy, gamma, mean, rstd) -> np.ndarray:
+    """GroupNormalizationGrad in float64, one explicit group at a time."""
+    n, g = x.shape[:2]
+    m = math.prod(x.shape[2:])
+    out = np.empty(x.shape, np.float64)
+    for i in range(n):
+        for j in range(g):
+            xs = x[i, j].astype(np.float64).ravel()
+            d = dy[i, j].astype(np.float64).ravel()
+            gm = gamma[i, j].astype(np.float64).ravel()
+            mu, r = float(mean[i, j]), float(rstd[i, j])
+            xhat = (xs - mu) * r
+            s1 = math.fsum(d * gm)
+            s2 = math.fsum(d * gm * xhat)
+            out[i, j] = ((r / m) * gm * (m * d - s1 - xhat * s2)).reshape(x.shape[2:])
+    return out
+
+
+def assert_close(result: np.ndarray, golden: np.ndarray, dtype: np.dtype, op: str) -> None:
+    """Assert ``result`` matches the float64 ``golden`` within SPEC tolerance."""
+    rtol, atol = tolerance(dtype, op)
+    np.testing.assert_allclose(result.astype(np.float64), golden, rtol=rtol, atol=atol)
+
+
+def gn_inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype):
+    """Random ``(x, dy, gamma, mean, rstd)`` with statistics of the right shape."""
+    x = rand(rng, shape, dtype)
+    dy = rand(rng, shape, dtype)
+    gamma = rand(rng, shape, dtype)
+    mean = rand(rng, shape[:2], dtype, 0.5)
+    rstd = (rng.random(shape[:2]) + 0.5).astype(dtype)
+    return x, dy, gamma, mean, rstd

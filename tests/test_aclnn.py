@@ -1,0 +1,189 @@
+"""The two-phase API's executor contract: single use, repeatable, bind, destroy, workspace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from opsched import (
+    ExecutorState,
+    InnerError,
+    ParamInvalidError,
+    ParamNullptrError,
+    RuntimeLaunchError,
+    Status,
+    aclnn,
+)
+from tests.helpers import gn_inputs, rand
+
+F32 = np.dtype(np.float32)
+
+
+def glu_call(rng, shape=(4, 6)):
+    x = rand(rng, shape, F32)
+    g = rand(rng, (shape[0], shape[1] // 2), F32)
+    out = np.empty_like(x)
+    size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
+    return g, x, out, size, ex
+
+
+def ws(size):
+    return np.empty(size, np.uint8) if size else None
+
+
+def test_single_use_executor_cannot_launch_twice():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    aclnn.glu_backward(ws(size), size, ex)
+    assert ex.state is ExecutorState.SPENT and ex.launches == 1
+    with pytest.raises(ParamInvalidError, match="already launched.*set_repeatable"):
+        aclnn.glu_backward(ws(size), size, ex)
+
+
+def test_repeatable_executor_launches_with_rebound_arrays():
+    rng = np.random.default_rng(1)
+    g, x, out, size, ex = glu_call(rng)
+    ex.set_repeatable()
+    workspace = ws(size)
+    for _ in range(3):
+        g2, x2 = rand(rng, g.shape, F32), rand(rng, x.shape, F32)
+        out2 = np.empty_like(x2)
+        ex.bind(grad_out=g2, self=x2, out=out2)
+        aclnn.glu_backward(workspace, size, ex)
+        fresh = np.empty_like(x2)
+        s, e = aclnn.glu_backward_get_workspace_size(g2, x2, -1, fresh)
+        aclnn.glu_backward(ws(s), s, e)
+        np.testing.assert_array_equal(out2, fresh)
+    assert ex.launches == 3 and ex.state is ExecutorState.READY
+
+
+def test_set_repeatable_after_launch_is_invalid():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    aclnn.glu_backward(ws(size), size, ex)
+    with pytest.raises(ParamInvalidError, match="before the first launch"):
+        ex.set_repeatable()
+
+
+def test_bind_needs_repeatable():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    with pytest.raises(ParamInvalidError, match="repeatable"):
+        ex.bind(out=out.copy())
+
+
+@pytest.mark.parametrize(
+    ("name", "array", "word"),
+    [
+        ("self", np.zeros((4, 8), F32), "shape (4, 8)"),
+        ("self", np.zeros((4, 6), np.float16), "dtype FLOAT16"),
+        ("out", np.zeros((4, 12), F32)[:, ::2], "strides (48, 8)"),
+    ],
+)
+def test_bind_other_geometry_is_invalid(name, array, word):
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    ex.set_repeatable()
+    with pytest.raises(ParamInvalidError, match="planned for") as info:
+        ex.bind(**{name: array})
+    assert word in str(info.value)
+
+
+def test_bind_rejects_unknown_names_none_and_non_arrays():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    ex.set_repeatable()
+    with pytest.raises(TypeError, match="unknown argument 'dx'"):
+        ex.bind(dx=out)
+    with pytest.raises(ParamNullptrError, match="out is None"):
+        ex.bind(out=None)
+    with pytest.raises(TypeError, match="must be a numpy.ndarray"):
+        ex.bind(out=[1.0])
+
+
+def test_launch_after_destroy_is_invalid():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    ex.set_repeatable()
+    ex.destroy()
+    ex.destroy()  # idempotent
+    assert ex.state is ExecutorState.DESTROYED
+    with pytest.raises(ParamInvalidError, match="launch after destroy"):
+        aclnn.glu_backward(ws(size), size, ex)
+    with pytest.raises(ParamInvalidError, match="bind after destroy"):
+        ex.bind(out=out)
+
+
+def test_executor_as_context_manager_destroys():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    with ex as e:
+        e.set_repeatable()
+        aclnn.glu_backward(ws(size), size, e)
+    assert ex.state is ExecutorState.DESTROYED
+
+
+def test_too_small_workspace_is_invalid():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    with pytest.raises(ParamInvalidError, match=f"smaller than the {size} bytes"):
+        aclnn.glu_backward(ws(size), size - 1, ex)
+    with pytest.raises(ParamInvalidError, match=f"at least {size} bytes"):
+        aclnn.glu_backward(np.empty(size - 1, np.uint8), size, ex)
+    with pytest.raises(ParamInvalidError, match="workspace is None"):
+        aclnn.glu_backward(None, size, ex)
+    with pytest.raises(TypeError, match="uint8"):
+        aclnn.glu_backward(np.empty(size, np.float32), size, ex)
+    with pytest.raises(TypeError, match="workspace_size must be an integer"):
+        aclnn.glu_backward(ws(size), float(size), ex)
+    aclnn.glu_backward(ws(size), size, ex)  # failed checks consumed nothing
+
+
+def test_none_executor_is_inner_nullptr():
+    with pytest.raises(InnerError) as info:
+        aclnn.group_norm_grad(None, 0, None)
+    assert info.value.status == Status.ERR_INNER_NULLPTR == 561103
+
+
+def test_executor_of_another_operator_is_invalid():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    with pytest.raises(ParamInvalidError, match="prepared for GluBackward, not GroupNorm"):
+        aclnn.group_norm_grad(ws(size), size, ex)
+
+
+def test_rebinding_overlapping_arrays_on_unstaged_plan_is_invalid():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    ex.set_repeatable()
+    ex.bind(out=x)  # same geometry, but out now overlaps self
+    with pytest.raises(ParamInvalidError, match="overlaps an input"):
+        aclnn.glu_backward(ws(size), size, ex)
+
+
+def test_kernel_failure_is_runtime_launch_error_with_cause(monkeypatch):
+    args = gn_inputs(np.random.default_rng(0), (2, 2, 4), F32)
+    dx = np.empty(args[0].shape, F32)
+    size, ex = aclnn.group_norm_grad_get_workspace_size(*args, dx)
+
+    def boom(*a, **k):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr("opsched.ops.group_norm_grad.group_norm_grad_fast", boom)
+    with pytest.raises(RuntimeLaunchError, match="injected") as info:
+        aclnn.group_norm_grad(ws(size), size, ex)
+    assert info.value.status == 361001
+    assert isinstance(info.value.__cause__, FloatingPointError)
+
+
+def test_stream_argument_other_than_none_is_rejected_clearly():
+    g, x, out, size, ex = glu_call(np.random.default_rng(0))
+    with pytest.raises(TypeError, match="stream"):
+        aclnn.glu_backward(ws(size), size, ex, stream="s0")
+
+
+def test_rebinding_does_not_touch_an_earlier_result():
+    rng = np.random.default_rng(3)
+    g, x, out, size, ex = glu_call(rng)
+    ex.set_repeatable()
+    aclnn.glu_backward(ws(size), size, ex)
+    first = out.copy()
+    ex.bind(out=np.empty_like(out), self=rand(rng, x.shape, F32))
+    aclnn.glu_backward(ws(size), size, ex)
+    np.testing.assert_array_equal(out, first)
+
+
+def test_error_status_in_str():
+    with pytest.raises(ParamNullptrError) as info:
+        aclnn.glu_backward_get_workspace_size(None, None, 0, None)
+    assert "161001" in str(info.value) and "ERR_PARAM_NULLPTR" in str(info.value)

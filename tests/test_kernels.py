@@ -1,0 +1,315 @@
+"""Numerics of both operators through the two-phase API and the kernels directly."""
+
+from __future__ import annotations
+
+import itertools
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from kernels.glu import glu_backward_fast, glu_backward_reference, plan_glu_backward
+from kernels.group_norm import (
+    CHUNK,
+    group_norm_grad_fast,
+    group_norm_grad_reference,
+    plan_group_norm_grad,
+)
+from opsched import aclnn
+from tests.helpers import (
+    GLU_DTYPES,
+    GN_DTYPES,
+    assert_close,
+    glu_golden,
+    gn_golden,
+    gn_inputs,
+    rand,
+)
+
+
+def run_glu(grad_out, x, dim, out=None):
+    out = np.empty(x.shape, x.dtype) if out is None else out
+    size, ex = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, out)
+    aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    return out
+
+
+def run_gn(x, dy, gamma, mean, rstd, dx=None):
+    dx = np.empty(x.shape, x.dtype) if dx is None else dx
+    size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
+    aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
+    return dx
+
+
+def halved(shape, dim):
+    return (*shape[:dim], shape[dim] // 2, *shape[dim + 1:])
+
+
+# ------------------------------------------------------------------------------ GluBackward
+
+
+@pytest.mark.parametrize("ndim", range(1, 9))
+def test_glu_every_rank_and_dim(ndim):
+    rng = np.random.default_rng(ndim)
+    shape = tuple(int(v) for v in rng.integers(1, 4, ndim) * 2)
+    for dim in range(-ndim, ndim):
+        x = rand(rng, shape, np.dtype(np.float32))
+        g = rand(rng, halved(shape, dim % ndim), np.dtype(np.float32))
+        assert_close(run_glu(g, x, dim), glu_golden(g, x, dim), x.dtype, "glu")
+
+
+@pytest.mark.parametrize("dtype", GLU_DTYPES, ids=str)
+@pytest.mark.parametrize("shape_dim", [((6, 40), 1), ((300, 4, 10), 1), ((2, 70000), -1)])
+def test_glu_every_dtype_matches_golden_and_reference(dtype, shape_dim):
+    shape, dim = shape_dim
+    rng = np.random.default_rng(0)
+    x = rand(rng, shape, dtype, 3.0)
+    g = rand(rng, halved(shape, dim % len(shape)), dtype)
+    fast = run_glu(g, x, dim)
+    assert fast.dtype == dtype
+    assert_close(fast, glu_golden(g, x, dim), dtype, "glu")
+    assert_close(glu_backward_reference(g, x, dim), glu_golden(g, x, dim), dtype, "glu")
+
+
+def strided_views(rng, shape, dtype):
+    """The same logical tensor as several layouts: transposed, step-sliced, reversed."""
+    base = rand(rng, shape, dtype)
+    big = np.zeros(tuple(2 * s for s in shape), dtype)
+    big[tuple(slice(None, None, 2) for _ in shape)] = base
+    return {
+        "contiguous": base,
+        "step-sliced": big[tuple(slice(None, None, 2) for _ in shape)],
+        "reversed": np.ascontiguousarray(base[::-1, ..., ::-1])[::-1, ..., ::-1],
+        "transposed": np.ascontiguousarray(base.T).T,
+        "fortran": np.asfortranarray(base),
+    }
+
+
+@pytest.mark.parametrize("layout", ["step-sliced", "reversed", "transposed", "fortran"])
+@pytest.mark.parametrize("dtype", GLU_DTYPES, ids=str)
+def test_glu_non_contiguous_operands_bit_identical(layout, dtype):
+    rng = np.random.default_rng(5)
+    xs = strided_views(rng, (6, 8, 10), dtype)
+    gs = strided_views(rng, (6, 4, 10), dtype)
+    expected = run_glu(gs["contiguous"], xs["contiguous"], 1)
+    out_views = strided_views(rng, (6, 8, 10), dtype)
+    out = out_views[layout]
+    got = run_glu(gs[layout], xs[layout], 1, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, expected)
+    # a strided out is written in place through its view
+    if layout == "step-sliced":
+        assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", GLU_DTYPES, ids=str)
+def test_glu_out_overlapping_self(dtype):
+    rng = np.random.default_rng(3)
+    x = rand(rng, (4, 8, 6), dtype)
+    g = rand(rng, (4, 8, 3), dtype)
+    expected = run_glu(g, x.copy(), -1)
+    run_glu(g, x, -1, out=x)  # out=self
+    np.testing.assert_array_equal(x, expected)
+    # a shifted view of one buffer: out starts one row after self
+    buf = rand(rng, (10, 6), dtype)
+    x2, out2 = buf[:8], buf[2:]
+    g2 = rand(rng, (8, 3), dtype)
+    expected = run_glu(g2, x2.copy(), -1)
+    run_glu(g2, x2, -1, out=out2)
+    np.testing.assert_array_equal(out2, expected)
+
+
+@pytest.mark.parametrize("shape_dim", [((0, 4), 1), ((3, 0, 2), -1), ((4, 0), 0)])
+def test_glu_empty_succeeds_with_zero_workspace(shape_dim):
+    shape, dim = shape_dim
+    x = np.zeros(shape, np.float32)
+    g = np.zeros(halved(shape, dim % len(shape)), np.float32)
+    out = np.full(shape, 7, np.float32)
+    size, ex = aclnn.glu_backward_get_workspace_size(g, x, dim, out)
+    assert size == 0
+    aclnn.glu_backward(None, 0, ex)
+
+
+def test_glu_nan_and_inf_computed_through():
+    x = np.array([np.nan, 1.0, np.inf, -np.inf, 2.0, np.nan, 100.0, -100.0], np.float32)
+    g = np.ones(4, np.float32)
+    out = run_glu(g, x, 0)
+    with np.errstate(all="ignore"):
+        expected = glu_backward_reference(g, x, 0)
+    np.testing.assert_array_equal(out, expected)  # NaN == NaN positions included
+    assert np.isnan(out[1]) and np.isnan(out[5])  # b[1] = NaN poisons both of its outputs
+    assert np.isnan(out[4]) and np.isfinite(out[0])  # a[0] = NaN: only grad_b[0]
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000, 4096, 1 << 20])
+@pytest.mark.parametrize("dtype", GLU_DTYPES, ids=str)
+def test_glu_block_size_never_changes_bits(block, dtype):
+    rng = np.random.default_rng(11)
+    x = rand(rng, (37, 2, 300), dtype, 4.0)
+    g = rand(rng, (37, 1, 300), dtype)
+    results = []
+    for blk in (block, 32768):
+        out = np.empty_like(x)
+        plan = plan_glu_backward(g, x, 1, out, block=blk)
+        glu_backward_fast(plan, g, x, out, np.empty(plan.workspace_bytes, np.uint8))
+        results.append(out)
+    np.testing.assert_array_equal(*results)
+
+
+def test_glu_result_independent_of_position_in_buffer():
+    """A request computed inside a bigger launch gives the bits it gives alone."""
+    rng = np.random.default_rng(2)
+    x = rand(rng, (50, 2, 77), np.dtype(np.float32), 5.0)
+    g = rand(rng, (50, 1, 77), np.dtype(np.float32))
+    whole = run_glu(g, x, 1)
+    for lo, hi in [(0, 1), (3, 17), (49, 50)]:
+        part = run_glu(g[lo:hi].copy(), x[lo:hi].copy(), 1)
+        np.testing.assert_array_equal(part, whole[lo:hi])
+
+
+# -------------------------------------------------------------------- GroupNormalizationGrad
+
+
+@pytest.mark.parametrize("dtype", GN_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 4, 3, 5), (1, 2, 1, 2, 1, 3, 2, 2), (3, 2, 700)])
+def test_gn_matches_golden_and_reference(dtype, shape):
+    rng = np.random.default_rng(1)
+    args = gn_inputs(rng, shape, dtype)
+    golden = gn_golden(*args)
+    fast = run_gn(*args)
+    assert fast.dtype == dtype
+    assert_close(fast, golden, dtype, "gn")
+    assert_close(group_norm_grad_reference(*args), golden, dtype, "gn")
+
+
+def test_gn_long_rows_take_the_chunked_path():
+    rng = np.random.default_rng(4)
+    shape = (1, 2, CHUNK + 1000)
+    args = gn_inputs(rng, shape, np.dtype(np.float32))
+    assert_close(run_gn(*args), gn_golden(*args), np.dtype(np.float32), "gn")
+
+
+@pytest.mark.parametrize("layout", ["step-sliced", "reversed", "transposed", "fortran"])
+def test_gn_non_contiguous_bit_identical(layout):
+    rng = np.random.default_rng(6)
+    shape = (3, 4, 5, 6)
+    f32 = np.dtype(np.float32)
+    views = [strided_views(rng, shape, f32) for _ in range(3)]
+    mean = strided_views(rng, shape[:2], f32)
+    rstd = {k: np.abs(v) + 0.5 for k, v in strided_views(rng, shape[:2], f32).items()}
+    expected = run_gn(*(v["contiguous"] for v in views), mean["contiguous"], rstd["contiguous"])
+    dx = strided_views(rng, shape, f32)[layout]
+    run_gn(*(v[layout] for v in views), mean[layout], rstd[layout], dx=dx)
+    np.testing.assert_array_equal(dx, expected)
+
+
+def test_gn_dx_overlapping_inputs():
+    rng = np.random.default_rng(8)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 3, 16), np.dtype(np.float32))
+    expected = run_gn(x, dy, gamma, mean, rstd)
+    run_gn(x, dy, gamma, mean, rstd, dx=dy)  # dx is dy
+    np.testing.assert_array_equal(dy, expected)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4), (2, 0, 4), (2, 3, 0), (2, 3, 4, 0)])
+def test_gn_empty_succeeds_with_zero_workspace(shape):
+    args = gn_inputs(np.random.default_rng(0), shape, np.dtype(np.float32))
+    size, ex = aclnn.group_norm_grad_get_workspace_size(*args, np.empty(shape, np.float32))
+    assert size == 0
+    aclnn.group_norm_grad(None, 0, ex)
+
+
+@pytest.mark.parametrize("m", [1, 5, 128, 3000, CHUNK, CHUNK + 7])
+def test_gn_block_size_never_changes_bits(m):
+    rng = np.random.default_rng(m)
+    args = gn_inputs(rng, (3, 2, m), np.dtype(np.float32))
+    results = []
+    for block in (1, 100, 4096, 32768, 1 << 20):
+        dx = np.empty(args[0].shape, np.float32)
+        plan = plan_group_norm_grad(args[0], args[1], args[2], dx, block=block)
+        group_norm_grad_fast(plan, *args, dx, np.empty(plan.workspace_bytes, np.uint8))
+        results.append(dx)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+def test_gn_group_result_independent_of_batch():
+    """Rows computed alone or inside a larger tensor give identical bits."""
+    rng = np.random.default_rng(9)
+    args = gn_inputs(rng, (6, 4, 3, 33), np.dtype(np.float32))
+    whole = run_gn(*args)
+    for lo, hi in [(0, 1), (2, 5)]:
+        part = run_gn(*(a[lo:hi].copy() for a in args))
+        np.testing.assert_array_equal(part, whole[lo:hi])
+
+
+def test_gn_nan_and_inf_computed_through():
+    rng = np.random.default_rng(0)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 2, 8), np.dtype(np.float32))
+    x[0, 0, 3] = np.nan
+    dy[1, 1, 0] = np.inf
+    dx = run_gn(x, dy, gamma, mean, rstd)
+    assert np.isnan(dx[0, 0]).all()  # NaN in a group poisons its sums
+    assert np.isfinite(dx[0, 1]).all() and np.isfinite(dx[1, 0]).all()
+    assert not np.isfinite(dx[1, 1]).all()
+
+
+# ------------------------------------------------------------------ allocation-free kernels
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
+def test_fast_kernels_allocate_nothing_beyond_the_workspace(dtype):
+    rng = np.random.default_rng(0)
+    x = rand(rng, (64, 2, 4096), dtype)
+    g = rand(rng, (64, 1, 4096), dtype)
+    out = np.empty_like(x)
+    gp = plan_glu_backward(g, x, 1, out)
+    gws = np.empty(gp.workspace_bytes, np.uint8)
+    args = gn_inputs(rng, (8, 4, 8192), dtype)
+    dx = np.empty(args[0].shape, dtype)
+    np_ = plan_group_norm_grad(args[0], args[1], args[2], dx)
+    nws = np.empty(np_.workspace_bytes, np.uint8)
+    for run in (
+        lambda: glu_backward_fast(gp, g, x, out, gws),
+        lambda: group_norm_grad_fast(np_, *args, dx, nws),
+    ):
+        run()  # warm up lazy imports and caches
+        tracemalloc.start()
+        try:
+            run()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # view objects only: far below one block buffer (32K elements)
+        assert peak < 16 * 1024, peak
+
+
+def test_kernel_uses_the_workspace_it_planned():
+    """The kernel carves its buffers from the workspace: half of the planned size fails."""
+    rng = np.random.default_rng(0)
+    for shape in [(3, 2, 50), (5, 2, 40000)]:
+        x = rand(rng, shape, np.dtype(np.float32))
+        g = rand(rng, (shape[0], 1, shape[2]), np.dtype(np.float32))
+        out = np.empty_like(x)
+        plan = plan_glu_backward(g, x, 1, out)
+        with pytest.raises(ValueError, match="too small"):
+            glu_backward_fast(plan, g, x, out, np.zeros(plan.workspace_bytes // 2, np.uint8))
+
+
+@pytest.mark.parametrize("dims", list(itertools.product([np.float32, np.float16], ["glu", "gn"])))
+def test_unaligned_workspace_still_exact(dims):
+    dtype, op = np.dtype(dims[0]), dims[1]
+    rng = np.random.default_rng(1)
+    if op == "glu":
+        x, g = rand(rng, (9, 2, 33), dtype), rand(rng, (9, 1, 33), dtype)
+        expected = run_glu(g, x, 1)
+        out = np.empty_like(x)
+        size, ex = aclnn.glu_backward_get_workspace_size(g, x, 1, out)
+        aclnn.glu_backward(np.empty(size + 3, np.uint8)[3:], size, ex)
+    else:
+        args = gn_inputs(rng, (2, 3, 40), dtype)
+        expected = run_gn(*args)
+        out = np.empty(args[0].shape, dtype)
+        size, ex = aclnn.group_norm_grad_get_workspace_size(*args, out)
+        aclnn.group_norm_grad(np.empty(size + 5, np.uint8)[5:], size, ex)
+    np.testing.assert_array_equal(out, expected)
