@@ -95,9 +95,13 @@ def overlaps(out: np.ndarray, *inputs: np.ndarray) -> bool:
 
 
 def staged(carve: Carver, array: np.ndarray, stage: bool, shape: tuple[int, ...]) -> np.ndarray:
-    """View ``array`` as ``shape``; when ``stage``, first copy it into the workspace."""
+    """View ``array`` as ``shape``; when ``stage``, first copy it into the workspace.
+
+    Unstaged operands were proven viewable by the plan (same shape and strides), so the
+    plain, faster ``reshape`` cannot copy here.
+    """
     if not stage:
-        return np.reshape(array, shape, copy=False)
+        return array.reshape(shape)
     buf = carve.take(array.size, array.dtype)
     np.copyto(buf.reshape(array.shape), array)
     return buf.reshape(shape)

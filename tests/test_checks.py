@@ -14,7 +14,7 @@ F32, F16, F64 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)
 def glu_args(shape=(2, 4, 6), dim=-1, dtype=F32):
     x = np.zeros(shape, dtype)
     d = dim % len(shape)
-    g = np.zeros((*shape[:d], shape[d] // 2, *shape[d + 1:]), dtype)
+    g = np.zeros((*shape[:d], shape[d] // 2, *shape[d + 1 :]), dtype)
     return {"grad_out": g, "self": x, "dim": dim, "out": np.zeros(shape, dtype)}
 
 

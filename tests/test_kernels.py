@@ -42,7 +42,7 @@ def run_gn(x, dy, gamma, mean, rstd, dx=None):
 
 
 def halved(shape, dim):
-    return (*shape[:dim], shape[dim] // 2, *shape[dim + 1:])
+    return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
 
 # ------------------------------------------------------------------------------ GluBackward
