@@ -41,7 +41,8 @@ Tensors = Mapping[str, np.ndarray]
 
 def dtype_name(dtype: np.dtype) -> str:
     """The aclnn name of ``dtype`` (e.g. ``FLOAT16``), else numpy's name."""
-    return DTYPE_NAMES.get(np.dtype(dtype), str(dtype))
+    name = DTYPE_NAMES.get(np.dtype(dtype))
+    return name if name is not None else str(dtype)
 
 
 def check_present(op: str, **tensors: object) -> None:
@@ -69,11 +70,11 @@ def check_dtype(
     """Raise ParamInvalidError (161002) for a dtype outside ``allowed`` or unlike the
     reference tensor's, checking the reference first and then ``tensors`` in order."""
     ref_name, ref = reference
-    names = ", ".join(dtype_name(d) for d in allowed)
     for name, value in {ref_name: ref, **tensors}.items():
         if value is None:
             continue
         if value.dtype not in allowed:
+            names = ", ".join(dtype_name(d) for d in allowed)
             msg = f"{op}: {name}.dtype is {dtype_name(value.dtype)}; expected one of {names}"
             raise ParamInvalidError(msg)
         if value.dtype != ref.dtype:
