@@ -47,6 +47,11 @@ class Carver:
         base = 0 if workspace is None else workspace.ctypes.data
         self._offset = (-base) % ALIGN
 
+    @property
+    def offset(self) -> int:
+        """Bytes of the workspace carved so far (alignment padding included)."""
+        return self._offset
+
     def take(self, count: int, dtype: np.dtype) -> np.ndarray:
         """Return a contiguous 1-D buffer of ``count`` elements of ``dtype``."""
         nbytes = count * dtype.itemsize

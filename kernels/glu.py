@@ -46,6 +46,8 @@ __all__ = [
     "glu_backward_fast",
     "glu_backward_reference",
     "glu_backward_rows",
+    "glu_grid",
+    "make_glu_plan",
     "plan_glu_backward",
 ]
 
@@ -96,22 +98,44 @@ def plan_glu_backward(
     """Plan a launch on validated arguments: which operands to stage, workspace bytes."""
     shape = self.shape
     dim %= self.ndim
-    outer = math.prod(shape[:dim])
-    half = shape[dim] // 2 * math.prod(shape[dim + 1 :])
+    outer, half = glu_grid(shape, dim)
+    return make_glu_plan(
+        shape,
+        dim,
+        self.dtype,
+        stage_grad=rows_view(grad_out, (outer, half)) is None,
+        stage_self=rows_view(self, (outer, 2, half)) is None,
+        stage_out=rows_view(out, (outer, 2, half)) is None or overlaps(out, grad_out, self),
+        block=block,
+    )
+
+
+def glu_grid(shape: tuple[int, ...], dim: int) -> tuple[int, int]:
+    """``(outer, half)``: the elementwise grid of a GLU of ``shape`` split along ``dim``."""
+    return math.prod(shape[:dim]), shape[dim] // 2 * math.prod(shape[dim + 1 :])
+
+
+def make_glu_plan(
+    shape: tuple[int, ...],
+    dim: int,
+    dtype: np.dtype,
+    *,
+    stage_grad: bool = False,
+    stage_self: bool = False,
+    stage_out: bool = False,
+    block: int = DEFAULT_BLOCK,
+) -> GluPlan:
+    """Plan from geometry alone (e.g. for gathered, contiguous operands)."""
+    outer, half = glu_grid(shape, dim)
     n = outer * half
-    ct = compute_dtype(self.dtype)
-    stage_self = rows_view(self, (outer, 2, half)) is None
-    stage_grad = rows_view(grad_out, (outer, half)) is None
-    stage_out = rows_view(out, (outer, 2, half)) is None or overlaps(out, grad_out, self)
+    ct = compute_dtype(dtype)
     buffers = [
-        (2 * n if stage_self else 0, self.dtype),
-        (n if stage_grad else 0, self.dtype),
-        (2 * n if stage_out else 0, self.dtype),
+        (2 * n if stage_self else 0, dtype),
+        (n if stage_grad else 0, dtype),
+        (2 * n if stage_out else 0, dtype),
     ] + [(min(block, n), ct)] * ROW_BUFFERS
     nbytes = workspace_bytes(buffers) if n else 0
-    return GluPlan(
-        shape, dim, outer, half, self.dtype, block, stage_grad, stage_self, stage_out, nbytes
-    )
+    return GluPlan(shape, dim, outer, half, dtype, block, stage_grad, stage_self, stage_out, nbytes)
 
 
 def glu_backward_fast(

@@ -43,6 +43,7 @@ __all__ = [
     "group_norm_grad_fast",
     "group_norm_grad_reference",
     "group_norm_grad_rows",
+    "make_group_norm_plan",
     "plan_group_norm_grad",
 ]
 
@@ -112,16 +113,37 @@ def plan_group_norm_grad(
     block: int = DEFAULT_BLOCK,
 ) -> GroupNormPlan:
     """Plan a launch on validated arguments: which operands to stage, workspace bytes."""
-    rows = x.shape[0] * x.shape[1]
-    m = math.prod(x.shape[2:])
-    shape2 = (rows, m)
+    shape2 = (x.shape[0] * x.shape[1], math.prod(x.shape[2:]))
     stage_x, stage_dy, stage_gamma = (rows_view(t, shape2) is None for t in (x, dy, gamma))
-    stage_out = rows_view(dx, shape2) is None or overlaps(dx, x, dy, gamma)
+    return make_group_norm_plan(
+        x.shape,
+        x.dtype,
+        stage_x=stage_x,
+        stage_dy=stage_dy,
+        stage_gamma=stage_gamma,
+        stage_out=rows_view(dx, shape2) is None or overlaps(dx, x, dy, gamma),
+        block=block,
+    )
+
+
+def make_group_norm_plan(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    *,
+    stage_x: bool = False,
+    stage_dy: bool = False,
+    stage_gamma: bool = False,
+    stage_out: bool = False,
+    block: int = DEFAULT_BLOCK,
+) -> GroupNormPlan:
+    """Plan from geometry alone (e.g. for gathered, contiguous operands)."""
+    rows = shape[0] * shape[1]
+    m = math.prod(shape[2:])
     n = rows * m
     flags = (stage_x, stage_dy, stage_gamma, stage_out)
-    copies = [(n if flag else 0, x.dtype) for flag in flags]
+    copies = [(n if flag else 0, dtype) for flag in flags]
     nbytes = workspace_bytes(copies + row_buffers(rows, m, block)) if n else 0
-    return GroupNormPlan(x.shape, rows, m, x.dtype, block, *flags, nbytes)
+    return GroupNormPlan(shape, rows, m, dtype, block, *flags, nbytes)
 
 
 def group_norm_grad_fast(

@@ -5,6 +5,11 @@ The two-phase device-style API is the :mod:`opsched.aclnn` module.
 """
 
 from opsched import aclnn
+from opsched._api import current_scheduler, glu_backward, group_norm_grad, open_scheduler
+from opsched._batching import RequestState
+from opsched._cache import CacheStatistics
+from opsched._config import SchedulerConfig
+from opsched._devices import Event, InjectedFault, Stream, StreamStatistics
 from opsched._errors import (
     AclnnError,
     DeadlineExceededError,
@@ -17,21 +22,39 @@ from opsched._errors import (
     Status,
 )
 from opsched._executor import Executor, ExecutorState
+from opsched._pool import PoolStatistics
+from opsched._scheduler import Pending, Scheduler, SchedulerState, SchedulerStatistics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "CacheStatistics",
     "DeadlineExceededError",
+    "Event",
     "Executor",
     "ExecutorState",
+    "InjectedFault",
     "InnerError",
     "ParamInvalidError",
     "ParamNullptrError",
+    "Pending",
+    "PoolStatistics",
     "QueueFullError",
+    "RequestState",
     "RuntimeLaunchError",
+    "Scheduler",
     "SchedulerClosedError",
+    "SchedulerConfig",
+    "SchedulerState",
+    "SchedulerStatistics",
     "Status",
+    "Stream",
+    "StreamStatistics",
     "__version__",
     "aclnn",
+    "current_scheduler",
+    "glu_backward",
+    "group_norm_grad",
+    "open_scheduler",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+import anyio
+
 __all__ = [
     "AclnnError",
     "DeadlineExceededError",
@@ -91,8 +93,9 @@ class InnerError(AclnnError):
     status = Status.ERR_INNER
 
 
-class QueueFullError(Exception):
-    """A ``*_nowait`` submission found ``max_queued_requests`` requests already queued."""
+class QueueFullError(anyio.WouldBlock):
+    """A ``*_nowait`` submission found ``max_queued_requests`` requests already queued
+    (an ``anyio.WouldBlock``, as a full channel's ``send_nowait`` raises)."""
 
 
 class DeadlineExceededError(TimeoutError):

@@ -154,6 +154,25 @@ class Executor:
                 missing or smaller than planned, output overlapping an input unplanned.
             TypeError: workspace or workspace_size of the wrong kind.
         """
+        ws = self.consume(op, workspace, workspace_size)
+        name = op.name
+        tensors = dict(self.tensors)
+        plan = self.plan
+
+        def work() -> None:
+            try:
+                op.run(plan, tensors, ws)
+            except Exception as exc:
+                msg = f"{name}: the launch failed: {type(exc).__name__}: {exc}"
+                raise RuntimeLaunchError(msg) from exc
+
+        return work
+
+    def consume(self, op: Operator, workspace: object, workspace_size: object) -> Any:
+        """Check a launch of the bound arrays and count it; return the workspace to use.
+
+        Raises: as :meth:`prepare_launch`.
+        """
         name = op.name
         if self.op is not op:
             msg = f"{name}: the executor was prepared for {self.op.name}, not {name}"
@@ -176,16 +195,7 @@ class Executor:
         self._launches += 1
         if not self._repeatable:
             self._state = ExecutorState.SPENT
-        plan = self.plan
-
-        def work() -> None:
-            try:
-                op.run(plan, tensors, ws)
-            except Exception as exc:
-                msg = f"{name}: the launch failed: {type(exc).__name__}: {exc}"
-                raise RuntimeLaunchError(msg) from exc
-
-        return work
+        return ws
 
     def _check_workspace(
         self, name: str, workspace: object, workspace_size: object

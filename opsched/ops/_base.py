@@ -8,8 +8,9 @@ the scheduler talk only to descriptors, so a new operator is one new module.
 from __future__ import annotations
 
 import abc
+import itertools
 import operator
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -19,11 +20,13 @@ from opsched._errors import ParamInvalidError, ParamNullptrError
 
 __all__ = [
     "DTYPE_NAMES",
+    "FusedGeometry",
     "Operator",
     "Tensors",
     "check_dtype",
     "check_present",
     "check_types",
+    "cuts",
     "dtype_name",
     "index_value",
 ]
@@ -37,6 +40,9 @@ DTYPE_NAMES: dict[np.dtype, str] = {
 }
 
 Tensors = Mapping[str, np.ndarray]
+
+#: The arrays of a fused launch, ``name -> (shape, dtype)``, and its scalar arguments.
+FusedGeometry = tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, Any]]
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -97,6 +103,11 @@ def index_value(op: str, name: str, value: object) -> int:
         raise TypeError(msg) from None
 
 
+def cuts(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous, near-equal ranges covering ``range(n)``."""
+    return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
+
+
 class Operator(abc.ABC):
     """An operator descriptor: one instance per operator, stateless.
 
@@ -152,8 +163,56 @@ class Operator(abc.ABC):
     def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
         """True when an output overlaps an input but ``plan`` does not stage the output
         (arrays rebound on a repeatable executor planned for separate buffers)."""
-        return not plan.stage_out and any(
+        return not plan.stage_out and self.overlaps_any(tensors)
+
+    def overlaps_any(self, tensors: Tensors) -> bool:
+        """True when an output may share memory with an input the kernel reads."""
+        return any(
             np.may_share_memory(tensors[o], tensors[i])
             for o in self.outputs
             for i in self.overlap_inputs
         )
+
+    # ---------------------------------------------------------------- fusion and splitting
+    #
+    # A fused launch gathers many requests of one fusion key into contiguous arrays of a
+    # bucketed capacity (the fused geometry), runs the operator's own kernel on them once, and
+    # scatters each request's slice of the output back. Each element or group is computed by
+    # the same float operations on the same contiguous buffers as when launched alone, so the
+    # results are bit-identical.
+
+    @abc.abstractmethod
+    def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
+        """``(key, units)``: requests with equal keys fuse; ``units`` is a request's share
+        of a fused launch's capacity (elements for GLU, groups for group norm)."""
+
+    @abc.abstractmethod
+    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
+        """The arrays and scalars of a fused launch of ``capacity`` units."""
+
+    @abc.abstractmethod
+    def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
+        """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
+
+    @abc.abstractmethod
+    def gather(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        """Copy a request's inputs into the fused arrays at unit ``offset``."""
+
+    @abc.abstractmethod
+    def scatter(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        """Copy a request's outputs out of the fused arrays at unit ``offset``."""
+
+    @abc.abstractmethod
+    def split(
+        self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
+    ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]] | None:
+        """Views of one request cut into up to ``parts`` independent launches, or None when
+        its layout does not allow it (operands not viewable, output overlapping input)."""
+
+    def nbytes(self, tensors: Tensors) -> int:
+        """Bytes a request reads and writes (inputs plus outputs)."""
+        return sum(tensors[name].nbytes for name in self.tensor_names)

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
-from kernels.glu import GluPlan, glu_backward_fast, glu_backward_reference, plan_glu_backward
+from kernels._common import overlaps, rows_view
+from kernels.glu import (
+    GluPlan,
+    glu_backward_fast,
+    glu_backward_reference,
+    glu_grid,
+    make_glu_plan,
+    plan_glu_backward,
+)
 from opsched._errors import ParamInvalidError
 from opsched.ops._base import (
+    FusedGeometry,
     Operator,
     Tensors,
     check_dtype,
     check_present,
     check_types,
+    cuts,
     index_value,
 )
 
@@ -107,6 +117,69 @@ class GluBackward(Operator):
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])
+
+    # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
+    # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every
+    # request's ``a`` half, row 1 its ``b`` half.
+
+    def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
+        x = tensors["self"]
+        outer, half = glu_grid(x.shape, scalars["dim"])
+        return (self.name, x.dtype), outer * half
+
+    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
+        dtype: np.dtype = key[1]  # type: ignore[index]
+        arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            "grad_out": ((1, capacity), dtype),
+            "self": ((2, capacity), dtype),
+            "out": ((2, capacity), dtype),
+        }
+        return arrays, {"dim": 0}
+
+    def fused_plan(self, key: Hashable, capacity: int, block: int) -> GluPlan:
+        return make_glu_plan((2, capacity), 0, key[1], block=block)  # type: ignore[index]
+
+    def gather(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        a, b = _halves(tensors["self"], scalars["dim"])
+        g = tensors["grad_out"]
+        end = offset + g.size
+        np.copyto(fused["grad_out"][0, offset:end].reshape(g.shape), g)
+        np.copyto(fused["self"][0, offset:end].reshape(a.shape), a)
+        np.copyto(fused["self"][1, offset:end].reshape(b.shape), b)
+
+    def scatter(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        out_a, out_b = _halves(tensors["out"], scalars["dim"])
+        end = offset + out_a.size
+        np.copyto(out_a, fused["out"][0, offset:end].reshape(out_a.shape))
+        np.copyto(out_b, fused["out"][1, offset:end].reshape(out_b.shape))
+
+    def split(
+        self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
+    ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]] | None:
+        x, g, out = tensors["self"], tensors["grad_out"], tensors["out"]
+        outer, half = glu_grid(x.shape, scalars["dim"])
+        x3 = rows_view(x, (outer, 2, half))
+        g3 = rows_view(g, (outer, 1, half))
+        o3 = rows_view(out, (outer, 2, half))
+        if x3 is None or g3 is None or o3 is None or overlaps(out, g, x) or parts < 2:
+            return None
+        if outer >= parts:  # whole rows per part
+            views = [tuple(a[lo:hi] for a in (g3, x3, o3)) for lo, hi in cuts(outer, parts)]
+        elif half >= parts:  # column ranges of every row
+            views = [tuple(a[:, :, lo:hi] for a in (g3, x3, o3)) for lo, hi in cuts(half, parts)]
+        else:
+            return None
+        return [(dict(zip(("grad_out", "self", "out"), v, strict=True)), {"dim": 1}) for v in views]
+
+
+def _halves(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    h = x.shape[dim] // 2
+    lead = (slice(None),) * dim
+    return x[(*lead, slice(0, h))], x[(*lead, slice(h, None))]
 
 
 #: The GluBackward descriptor.

@@ -5,20 +5,31 @@ The device formula equals the true gradient only when gamma is all ones (SPEC ca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
+from kernels._common import overlaps, rows_view
 from kernels.group_norm import (
     GroupNormPlan,
     group_norm_grad_fast,
     group_norm_grad_reference,
+    make_group_norm_plan,
     plan_group_norm_grad,
 )
 from opsched._errors import ParamInvalidError
-from opsched.ops._base import Operator, Tensors, check_dtype, check_present, check_types
+from opsched.ops._base import (
+    FusedGeometry,
+    Operator,
+    Tensors,
+    check_dtype,
+    check_present,
+    check_types,
+    cuts,
+)
 
 __all__ = ["GROUP_NORM_GRAD", "GroupNormalizationGrad"]
 
@@ -86,6 +97,58 @@ class GroupNormalizationGrad(Operator):
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         t = tensors
         return group_norm_grad_reference(t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"])
+
+    # Fusion: a request is N * G groups of M elements; requests fuse when dtype and M match.
+    # The fused launch is a GroupNormalizationGrad of x shape (capacity, 1, M).
+
+    def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
+        x = tensors["x"]
+        return (self.name, x.dtype, math.prod(x.shape[2:])), x.shape[0] * x.shape[1]
+
+    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
+        dtype: np.dtype = key[1]  # type: ignore[index]
+        m: int = key[2]  # type: ignore[index]
+        rows: tuple[tuple[int, ...], np.dtype] = ((capacity, 1, m), dtype)
+        stats: tuple[tuple[int, ...], np.dtype] = ((capacity, 1), dtype)
+        arrays = {"x": rows, "dy": rows, "gamma": rows, "mean": stats, "rstd": stats, "dx": rows}
+        return arrays, {}
+
+    def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
+        dtype: np.dtype = key[1]  # type: ignore[index]
+        m: int = key[2]  # type: ignore[index]
+        return make_group_norm_plan((capacity, 1, m), dtype, block=block)
+
+    def gather(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        x = tensors["x"]
+        end = offset + x.shape[0] * x.shape[1]
+        for name in ("x", "dy", "gamma", "mean", "rstd"):
+            t = tensors[name]
+            np.copyto(fused[name][offset:end].reshape(t.shape), t)
+
+    def scatter(
+        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
+    ) -> None:
+        dx = tensors["dx"]
+        end = offset + dx.shape[0] * dx.shape[1]
+        np.copyto(dx, fused["dx"][offset:end].reshape(dx.shape))
+
+    def split(
+        self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
+    ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]] | None:
+        x = tensors["x"]
+        rows, m = x.shape[0] * x.shape[1], math.prod(x.shape[2:])
+        shapes = {"mean": (rows, 1), "rstd": (rows, 1)}
+        views = {n: rows_view(tensors[n], shapes.get(n, (rows, 1, m))) for n in self.tensor_names}
+        if any(v is None for v in views.values()) or rows < parts or parts < 2:
+            return None
+        if overlaps(tensors["dx"], x, tensors["dy"], tensors["gamma"]):
+            return None
+        return [
+            ({n: v[lo:hi] for n, v in views.items() if v is not None}, {})
+            for lo, hi in cuts(rows, parts)
+        ]
 
 
 #: The GroupNormalizationGrad descriptor.

@@ -1,0 +1,296 @@
+"""Requests, the queue, and batch formation: a plain synchronous step, no event loop.
+
+:func:`form_batches` takes the queue and the idle streams and returns the launches to start
+now, changing queue state and nothing else. It is where the policy lives:
+
+- the next batch serves the fusion key whose head request has the highest priority (FIFO
+  among equals), so priorities hold across operators;
+- a request larger than ``fuse_max_bytes`` launches alone, and one of at least
+  ``split_min_bytes`` is split across the idle streams when its layout allows;
+- otherwise queued requests of one key fuse, up to ``max_batch_requests`` and
+  ``max_batch_bytes``, spread over the idle streams when there is enough work for several;
+- with ``max_delay_us > 0`` a key whose oldest request is younger than the delay waits for
+  company (unless its batch is already full);
+- requests whose deadline has passed leave the queue as expired, never launched.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Hashable
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+
+from opsched._config import SchedulerConfig
+from opsched.ops import Operator
+
+__all__ = ["Batch", "Request", "RequestQueue", "RequestState", "form_batches"]
+
+#: Fusing fewer requests than this per stream is not worth spreading a batch across streams.
+MIN_SPREAD_REQUESTS = 16
+
+
+class RequestState(enum.Enum):
+    """Where a request is."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+@attrs.define(eq=False, slots=True)
+class Request:
+    """One submitted operator call and its outcome.
+
+    Created by the scheduler after the request passed its checks; the output arrays are
+    already bound (the caller's ``out=`` or a fresh array).
+    """
+
+    id: int
+    op: Operator
+    tensors: dict[str, np.ndarray]
+    scalars: dict[str, Any]
+    key: Hashable
+    units: int
+    nbytes: int
+    priority: int
+    deadline: float | None
+    enqueued_at: float
+    state: RequestState = RequestState.QUEUED
+    error: BaseException | None = None
+    #: Set when the request reached a final state.
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    #: The caller stopped waiting: the result is dropped when the launch finishes.
+    abandoned: bool = False
+    #: Launches (split parts) still running for this request.
+    parts_left: int = 0
+    launched_at: float = 0.0
+    #: For requests submitted from threads: the future their submitter holds.
+    future: Future[np.ndarray] | None = None
+
+    @property
+    def result(self) -> np.ndarray:
+        """The output array (valid once DONE)."""
+        return self.tensors[self.op.outputs[0]]
+
+
+@attrs.define(eq=False, slots=True)
+class Batch:
+    """One launch to start: requests (or one request's part) on one stream."""
+
+    requests: list[Request]
+    stream: int
+    key: Hashable
+    fused: bool
+    #: For a split request: this part's tensors and scalars.
+    part: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
+
+    @property
+    def units(self) -> int:
+        """Units of fused capacity the batch needs."""
+        return sum(r.units for r in self.requests)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the batch reads and writes."""
+        if self.part is not None:
+            tensors = self.part[0]
+            return sum(t.nbytes for t in tensors.values())
+        return sum(r.nbytes for r in self.requests)
+
+
+@attrs.define(eq=False)
+class RequestQueue:
+    """Queued requests: one heap per fusion key, ordered by (-priority, id).
+
+    Removal (cancel, expiry) is lazy: the request's state changes and the heap entry is
+    skipped when reached. ``len()`` counts live requests.
+    """
+
+    _heaps: dict[Hashable, list[tuple[int, int, Request]]] = attrs.field(factory=dict)
+    _live: int = 0
+    peak: int = 0
+    #: When a list, every popped request is also appended to it (the dispatcher's record of
+    #: what a batch formation round took, to fail them if the round raises).
+    taken: list[Request] | None = None
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, request: Request) -> None:
+        """Queue ``request``."""
+        heap = self._heaps.get(request.key)
+        if heap is None:
+            heap = self._heaps[request.key] = []
+        heapq.heappush(heap, (-request.priority, request.id, request))
+        self._live += 1
+        self.peak = max(self.peak, self._live)
+
+    def discard(self, request: Request, state: RequestState) -> None:
+        """Take a queued ``request`` out (lazily), leaving it in ``state``."""
+        request.state = state
+        self._live -= 1
+
+    def head(self, key: Hashable) -> Request | None:
+        """The next live request of ``key``, dropping dead entries on the way."""
+        heap = self._heaps.get(key)
+        while heap:
+            request = heap[0][2]
+            if request.state is RequestState.QUEUED:
+                return request
+            heapq.heappop(heap)
+        if heap is not None:
+            del self._heaps[key]
+        return None
+
+    def pop(self, key: Hashable) -> Request:
+        """Remove and return the head of ``key`` (call :meth:`head` first)."""
+        request = heapq.heappop(self._heaps[key])[2]
+        self._live -= 1
+        if self.taken is not None:
+            self.taken.append(request)
+        return request
+
+    def count(self, key: Hashable) -> int:
+        """Heap entries of ``key`` (an upper bound on its live requests)."""
+        return len(self._heaps.get(key, ()))
+
+    def best_key(self) -> Hashable | None:
+        """The key whose head request goes next: highest priority, then oldest."""
+        best: tuple[int, int] | None = None
+        best_key: Hashable | None = None
+        for key in list(self._heaps):
+            head = self.head(key)
+            if head is not None and (best is None or (-head.priority, head.id) < best):
+                best, best_key = (-head.priority, head.id), key
+        return best_key
+
+    def keys(self) -> list[Hashable]:
+        """Keys with entries, in no particular order."""
+        return list(self._heaps)
+
+    def drain(self) -> list[Request]:
+        """Remove and return every live request."""
+        out = [r for heap in self._heaps.values() for _, _, r in heap]
+        self._heaps.clear()
+        self._live = 0
+        return [r for r in out if r.state is RequestState.QUEUED]
+
+
+def form_batches(
+    queue: RequestQueue,
+    idle: list[int],
+    config: SchedulerConfig,
+    now: float,
+) -> tuple[list[Batch], list[Request], float | None]:
+    """Decide the launches to start on the ``idle`` streams.
+
+    Args:
+        queue: the queued requests; popped requests leave it.
+        idle: indices of idle streams; streams given a batch are removed from it.
+        config: the policy knobs.
+        now: the current ``time.monotonic()``.
+
+    Returns:
+        ``(batches, expired, wake_at)``: launches to start, requests whose deadline passed
+        (already out of the queue, state EXPIRED), and when to call again because a key is
+        waiting out ``max_delay_us`` (None: no need).
+    """
+    batches: list[Batch] = []
+    expired: list[Request] = []
+    wake_at: float | None = None
+    delay = config.max_delay_us / 1e6
+    held: set[Hashable] = set()  # keys waiting for company this round
+    while idle and len(queue):
+        key = _best_key(queue, held)
+        if key is None:
+            break
+        head = queue.head(key)
+        assert head is not None
+        if head.deadline is not None and head.deadline <= now:
+            queue.pop(key)
+            head.state = RequestState.EXPIRED
+            expired.append(head)
+            continue
+        if head.nbytes > config.fuse_max_bytes:
+            queue.pop(key)
+            batches.extend(_solo(head, idle, config))
+            continue
+        if (
+            delay
+            and now - head.enqueued_at < delay
+            and queue.count(key) < (config.max_batch_requests)
+        ):
+            held.add(key)
+            due = head.enqueued_at + delay
+            wake_at = due if wake_at is None else min(wake_at, due)
+            continue
+        share = math.ceil(queue.count(key) / len(idle))
+        limit = config.max_batch_requests
+        if len(idle) > 1 and share >= MIN_SPREAD_REQUESTS:
+            limit = min(limit, share)
+        batch = _take(queue, key, limit, config, now, expired)
+        if batch:
+            batches.append(Batch(batch, idle.pop(0), key, fused=True))
+    return batches, expired, wake_at
+
+
+def _best_key(queue: RequestQueue, held: set[Hashable]) -> Hashable | None:
+    if not held:
+        return queue.best_key()
+    best: tuple[int, int] | None = None
+    best_key: Hashable | None = None
+    for key in queue.keys():  # noqa: SIM118 - a method of ours, not dict.keys
+        if key in held:
+            continue
+        head = queue.head(key)
+        if head is not None and (best is None or (-head.priority, head.id) < best):
+            best, best_key = (-head.priority, head.id), key
+    return best_key
+
+
+def _take(
+    queue: RequestQueue,
+    key: Hashable,
+    limit: int,
+    config: SchedulerConfig,
+    now: float,
+    expired: list[Request],
+) -> list[Request]:
+    """Pop up to ``limit`` fusible requests of ``key`` within the byte budget."""
+    taken: list[Request] = []
+    nbytes = 0
+    while len(taken) < limit:
+        request = queue.head(key)
+        if request is None or request.nbytes > config.fuse_max_bytes:
+            break
+        if taken and nbytes + request.nbytes > config.max_batch_bytes:
+            break
+        queue.pop(key)
+        if request.deadline is not None and request.deadline <= now:
+            request.state = RequestState.EXPIRED
+            expired.append(request)
+            continue
+        taken.append(request)
+        nbytes += request.nbytes
+    return taken
+
+
+def _solo(request: Request, idle: list[int], config: SchedulerConfig) -> list[Batch]:
+    """A large request: alone on one stream, or split across the idle streams."""
+    if request.nbytes >= config.split_min_bytes and len(idle) > 1:
+        parts = request.op.split(request.tensors, request.scalars, len(idle))
+        if parts:
+            request.parts_left = len(parts)
+            return [Batch([request], idle.pop(0), request.key, False, part) for part in parts]
+    request.parts_left = 1
+    return [Batch([request], idle.pop(0), request.key, fused=False)]

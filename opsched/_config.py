@@ -1,0 +1,114 @@
+"""``SchedulerConfig``: every scheduler knob, validated, loadable from TOML.
+
+Each field says what it does, its default and when to change it; ``configs/*.toml`` carry the
+same knobs with comments. Validation messages name the field, the value and the range.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tomllib
+from typing import Any
+
+import attrs
+
+__all__ = ["SchedulerConfig"]
+
+
+def _int_range(lo: int, hi: int | None = None) -> Any:
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            msg = f"SchedulerConfig.{attribute.name} must be an integer, got {value!r}"
+            raise TypeError(msg)
+        if value < lo or (hi is not None and value > hi):
+            bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected {bound}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _float_min(lo: float) -> Any:
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            msg = f"SchedulerConfig.{attribute.name} must be a number, got {value!r}"
+            raise TypeError(msg)
+        if not value >= lo:  # also rejects NaN
+            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected >= {lo}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _default_streams() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    """The scheduler's knobs. Immutable; ``attrs.evolve(config, field=value)`` derives one.
+
+    Attributes:
+        streams: worker streams of the device (default: the number of CPU cores). More
+            streams run more launches at once; beyond the core count they only add memory.
+        max_delay_us: how long a request may wait for company while a stream is idle
+            (default 0: launch at once). Raise it to fuse more at light load, at a latency cost.
+        max_batch_requests: the most requests one fused launch takes (default 1024).
+        max_batch_bytes: the most bytes (inputs + outputs) one fused launch takes
+            (default 64 MiB).
+        fuse_max_bytes: requests larger than this are launched alone, not gathered into a
+            fused launch: the gather copy would cost more than it saves (default 1 MiB).
+        split_min_bytes: a request at least this large is split across idle streams
+            (default 8 MiB).
+        inline_max_bytes: launches this small run inline in the event-loop thread when their
+            stream is idle, saving two thread hops (default 64 KiB; 0 disables).
+        max_queued_requests: queue capacity; when full, ``await`` waits and ``*_nowait``
+            raises QueueFullError (default 65536).
+        workspace_limit_bytes: cap of the workspace pool; launches wait at the cap, and a
+            request that alone needs more fails (default 1 GiB).
+        executor_cache_limit: repeatable executors kept, least recently used evicted
+            (default 10000, the device runtime's ACLNN_CACHE_LIMIT).
+    """
+
+    streams: int = attrs.field(factory=_default_streams, validator=_int_range(1, 256))
+    max_delay_us: float = attrs.field(default=0.0, validator=_float_min(0.0))
+    max_batch_requests: int = attrs.field(default=1024, validator=_int_range(1))
+    max_batch_bytes: int = attrs.field(default=64 << 20, validator=_int_range(1))
+    fuse_max_bytes: int = attrs.field(default=1 << 20, validator=_int_range(0))
+    split_min_bytes: int = attrs.field(default=8 << 20, validator=_int_range(1))
+    inline_max_bytes: int = attrs.field(default=64 << 10, validator=_int_range(0))
+    max_queued_requests: int = attrs.field(default=65536, validator=_int_range(1))
+    workspace_limit_bytes: int = attrs.field(default=1 << 30, validator=_int_range(1))
+    executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> SchedulerConfig:
+        """Load a config from a TOML file of top-level ``key = value`` knobs.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: a key that is not a knob (named with the valid ones), or a bad value.
+        """
+        with pathlib.Path(path).open("rb") as f:
+            data = tomllib.load(f)
+        return cls.from_mapping(data, source=str(path))
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], *, source: str = "overrides") -> SchedulerConfig:
+        """Build a config from a mapping, rejecting unknown keys."""
+        return cls.defaults().evolve(data, source=source)
+
+    @classmethod
+    def defaults(cls) -> SchedulerConfig:
+        """The default configuration."""
+        return cls()
+
+    def evolve(self, changes: dict[str, Any], *, source: str = "overrides") -> SchedulerConfig:
+        """Return a copy with ``changes`` applied, rejecting unknown keys."""
+        known = {a.name for a in attrs.fields(SchedulerConfig)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            msg = f"{source}: unknown scheduler setting(s) {unknown}; valid: {sorted(known)}"
+            raise ValueError(msg)
+        return attrs.evolve(self, **changes)

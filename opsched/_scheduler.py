@@ -1,0 +1,1010 @@
+"""The scheduler: submit, queue, fuse, launch on streams, complete.
+
+The path of one request (DESIGN.md): the caller's coroutine checks the request with its
+operator descriptor and queues it (``*_nowait``), then waits on the request's event. A
+dispatch step, scheduled once per loop iteration however many requests arrived, runs the
+pure :func:`form_batches` on the idle streams and starts each batch: executor from the cache,
+workspace from the pool, then the launch on its stream (or inline when tiny and the stream
+is idle). The stream runs gather, kernel and scatter and hands the launch back to the loop
+with one call; the loop resolves every request of the launch and dispatches again.
+
+Concurrency rules: all scheduler state changes on the loop thread, inside non-awaiting
+methods; the only code in stream threads is a launch's own work. Every batch formation and
+every launch runs inside an exception boundary that fails only the requests concerned.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+
+from kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
+from opsched._batching import Batch, Request, RequestQueue, RequestState, form_batches
+from opsched._cache import CacheStatistics, ExecutorCache
+from opsched._config import SchedulerConfig
+from opsched._devices import Device, StreamStatistics
+from opsched._errors import (
+    DeadlineExceededError,
+    InnerError,
+    ParamInvalidError,
+    QueueFullError,
+    RuntimeLaunchError,
+    SchedulerClosedError,
+)
+from opsched._executor import Executor, geometry_of
+from opsched._log import enabled, get_logger
+from opsched._loop import LoopHandle
+from opsched._pool import Block, PoolStatistics, WorkspacePool, size_class
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+
+__all__ = ["Pending", "Scheduler", "SchedulerState", "SchedulerStatistics"]
+
+_log = get_logger("opsched.scheduler")
+
+
+class SchedulerState(enum.Enum):
+    """A scheduler's lifecycle."""
+
+    NOT_OPENED = "not opened"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    """A snapshot of a scheduler's counters.
+
+    Attributes:
+        submitted: requests accepted into the queue.
+        completed: requests that returned a result.
+        failed: requests whose launch failed (RuntimeLaunchError) or that a close failed.
+        cancelled: requests whose caller cancelled (queued or running) or that
+            ``aclose(cancel_pending=True)`` failed.
+        expired: requests whose deadline passed while queued.
+        rejected: calls refused at submit time (bad arguments, queue full, closed).
+        queued: requests waiting now.
+        queued_peak: the most requests ever waiting at once.
+        running: requests inside launches now.
+        launches: launches started (split parts count one each).
+        requests_per_launch_mean: requests served per launch, on average.
+        requests_per_launch_max: the most requests one launch served.
+        streams: per-stream launches and busy seconds.
+        pool: the workspace pool's counters.
+        executor_cache: the executor cache's counters.
+    """
+
+    submitted: int
+    completed: int
+    failed: int
+    cancelled: int
+    expired: int
+    rejected: int
+    queued: int
+    queued_peak: int
+    running: int
+    launches: int
+    requests_per_launch_mean: float
+    requests_per_launch_max: int
+    streams: tuple[StreamStatistics, ...]
+    pool: PoolStatistics
+    executor_cache: CacheStatistics
+
+    @property
+    def resolved(self) -> int:
+        """Requests that reached a final state."""
+        return self.completed + self.failed + self.cancelled + self.expired
+
+
+@attrs.frozen
+class _Checked:
+    """A request that passed its checks, not yet queued."""
+
+    op: Operator
+    tensors: dict[str, np.ndarray]
+    scalars: dict[str, Any]
+    key: Hashable
+    units: int
+    nbytes: int
+    priority: int
+    deadline: float | None
+
+
+@attrs.define(eq=False)
+class _Launch:
+    """A started batch: what its completion needs."""
+
+    batch: Batch
+    op: Operator
+    block: Block | None
+    started: float
+
+
+def _bucket(units: int) -> int:
+    """Fused capacity for ``units``: size classes, so recurring work reuses executors."""
+    return size_class(max(units, 64))
+
+
+class Pending:
+    """A submitted request: ``await pending`` (or ``await pending.wait()``) gives its result.
+
+    Returned by the ``*_nowait`` methods. Cancelling the awaiting task withdraws a queued
+    request (or drops the result of a running one).
+    """
+
+    __slots__ = ("_request", "_scheduler")
+
+    def __init__(self, scheduler: Scheduler, request: Request) -> None:
+        self._scheduler = scheduler
+        self._request = request
+
+    @property
+    def state(self) -> RequestState:
+        """Where the request is."""
+        return self._request.state
+
+    def done(self) -> bool:
+        """Whether the request reached a final state."""
+        return self._request.done.is_set()
+
+    async def wait(self) -> np.ndarray:
+        """Wait for the result; see :meth:`Scheduler.glu_backward` for what it raises."""
+        return await self._scheduler._wait(self._request)
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+
+@attrs.define(eq=False)
+class Scheduler:
+    """Fuses queued operator requests into launches on a device's streams.
+
+    Create one with :func:`opsched.open_scheduler`; the module-level functions use the
+    scheduler of the enclosing ``open_scheduler`` block or a default one per event loop.
+    """
+
+    config: SchedulerConfig
+    device: Device
+    _loop: LoopHandle
+    _state: SchedulerState = attrs.field(default=SchedulerState.NOT_OPENED, init=False)
+    _queue: RequestQueue = attrs.field(factory=RequestQueue, init=False)
+    _pool: WorkspacePool = attrs.field(init=False)
+    _cache: ExecutorCache = attrs.field(init=False)
+    _idle: list[int] = attrs.field(init=False)
+    _running: int = attrs.field(default=0, init=False)
+    _inflight: int = attrs.field(default=0, init=False)
+    _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+    _dispatch_pending: bool = attrs.field(default=False, init=False)
+    _memory_wait: bool = attrs.field(default=False, init=False)
+    _space: anyio.Event | None = attrs.field(default=None, init=False)
+    _quiet: anyio.Event | None = attrs.field(default=None, init=False)
+    _wake: anyio.Event | None = attrs.field(default=None, init=False)
+    _wake_at: float | None = attrs.field(default=None, init=False)
+    _counts: dict[str, int] = attrs.field(init=False)
+    _per_launch_max: int = attrs.field(default=0, init=False)
+    _served: int = attrs.field(default=0, init=False)
+    _launching: dict[int, _Launch] = attrs.field(factory=dict, init=False)
+    _inbox: collections.deque[tuple[_Checked, Future[np.ndarray]]] = attrs.field(
+        factory=collections.deque, init=False
+    )
+    _inbox_room: threading.Condition = attrs.field(factory=threading.Condition, init=False)
+    _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
+    #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
+    _service: Any = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._pool = WorkspacePool(self.config.workspace_limit_bytes)
+        self._cache = ExecutorCache(self.config.executor_cache_limit)
+        self._idle = list(range(len(self.device.streams)))
+        self._counts = dict.fromkeys(
+            ("submitted", "completed", "failed", "cancelled", "expired", "rejected", "launches"),
+            0,
+        )
+
+    # ------------------------------------------------------------------------ public API
+
+    @property
+    def state(self) -> SchedulerState:
+        """The lifecycle state."""
+        return self._state
+
+    async def glu_backward(
+        sched,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """GluBackward through the scheduler; returns ``out`` (allocated when None).
+
+        Args:
+            grad_out, self, dim, out: as :func:`opsched.aclnn.glu_backward_get_workspace_size`.
+            priority: higher runs first; FIFO among equal priorities.
+            deadline: absolute ``time.monotonic()`` by which the request must have launched.
+            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: bad arguments, at submit time.
+            DeadlineExceededError: the deadline passed while the request was queued.
+            RuntimeLaunchError: the launch failed; the kernel's exception is chained.
+            SchedulerClosedError: the scheduler is closed, or closed with the request pending.
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        tensors = {"grad_out": grad_out, "self": self, "out": out}
+        request = await sched._submit(
+            GLU_BACKWARD, tensors, {"dim": dim}, priority, deadline, timeout
+        )
+        return await sched._wait(request)
+
+    def glu_backward_nowait(
+        sched,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GluBackward without waiting; ``await`` the returned :class:`Pending`.
+
+        Raises:
+            QueueFullError: ``max_queued_requests`` are already queued.
+            (and the argument errors of :meth:`glu_backward`)
+        """
+        tensors = {"grad_out": grad_out, "self": self, "out": out}
+        request = sched._submit_nowait(
+            GLU_BACKWARD, tensors, {"dim": dim}, priority, deadline, timeout
+        )
+        return Pending(sched, request)
+
+    async def group_norm_grad(
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """GroupNormalizationGrad through the scheduler; returns ``dx`` (``out``).
+
+        Arguments and errors as :meth:`glu_backward` and
+        :func:`opsched.aclnn.group_norm_grad_get_workspace_size`.
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}
+        request = await self._submit(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        return await self._wait(request)
+
+    def group_norm_grad_nowait(
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GroupNormalizationGrad without waiting (see :meth:`glu_backward_nowait`)."""
+        tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}
+        request = self._submit_nowait(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        return Pending(self, request)
+
+    def statistics(self) -> SchedulerStatistics:
+        """A frozen snapshot of the scheduler's counters."""
+        c = self._counts
+        launches = c["launches"]
+        return SchedulerStatistics(
+            submitted=c["submitted"],
+            completed=c["completed"],
+            failed=c["failed"],
+            cancelled=c["cancelled"],
+            expired=c["expired"],
+            rejected=c["rejected"],
+            queued=len(self._queue),
+            queued_peak=self._queue.peak,
+            running=self._running,
+            launches=launches,
+            requests_per_launch_mean=self._served / launches if launches else 0.0,
+            requests_per_launch_max=self._per_launch_max,
+            streams=tuple(s.statistics() for s in self.device.streams),
+            pool=self._pool.statistics(),
+            executor_cache=self._cache.statistics(),
+        )
+
+    def memory_stats(self) -> dict[str, int]:
+        """The workspace pool's counters with torch-style keys."""
+        return self._pool.memory_stats()
+
+    def reset_peak_stats(self) -> None:
+        """Restart the pool's peak from its current size."""
+        self._pool.reset_peak_stats()
+
+    def empty_cache(self) -> None:
+        """Release the pool's cached, idle workspace blocks."""
+        self._pool.empty_cache()
+
+    async def aclose(self, *, cancel_pending: bool = False) -> None:
+        """Close: refuse new requests, then drain (or fail) the pending ones.
+
+        Args:
+            cancel_pending: fail queued requests with SchedulerClosedError instead of running
+                them; launches already running always finish.
+        """
+        if self._state is SchedulerState.CLOSED:
+            return
+        self._state = SchedulerState.CLOSING
+        if cancel_pending:
+            self._fail_queued()
+        while len(self._queue) or self._inflight:
+            self._quiet = anyio.Event()
+            self._schedule_dispatch()
+            await self._quiet.wait()
+        self._shutdown()
+
+    # ------------------------------------------------------------------ lifecycle (internal)
+
+    def _open(self) -> None:
+        if self._state is not SchedulerState.NOT_OPENED:
+            msg = f"scheduler is {self._state.value}; a scheduler opens once"
+            raise RuntimeError(msg)
+        self._state = SchedulerState.OPEN
+
+    async def _serve(self) -> None:
+        """Service task: timers for ``max_delay_us``; returns when the scheduler closes."""
+        while self._state is not SchedulerState.CLOSED:
+            self._wake = anyio.Event()
+            if self._wake_at is None:
+                await self._wake.wait()
+            else:
+                with anyio.move_on_after(max(0.0, self._wake_at - time.monotonic())):
+                    await self._wake.wait()
+                self._wake_at = None
+                self._dispatch()
+
+    def _close_now(self) -> None:
+        """Close without waiting (the loop is ending): fail what is queued, stop streams."""
+        if self._state is SchedulerState.CLOSED:
+            return
+        self._state = SchedulerState.CLOSING
+        self._fail_queued()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._state = SchedulerState.CLOSED
+        self.device.close()
+        self._cache.clear()
+        self._pool.empty_cache()
+        if self._wake is not None:
+            self._wake.set()
+        if self._space is not None:
+            self._space.set()
+
+    def _fail_queued(self) -> None:
+        for request in self._queue.drain():
+            request.state = RequestState.CANCELLED
+            request.error = SchedulerClosedError("the scheduler was closed before it launched")
+            self._counts["cancelled"] += 1
+            _settle(request)
+        self._wake_space()
+
+    # ----------------------------------------------------------------------- submission
+
+    async def _submit(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Request:
+        while True:
+            try:
+                return self._submit_nowait(op, tensors, scalars, priority, deadline, timeout)
+            except QueueFullError:
+                self._counts["rejected"] -= 1  # not a rejection: we wait for room
+                if self._space is None:
+                    self._space = anyio.Event()
+                await self._space.wait()
+
+    def _submit_nowait(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Request:
+        try:
+            request = self._make_request(op, tensors, scalars, priority, deadline, timeout)
+        except BaseException:
+            self._counts["rejected"] += 1
+            raise
+        self._queue.push(request)
+        self._counts["submitted"] += 1
+        self._schedule_dispatch()
+        return request
+
+    def _make_request(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Request:
+        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+        if len(self._queue) >= self.config.max_queued_requests:
+            msg = f"{len(self._queue)} requests are queued (max_queued_requests)"
+            raise QueueFullError(msg)
+        return self._request(checked)
+
+    def _checked(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> _Checked:
+        """Everything a request needs that touches no scheduler state (any thread)."""
+        if self._state is not SchedulerState.OPEN:
+            msg = f"the scheduler is {self._state.value}; it accepts no new requests"
+            raise SchedulerClosedError(msg)
+        scalars = op.check(tensors, scalars, allocate=True)
+        deadline = _deadline(deadline, timeout)
+        if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+            msg = f"priority must be an integer, got {type(priority).__qualname__} {priority!r}"
+            raise TypeError(msg)
+        if any(tensors[name] is None for name in op.outputs):
+            tensors.update(op.allocate(tensors, scalars))
+        key, units = op.fusion(tensors, scalars)
+        nbytes = op.nbytes(tensors)
+        if nbytes > self._pool.limit // 4:
+            self._check_fits(op, tensors, scalars, key, units, nbytes)
+        return _Checked(op, tensors, scalars, key, units, nbytes, int(priority), deadline)
+
+    def _request(self, c: _Checked) -> Request:
+        return Request(
+            next(self._ids),
+            c.op,
+            c.tensors,
+            c.scalars,
+            c.key,
+            c.units,
+            c.nbytes,
+            c.priority,
+            c.deadline,
+            time.monotonic(),
+        )
+
+    # ------------------------------------------------------------ submission from threads
+
+    def submit_threadsafe(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Future[np.ndarray]:
+        """Submit from a thread other than the loop's; the future resolves with the output.
+
+        The arguments are checked here, in the calling thread (bad ones raise at once);
+        queueing happens on the loop, one wake-up per burst of submissions, so requests
+        from threads fuse like those from coroutines. ``future.cancel()`` withdraws a
+        queued request (or drops a running one's result). While ``max_queued_requests`` are
+        queued or waiting to be, the calling thread blocks (backpressure).
+
+        Raises:
+            RuntimeError: called from the scheduler's own loop thread.
+            (and the argument errors of :meth:`glu_backward`)
+        """
+        if threading.get_ident() == self._loop_thread:
+            msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
+            raise RuntimeError(msg)
+        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+        future: Future[np.ndarray] = Future()
+        with self._inbox_room:
+            while len(self._inbox) + len(self._queue) >= self.config.max_queued_requests:
+                if self._state is not SchedulerState.OPEN:
+                    break
+                self._inbox_room.wait(0.1)
+            self._inbox.append((checked, future))
+            first = len(self._inbox) == 1
+        if first and not self._loop.post(self._drain_inbox):
+            future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
+        return future
+
+    def _drain_inbox(self) -> None:
+        """Queue every request submitted from threads since the last drain (loop thread)."""
+        with self._inbox_room:
+            items = list(self._inbox)
+            self._inbox.clear()
+            self._inbox_room.notify_all()
+        for checked, future in items:
+            if self._state is not SchedulerState.OPEN:
+                future.set_exception(SchedulerClosedError("the scheduler was closed"))
+                continue
+            request = self._request(checked)
+            request.future = future
+            self._queue.push(request)
+            self._counts["submitted"] += 1
+            future.add_done_callback(self._future_done(request))
+            if request.deadline is not None:
+                delay = request.deadline - time.monotonic()
+                self._loop.call_later(delay, self._deadline_reached, request)
+        self._schedule_dispatch()
+
+    def _future_done(self, request: Request) -> Callable[[Future[np.ndarray]], None]:
+        def done(future: Future[np.ndarray]) -> None:
+            if future.cancelled():  # cancelled by its owner thread: withdraw on the loop
+                self._loop.post(self._abandon_cancelled, request)
+
+        return done
+
+    def _abandon_cancelled(self, request: Request) -> None:
+        if not request.done.is_set():
+            self._abandon(request)
+
+    def _deadline_reached(self, request: Request) -> None:
+        if request.state is RequestState.QUEUED:
+            self._queue.discard(request, RequestState.EXPIRED)
+            self._expired(request)
+
+    def _check_fits(
+        self,
+        op: Operator,
+        tensors: dict[str, np.ndarray],
+        scalars: dict[str, Any],
+        key: Hashable,
+        units: int,
+        nbytes: int,
+    ) -> None:
+        """ParamInvalidError when this request alone needs more workspace than the cap."""
+        if nbytes > self.config.fuse_max_bytes:
+            need = op.workspace_size(op.plan(tensors, scalars, DEFAULT_BLOCK))
+        else:
+            capacity = _bucket(units)
+            geometry, _ = op.fused_geometry(key, capacity)
+            gathered = workspace_bytes([(int(np.prod(s)), dt) for s, dt in geometry.values()])
+            need = gathered + op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
+        if not self._pool.fits(need):
+            msg = (
+                f"{op.name}: this request needs {need} bytes of workspace, more than "
+                f"workspace_limit_bytes={self._pool.limit}"
+            )
+            raise ParamInvalidError(msg)
+
+    # ------------------------------------------------------------------------- waiting
+
+    async def _wait(self, request: Request) -> np.ndarray:
+        try:
+            if request.deadline is None:
+                await request.done.wait()
+            else:
+                with anyio.move_on_after(request.deadline - time.monotonic()):
+                    await request.done.wait()
+                if not request.done.is_set():
+                    if request.state is RequestState.QUEUED:
+                        self._queue.discard(request, RequestState.EXPIRED)
+                        self._expired(request)
+                    else:  # launched before its deadline: the result is on its way
+                        await request.done.wait()
+        except BaseException:
+            if not request.done.is_set():
+                self._abandon(request)
+            raise
+        if request.state is RequestState.DONE:
+            return request.result
+        assert request.error is not None
+        raise request.error
+
+    def _abandon(self, request: Request) -> None:
+        """The caller stopped waiting (cancellation)."""
+        if request.state is RequestState.QUEUED:
+            self._queue.discard(request, RequestState.CANCELLED)
+            self._counts["cancelled"] += 1
+            _settle(request)
+            self._wake_space()
+        else:
+            request.abandoned = True  # running: its launch finishes, the result is dropped
+
+    def _expired(self, request: Request) -> None:
+        request.state = RequestState.EXPIRED
+        late = time.monotonic() - (request.deadline or 0.0)
+        request.error = DeadlineExceededError(
+            f"{request.op.name}: the deadline passed {late * 1e3:.3f} ms ago while the "
+            "request was queued; it was not launched"
+        )
+        self._counts["expired"] += 1
+        _settle(request)
+        self._wake_space()
+
+    def _wake_space(self) -> None:
+        if len(self._queue) < self.config.max_queued_requests:
+            if self._space is not None:
+                self._space.set()
+                self._space = None
+            if self._inbox:
+                self._drain_inbox()
+
+    # ------------------------------------------------------------------------ dispatch
+
+    def _schedule_dispatch(self) -> None:
+        if not self._dispatch_pending:
+            self._dispatch_pending = True
+            self._loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        """Start launches on the idle streams (runs on the loop thread, never awaits)."""
+        self._dispatch_pending = False
+        if self._state is SchedulerState.CLOSED:
+            return
+        while self._idle and len(self._queue) and not self._memory_wait:
+            taken: list[Request] = []
+            self._queue.taken = taken
+            try:
+                batches, expired, wake_at = form_batches(
+                    self._queue, self._idle, self.config, time.monotonic()
+                )
+            except Exception as exc:  # a bug in batch formation fails its requests only
+                self._fail_requests(taken, exc, "batch formation failed")
+                self._idle = sorted(set(range(len(self.device.streams))) - self._busy)
+                continue
+            finally:
+                self._queue.taken = None
+            for request in expired:
+                self._expired(request)
+            if wake_at is not None:
+                self._arm_timer(wake_at)
+            if not batches:
+                break
+            groups = [list(g) for _, g in itertools.groupby(batches, key=lambda b: id(b.requests))]
+            for i, group in enumerate(groups):
+                if not self._start(group):  # out of workspace: the rest waits too
+                    for later in groups[i + 1 :]:
+                        self._requeue(later)
+                    break
+        self._check_quiet()
+
+    @property
+    def _busy(self) -> set[int]:
+        """Streams with a launch in flight."""
+        return {launch_stream for launch_stream in self._launching}
+
+    def _arm_timer(self, wake_at: float) -> None:
+        if self._wake_at is None or wake_at < self._wake_at:
+            self._wake_at = wake_at
+            if self._wake is not None:
+                self._wake.set()
+
+    def _requeue(self, group: list[Batch]) -> None:
+        """Put a group's requests back in the queue and its streams back to idle."""
+        for request in group[0].requests:
+            request.state = RequestState.QUEUED
+            self._queue.push(request)
+        for batch in group:
+            self._idle.append(batch.stream)
+        self._idle.sort()
+
+    def _start(self, group: list[Batch]) -> bool:
+        """Start a fused batch, a solo request, or every part of a split request.
+
+        Returns False when the pool is at its cap: the group went back to the queue.
+        """
+        prepared: list[tuple[Batch, Block | None, Callable[[], Any]]] = []
+        try:
+            for batch in group:
+                op = batch.requests[0].op
+                ready = (self._prepare_fused if batch.fused else self._prepare_solo)(op, batch)
+                if ready is None:
+                    for _, block, _ in prepared:
+                        if block is not None:
+                            self._pool.release(block)
+                    return self._out_of_memory(group)
+                prepared.append((batch, *ready))
+        except Exception as exc:  # boundary: fail this group's requests, keep dispatching
+            for _, block, _ in prepared:
+                if block is not None:
+                    self._pool.release(block)
+            self._idle.extend(b.stream for b in group)
+            self._idle.sort()
+            self._fail_requests(group[0].requests, exc, "starting the launch failed")
+            return True
+        now = time.monotonic()
+        requests = group[0].requests
+        for request in requests:
+            request.state = RequestState.RUNNING
+            request.launched_at = now
+            request.parts_left = len(group)
+        self._running += len(requests)
+        for batch, block, work in prepared:
+            self._launch(batch, block, work)
+        return True
+
+    def _launch(self, batch: Batch, block: Block | None, work: Callable[[], Any]) -> None:
+        op = batch.requests[0].op
+        launch = _Launch(batch, op, block, time.perf_counter())
+        self._inflight += 1
+        self._launching[batch.stream] = launch
+        self._counts["launches"] += 1
+        self._served += len(batch.requests)
+        self._per_launch_max = max(self._per_launch_max, len(batch.requests))
+        stream = self.device.streams[batch.stream]
+        if self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes:
+            stream.run_inline(work, lambda result, error: self._complete(launch, result, error))
+        else:
+            post = self._loop.post
+
+            def done(result: Any, error: BaseException | None) -> None:
+                post(self._complete, launch, result, error)  # False: the loop ended, drop it
+
+            stream.enqueue(work, done)
+
+    def _out_of_memory(self, group: list[Batch]) -> bool:
+        batch = group[0]
+        if self._inflight == 0 and batch.fused and len(batch.requests) > 1:
+            # Nothing in flight will return memory: launch fewer requests, requeue the rest.
+            half = len(batch.requests) // 2
+            for request in batch.requests[half:]:
+                self._queue.push(request)
+            smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
+            return self._start([smaller])
+        self._requeue(group)
+        self._memory_wait = True  # until a launch completes and returns its workspace
+        return False
+
+    def _prepare_fused(
+        self, op: Operator, batch: Batch
+    ) -> tuple[Block | None, Callable[[], Any]] | None:
+        requests = batch.requests
+        capacity = _bucket(batch.units)
+        cache_key = (op.name, "fused", batch.key, capacity, self.device.name, batch.stream)
+        executor = self._cache.get(cache_key)
+        geometry, _ = op.fused_geometry(batch.key, capacity)
+        gathered = workspace_bytes([(int(np.prod(s)), dt) for s, dt in geometry.values()])
+        if executor is None:
+            plan = op.fused_plan(batch.key, capacity, DEFAULT_BLOCK)
+            executor = Executor(
+                op, {}, op.fused_geometry(batch.key, capacity)[1], plan, op.workspace_size(plan)
+            )
+            executor.set_repeatable()
+            self._cache.put(cache_key, executor)
+        block = self._pool.allocate(gathered + executor.workspace_size, batch.stream)
+        if block is None:
+            return None
+        try:
+            carve = Carver(block.array)
+            arrays = {
+                name: carve.take(int(np.prod(shape)), dtype).reshape(shape)
+                for name, (shape, dtype) in geometry.items()
+            }
+            kernel_ws = block.array[carve.offset :]
+            if executor.tensors:
+                executor.bind(**arrays)
+            else:
+                executor.tensors = arrays
+            executor.consume(op, kernel_ws, executor.workspace_size)
+        except BaseException:
+            self._pool.release(block)
+            raise
+        device = self.device
+        plan = executor.plan
+
+        def work() -> tuple[dict[int, BaseException], float]:
+            start = time.perf_counter()
+            errors: dict[int, BaseException] = {}
+            _run_fused(device, op, plan, arrays, kernel_ws, requests, errors)
+            return errors, time.perf_counter() - start
+
+        return block, work
+
+    def _prepare_solo(
+        self, op: Operator, batch: Batch
+    ) -> tuple[Block | None, Callable[[], Any]] | None:
+        request = batch.requests[0]
+        tensors, scalars = batch.part or (request.tensors, request.scalars)
+        geometry = tuple(geometry_of(tensors[n]) for n in op.tensor_names)
+        overlap = op.overlaps_any(tensors)
+        scalar_key = tuple(sorted(scalars.items()))
+        cache_key = (op.name, geometry, scalar_key, overlap, self.device.name, batch.stream)
+        executor = self._cache.get(cache_key)
+        if executor is None:
+            plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
+            executor = Executor(op, dict(tensors), scalars, plan, op.workspace_size(plan))
+            executor.set_repeatable()
+            self._cache.put(cache_key, executor)
+        else:
+            executor.bind(**tensors)
+        size = executor.workspace_size
+        block: Block | None = None
+        if size:
+            block = self._pool.allocate(size, batch.stream)
+            if block is None:
+                return None
+        workspace = block.array if block is not None else None
+        try:
+            executor.consume(op, workspace, size)
+        except BaseException:
+            if block is not None:
+                self._pool.release(block)
+            raise
+        device = self.device
+        plan = executor.plan
+        bound = dict(tensors)
+        requests = batch.requests
+
+        def work() -> tuple[dict[int, BaseException], float]:
+            start = time.perf_counter()
+            device.check_fault(requests)
+            device.run_kernel(op, plan, bound, workspace)
+            return {}, time.perf_counter() - start
+
+        return block, work
+
+    # ---------------------------------------------------------------------- completion
+
+    def _complete(self, launch: _Launch, result: Any, error: BaseException | None) -> None:
+        """One launch finished (called on the loop thread): resolve its requests."""
+        self._inflight -= 1
+        batch = launch.batch
+        self._launching.pop(batch.stream, None)
+        if launch.block is not None:
+            self._pool.release(launch.block)
+        self._memory_wait = False
+        self._idle.append(batch.stream)
+        self._idle.sort()
+        errors: dict[int, BaseException] = result[0] if error is None else {}
+        run_s = result[1] if error is None else 0.0
+        for request in batch.requests:
+            cause = error if error is not None else errors.get(request.id)
+            if cause is not None and request.error is None:
+                request.error = _launch_error(request, cause)
+            request.parts_left -= 1
+            if request.parts_left <= 0:
+                self._running -= 1
+                self._resolve(request)
+        if enabled():
+            _log.debug(
+                "launch",
+                op=launch.op.name,
+                dtype=str(batch.requests[0].tensors[launch.op.tensor_names[0]].dtype),
+                requests=len(batch.requests),
+                bytes=batch.nbytes,
+                stream=batch.stream,
+                fused=batch.fused,
+                queue_wait_s=min(r.launched_at - r.enqueued_at for r in batch.requests),
+                run_s=run_s,
+                failed=sum(1 for r in batch.requests if r.error is not None),
+            )
+        self._schedule_dispatch()
+
+    def _resolve(self, request: Request) -> None:
+        if request.abandoned:
+            request.state = RequestState.CANCELLED
+            self._counts["cancelled"] += 1
+        elif request.error is not None:
+            request.state = RequestState.FAILED
+            self._counts["failed"] += 1
+            if enabled():
+                _log.info("request failed", op=request.op.name, error=str(request.error))
+        else:
+            request.state = RequestState.DONE
+            self._counts["completed"] += 1
+        _settle(request)
+
+    def _fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
+        for request in requests:
+            if request.done.is_set():
+                continue
+            if request.state is RequestState.RUNNING:
+                self._running -= 1
+            error = InnerError(f"{request.op.name}: {what}: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            request.error = error
+            self._resolve(request)
+        if enabled():
+            _log.info(what, error=repr(exc), requests=len(requests))
+
+    def _check_quiet(self) -> None:
+        if self._quiet is not None and not len(self._queue) and not self._inflight:
+            self._quiet.set()
+            self._quiet = None
+
+
+def _deadline(deadline: float | None, timeout: float | None) -> float | None:
+    for name, value in (("deadline", deadline), ("timeout", timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            msg = f"{name} must be a number of seconds or None, got {value!r}"
+            raise TypeError(msg)
+    if timeout is not None:
+        if timeout < 0:
+            msg = f"timeout={timeout} must be >= 0 seconds"
+            raise ValueError(msg)
+        by_timeout = time.monotonic() + timeout
+        return by_timeout if deadline is None else min(deadline, by_timeout)
+    return None if deadline is None else float(deadline)
+
+
+def _run_fused(
+    device: Device,
+    op: Operator,
+    plan: Any,
+    arrays: dict[str, np.ndarray],
+    workspace: np.ndarray,
+    requests: list[Request],
+    errors: dict[int, BaseException],
+) -> None:
+    """Gather, compute, scatter; on failure re-run in halves to isolate the culprits."""
+    try:
+        device.check_fault(requests)
+        offset = 0
+        for r in requests:
+            op.gather(r.tensors, r.scalars, arrays, offset)
+            offset += r.units
+        device.run_kernel(op, plan, arrays, workspace)
+        offset = 0
+        for r in requests:
+            op.scatter(r.tensors, r.scalars, arrays, offset)
+            offset += r.units
+    except Exception as exc:
+        if len(requests) == 1:
+            errors[requests[0].id] = exc
+            return
+        half = len(requests) // 2
+        _run_fused(device, op, plan, arrays, workspace, requests[:half], errors)
+        _run_fused(device, op, plan, arrays, workspace, requests[half:], errors)
+
+
+def _settle(request: Request) -> None:
+    """Wake the request's waiter: its event, and its thread-side future if it has one."""
+    request.done.set()
+    future = request.future
+    if future is not None and not future.done():
+        if request.state is RequestState.DONE:
+            future.set_result(request.result)
+        elif request.error is not None:
+            future.set_exception(request.error)
+        else:
+            future.cancel()
+
+
+def _launch_error(request: Request, cause: BaseException) -> BaseException:
+    if isinstance(cause, RuntimeLaunchError):
+        return cause
+    error = RuntimeLaunchError(
+        f"{request.op.name}: the launch failed: {type(cause).__name__}: {cause}"
+    )
+    error.__cause__ = cause
+    return error

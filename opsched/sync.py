@@ -1,0 +1,178 @@
+"""The synchronous facade: the same scheduler, driven from ordinary threads.
+
+One event-loop thread (anyio's blocking portal) runs the async core; every blocking call is
+a trip to it, so there is exactly one implementation of scheduling. Works from any thread,
+including one whose own asyncio loop is running (a notebook). A call from the portal's own
+loop thread would deadlock, so it raises RuntimeError instead.
+
+    import opsched.sync
+
+    dx = opsched.sync.group_norm_grad(x, dy, gamma, mean, rstd)      # default scheduler
+
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        futures = [sched.submit_glu_backward(g, a) for g, a in work]  # queue thousands...
+        results = [f.result() for f in futures]                      # ...fused together
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import anyio.from_thread
+import numpy as np
+
+from opsched import _api
+from opsched._config import SchedulerConfig
+from opsched._scheduler import Scheduler, SchedulerStatistics
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
+
+__all__ = ["SyncScheduler", "glu_backward", "group_norm_grad", "open_scheduler"]
+
+
+class _Portal:
+    """A blocking portal and the identity of its loop thread."""
+
+    def __init__(self, cm: AbstractContextManager[anyio.from_thread.BlockingPortal]) -> None:
+        self._cm = cm
+        self.portal = cm.__enter__()
+        self.thread_id = self.portal.call(threading.get_ident)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.check_thread()
+        return self.portal.call(lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+    def check_thread(self) -> None:
+        """RuntimeError when called from the portal's own loop thread (it would deadlock)."""
+        if threading.get_ident() == self.thread_id:
+            msg = (
+                "opsched.sync was called from the scheduler's own event-loop thread, where "
+                "it would deadlock; await the async API there instead"
+            )
+            raise RuntimeError(msg)
+
+
+class SyncScheduler:
+    """Blocking methods over a :class:`~opsched.Scheduler` running in a portal thread.
+
+    ``submit_*`` return ``concurrent.futures.Future`` at once; the blocking methods are
+    ``submit_*(...).result()``. Requests submitted from many threads fuse together.
+    """
+
+    def __init__(self, portal: _Portal, scheduler: Scheduler) -> None:
+        self._portal = portal
+        self._scheduler = scheduler
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The async scheduler behind this facade."""
+        return self._scheduler
+
+    def glu_backward(
+        sched, grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any
+    ) -> np.ndarray:
+        """Blocking :meth:`Scheduler.glu_backward` (same arguments and errors)."""
+        return sched.submit_glu_backward(grad_out, self, dim, **kw).result()
+
+    def group_norm_grad(
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        **kw: Any,
+    ) -> np.ndarray:
+        """Blocking :meth:`Scheduler.group_norm_grad` (same arguments and errors)."""
+        return self.submit_group_norm_grad(x, dy, gamma, mean, rstd, **kw).result()
+
+    def submit_glu_backward(
+        sched, grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any
+    ) -> Future[np.ndarray]:
+        """Queue a GluBackward; the future resolves with ``out`` (or raises its error).
+
+        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
+        Keywords: ``out``, ``priority``, ``deadline``, ``timeout``.
+        """
+        sched._portal.check_thread()
+        tensors = {"grad_out": grad_out, "self": self, "out": kw.pop("out", None)}
+        return sched._scheduler.submit_threadsafe(GLU_BACKWARD, tensors, {"dim": dim}, **kw)
+
+    def submit_group_norm_grad(
+        self,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        **kw: Any,
+    ) -> Future[np.ndarray]:
+        """Queue a GroupNormalizationGrad; the future resolves with ``dx``."""
+        self._portal.check_thread()
+        tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
+        tensors["dx"] = kw.pop("out", None)
+        return self._scheduler.submit_threadsafe(GROUP_NORM_GRAD, tensors, {}, **kw)
+
+    def statistics(self) -> SchedulerStatistics:
+        """The scheduler's statistics snapshot."""
+        stats: SchedulerStatistics = self._portal.call(self._scheduler.statistics)
+        return stats
+
+
+@contextmanager
+def open_scheduler(
+    config: SchedulerConfig | str | os.PathLike[str] | None = None,
+    *,
+    device: str = "cpu",
+    **overrides: Any,
+) -> Iterator[SyncScheduler]:
+    """Open a scheduler on its own event-loop thread for the ``with`` block.
+
+    Arguments as :func:`opsched.open_scheduler`. Leaving the block drains pending requests
+    and stops the loop thread and the stream threads.
+    """
+    portal = _Portal(anyio.from_thread.start_blocking_portal())
+    try:
+        cm = portal.portal.wrap_async_context_manager(
+            _api.open_scheduler(config, device=device, **overrides)
+        )
+        with cm as scheduler:
+            yield SyncScheduler(portal, scheduler)
+    finally:
+        portal.close()
+
+
+_default_lock = threading.Lock()
+_default: SyncScheduler | None = None
+
+
+def _default_scheduler() -> SyncScheduler:
+    global _default
+    with _default_lock:
+        if _default is None:
+            cm = open_scheduler()
+            facade = cm.__enter__()
+            atexit.register(cm.__exit__, None, None, None)
+            _default = facade
+        return _default
+
+
+def glu_backward(grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any) -> np.ndarray:
+    """Blocking GluBackward on the process-wide default scheduler (started on first use,
+    stopped at interpreter exit)."""
+    return _default_scheduler().glu_backward(grad_out, self, dim, **kw)
+
+
+def group_norm_grad(
+    x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray, **kw: Any
+) -> np.ndarray:
+    """Blocking GroupNormalizationGrad on the process-wide default scheduler."""
+    return _default_scheduler().group_norm_grad(x, dy, gamma, mean, rstd, **kw)
