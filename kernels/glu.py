@@ -148,14 +148,16 @@ def glu_backward_fast(
     """Compute GluBackward into ``out`` using only ``workspace`` for scratch memory.
 
     Args:
-        plan: from :func:`plan_glu_backward` on arrays of the same geometry.
+        plan: from :func:`plan_glu_backward` on arrays of the same geometry, or from
+            :func:`make_glu_plan` for a larger one with the same layout (a prefix of the
+            planned arrays may run on it: sizes are read from the arrays).
         grad_out, self, out: the operands (any strides; ``out`` may overlap the inputs only
             when the plan stages it).
         workspace: a ``uint8`` array of at least ``plan.workspace_bytes`` (None when 0).
     """
-    if plan.size == 0:
+    outer, half = glu_grid(self.shape, plan.dim)  # sizes from the arrays: <= the plan's
+    if outer * half == 0:
         return
-    outer, half = plan.outer, plan.half
     carve = Carver(workspace)
     self3 = staged(carve, self, plan.stage_self, (outer, 2, half))
     grad2 = staged(carve, grad_out, plan.stage_grad, (outer, half))
@@ -170,7 +172,7 @@ def glu_backward_fast(
         grad2, self3[:, 0, :], self3[:, 1, :], out3[:, 0, :], out3[:, 1, :], bufs, plan.block
     )
     if plan.stage_out:
-        np.copyto(out, target.reshape(plan.shape))
+        np.copyto(out, target.reshape(out.shape))
 
 
 @np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device

@@ -159,27 +159,30 @@ def group_norm_grad_fast(
     """Compute GroupNormalizationGrad into ``dx`` using only ``workspace`` for scratch.
 
     Args:
-        plan: from :func:`plan_group_norm_grad` on arrays of the same geometry.
+        plan: from :func:`plan_group_norm_grad` on arrays of the same geometry, or from
+            :func:`make_group_norm_plan` for more rows of the same M and layout (sizes are
+            read from the arrays).
         x, dy, gamma, mean, rstd, dx: the operands (any strides).
         workspace: a ``uint8`` array of at least ``plan.workspace_bytes`` (None when 0).
     """
-    if plan.size == 0:
+    rows, m = x.shape[0] * x.shape[1], math.prod(x.shape[2:])  # <= the plan's sizes
+    if rows * m == 0:
         return
-    shape2 = (plan.rows, plan.m)
+    shape2 = (rows, m)
     carve = Carver(workspace)
     x2, dy2, gamma2 = (
         staged(carve, t, flag, shape2)
         for t, flag in ((x, plan.stage_x), (dy, plan.stage_dy), (gamma, plan.stage_gamma))
     )
     if plan.stage_out:
-        target = carve.take(plan.size, plan.dtype)
+        target = carve.take(rows * m, plan.dtype)
         dx2 = target.reshape(shape2)
     else:
         dx2 = dx.reshape(shape2)  # viewable: the plan checked
-    bufs = [carve.take(count, dt) for count, dt in row_buffers(plan.rows, plan.m, plan.block)]
+    bufs = [carve.take(count, dt) for count, dt in row_buffers(rows, m, plan.block)]
     group_norm_grad_rows(x2, dy2, gamma2, mean, rstd, dx2, bufs, plan.block)
     if plan.stage_out:
-        np.copyto(dx, target.reshape(plan.shape))
+        np.copyto(dx, target.reshape(dx.shape))
 
 
 @np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device

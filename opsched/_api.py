@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -86,18 +86,16 @@ async def open_scheduler(
         ValueError, TypeError: a bad config value or an unknown setting or device.
     """
     scheduler = _new_scheduler(resolve_config(config, overrides), device)
+    _start_service(scheduler, scheduler._serve)
     token = _current.set(scheduler)
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(scheduler._serve)
-            try:
-                yield scheduler
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await scheduler.aclose(cancel_pending=True)
-                raise
-            else:
-                await scheduler.aclose()
+        yield scheduler
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await scheduler.aclose(cancel_pending=True)
+        raise
+    else:
+        await scheduler.aclose()
     finally:
         _current.reset(token)
         scheduler._close_now()  # no-op unless a cancellation interrupted the drain
@@ -113,27 +111,33 @@ async def current_scheduler() -> Scheduler:
     if scheduler is None or scheduler.state is not SchedulerState.OPEN:
         scheduler = _new_scheduler(SchedulerConfig(), "cpu")
         _defaults[loop.key] = scheduler
-        _start_default_service(scheduler, loop.library, loop.key)
+
+        async def serve() -> None:
+            try:
+                await scheduler._serve()
+            finally:  # the loop is ending: close without waiting
+                _defaults.pop(loop.key, None)
+                scheduler._close_now()
+
+        _start_service(scheduler, serve)
     return scheduler
 
 
-def _start_default_service(scheduler: Scheduler, library: str, key: Hashable) -> None:
-    async def serve() -> None:
-        try:
-            await scheduler._serve()
-        finally:
-            _defaults.pop(key, None)
-            scheduler._close_now()
+def _start_service(scheduler: Scheduler, serve: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``serve`` in the background of the running loop, outside any task group.
 
-    if library == "trio":
+    A plain task on asyncio (cancelled by ``asyncio.run`` at its end), a system task on
+    trio (cancelled when the main task returns). The task returns once the scheduler closes.
+    """
+    if scheduler._loop.library == "trio":
         import trio
 
-        trio.lowlevel.spawn_system_task(serve, name="opsched default scheduler")
+        trio.lowlevel.spawn_system_task(serve, name="opsched scheduler service")
     else:
         import asyncio
 
         scheduler._service = asyncio.get_running_loop().create_task(
-            serve(), name="opsched default scheduler"
+            serve(), name="opsched scheduler service"
         )
 
 

@@ -44,7 +44,7 @@ from opsched._errors import (
 from opsched._executor import Executor, geometry_of
 from opsched._log import enabled, get_logger
 from opsched._loop import LoopHandle
-from opsched._pool import Block, PoolStatistics, WorkspacePool, size_class
+from opsched._pool import Block, PoolStatistics, WorkspacePool
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
 
 __all__ = ["Pending", "Scheduler", "SchedulerState", "SchedulerStatistics"]
@@ -131,8 +131,9 @@ class _Launch:
 
 
 def _bucket(units: int) -> int:
-    """Fused capacity for ``units``: size classes, so recurring work reuses executors."""
-    return size_class(max(units, 64))
+    """Fused capacity for ``units``: a power of two (at least 256), so recurring work
+    reuses a few executors. Only the used prefix is computed, so the padding is free."""
+    return 1 << max(8, (units - 1).bit_length())
 
 
 class Pending:
@@ -690,12 +691,13 @@ class Scheduler:
                 self._arm_timer(wake_at)
             if not batches:
                 break
-            groups = [list(g) for _, g in itertools.groupby(batches, key=lambda b: id(b.requests))]
+            groups = [list(g) for _, g in itertools.groupby(batches, key=_group_key)]
             for i, group in enumerate(groups):
                 if not self._start(group):  # out of workspace: the rest waits too
                     for later in groups[i + 1 :]:
                         self._requeue(later)
                     break
+        self._wake_space()  # launched requests left the queue: backpressured callers go on
         self._check_quiet()
 
     @property
@@ -973,7 +975,7 @@ def _run_fused(
         for r in requests:
             op.gather(r.tensors, r.scalars, arrays, offset)
             offset += r.units
-        device.run_kernel(op, plan, arrays, workspace)
+        device.run_kernel(op, plan, op.fused_prefix(arrays, offset), workspace)
         offset = 0
         for r in requests:
             op.scatter(r.tensors, r.scalars, arrays, offset)
@@ -985,6 +987,11 @@ def _run_fused(
         half = len(requests) // 2
         _run_fused(device, op, plan, arrays, workspace, requests[:half], errors)
         _run_fused(device, op, plan, arrays, workspace, requests[half:], errors)
+
+
+def _group_key(batch: Batch) -> int:
+    """Batches started together: every part of one split request, else each batch alone."""
+    return id(batch.requests[0]) if batch.part is not None else id(batch)
 
 
 def _settle(request: Request) -> None:

@@ -191,6 +191,11 @@ class Operator(abc.ABC):
         """The arrays and scalars of a fused launch of ``capacity`` units."""
 
     @abc.abstractmethod
+    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+        """Views of the first ``units`` of a fused launch's arrays: the part in use. The
+        kernel runs on these, so a launch never computes its capacity's padding."""
+
+    @abc.abstractmethod
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
         """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
 

@@ -136,6 +136,9 @@ class GluBackward(Operator):
         }
         return arrays, {"dim": 0}
 
+    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+        return {name: array[:, :units] for name, array in fused.items()}
+
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GluPlan:
         return make_glu_plan((2, capacity), 0, key[1], block=block)  # type: ignore[index]
 

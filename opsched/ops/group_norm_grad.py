@@ -113,6 +113,9 @@ class GroupNormalizationGrad(Operator):
         arrays = {"x": rows, "dy": rows, "gamma": rows, "mean": stats, "rstd": stats, "dx": rows}
         return arrays, {}
 
+    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+        return {name: array[:units] for name, array in fused.items()}
+
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
         dtype: np.dtype = key[1]  # type: ignore[index]
         m: int = key[2]  # type: ignore[index]

@@ -1,0 +1,156 @@
+"""Batch formation as a pure function: no event loop, no device."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from opsched import SchedulerConfig
+from opsched._batching import Request, RequestQueue, RequestState, form_batches
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
+
+_ids = itertools.count()
+
+
+def glu_request(rows=2, cols=8, dtype=np.float32, priority=0, deadline=None, at=0.0):
+    x = np.zeros((rows, cols), dtype)
+    tensors = {"grad_out": np.zeros((rows, cols // 2), dtype), "self": x, "out": np.empty_like(x)}
+    scalars = GLU_BACKWARD.check(tensors, {"dim": -1}, allocate=False)
+    key, units = GLU_BACKWARD.fusion(tensors, scalars)
+    return Request(
+        next(_ids), GLU_BACKWARD, tensors, scalars, key, units, GLU_BACKWARD.nbytes(tensors),
+        priority, deadline, at,
+    )  # fmt: skip
+
+
+def gn_request(m=16, priority=0):
+    x = np.zeros((2, 3, m), np.float32)
+    stats = np.zeros((2, 3), np.float32)
+    tensors = {"x": x, "dy": x, "gamma": x, "mean": stats, "rstd": stats, "dx": np.empty_like(x)}
+    key, units = GROUP_NORM_GRAD.fusion(tensors, {})
+    return Request(
+        next(_ids), GROUP_NORM_GRAD, tensors, {}, key, units, GROUP_NORM_GRAD.nbytes(tensors),
+        priority, None, 0.0,
+    )  # fmt: skip
+
+
+def queue_of(*requests):
+    q = RequestQueue()
+    for r in requests:
+        q.push(r)
+    return q
+
+
+CFG = SchedulerConfig(streams=4)
+
+
+def test_same_key_fuses_into_one_launch():
+    reqs = [glu_request() for _ in range(5)]
+    batches, expired, wake = form_batches(queue_of(*reqs), [0], CFG, now=1.0)
+    assert len(batches) == 1 and batches[0].requests == reqs and batches[0].fused
+    assert not expired and wake is None
+
+
+def test_keys_do_not_mix_and_highest_priority_key_goes_first():
+    low = [glu_request() for _ in range(3)]
+    high = gn_request(priority=5)
+    other_dtype = glu_request(dtype=np.float16, priority=1)
+    q = queue_of(*low, high, other_dtype)
+    idle = [0, 1, 2]
+    batches, _, _ = form_batches(q, idle, CFG, now=1.0)
+    assert [b.requests for b in batches] == [[high], [other_dtype], low]
+    assert [b.stream for b in batches] == [0, 1, 2] and idle == []
+
+
+def test_fifo_within_priority_and_priority_order_within_a_batch():
+    a, b, c = glu_request(priority=0), glu_request(priority=2), glu_request(priority=0)
+    batches, _, _ = form_batches(queue_of(a, b, c), [0], CFG, now=1.0)
+    assert batches[0].requests == [b, a, c]
+
+
+def test_max_batch_requests_and_bytes():
+    reqs = [glu_request() for _ in range(10)]
+    cfg = SchedulerConfig(streams=1, max_batch_requests=4)
+    q = queue_of(*reqs)
+    batches, _, _ = form_batches(q, [0], cfg, now=1.0)
+    assert batches[0].requests == reqs[:4] and len(q) == 6
+    per = reqs[0].nbytes
+    cfg = SchedulerConfig(streams=1, max_batch_bytes=3 * per)
+    batches, _, _ = form_batches(queue_of(*reqs), [0], cfg, now=1.0)
+    assert len(batches[0].requests) == 3
+
+
+def test_work_spreads_over_idle_streams_when_there_is_enough():
+    reqs = [glu_request() for _ in range(64)]
+    batches, _, _ = form_batches(queue_of(*reqs), [0, 1], CFG, now=1.0)
+    assert [len(b.requests) for b in batches] == [32, 32]
+    few = [glu_request() for _ in range(6)]
+    batches, _, _ = form_batches(queue_of(*few), [0, 1], CFG, now=1.0)
+    assert [len(b.requests) for b in batches] == [6]  # too little to be worth spreading
+
+
+def test_large_request_launches_alone_and_splits_across_idle_streams():
+    cfg = SchedulerConfig(streams=4, fuse_max_bytes=1000, split_min_bytes=4000)
+    big = glu_request(rows=64, cols=16)  # 8 KiB of operands, queued first
+    small = glu_request()
+    q = queue_of(big, small)
+    batches, _, _ = form_batches(q, [0, 1, 2], cfg, now=1.0)
+    assert [b.fused for b in batches] == [False, False, False]  # one part per idle stream
+    assert all(b.requests == [big] for b in batches) and big.parts_left == 3
+    parts = [b.part[0]["self"] for b in batches]
+    assert [p.shape[0] for p in parts] == [21, 21, 22]
+    assert all(np.shares_memory(p, big.tensors["self"]) for p in parts)  # views, no copies
+    assert len(q) == 1  # small waits for a stream
+    batches, _, _ = form_batches(q, [1], cfg, now=1.0)
+    assert batches[0].requests == [small] and batches[0].fused
+
+
+def test_large_request_alone_when_one_stream_idle():
+    cfg = SchedulerConfig(streams=4, fuse_max_bytes=1000, split_min_bytes=4000)
+    big = glu_request(rows=64, cols=16)
+    batches, _, _ = form_batches(queue_of(big), [3], cfg, now=1.0)
+    assert len(batches) == 1 and batches[0].part is None and batches[0].stream == 3
+
+
+def test_expired_requests_leave_without_launching():
+    gone = glu_request(deadline=0.5)
+    live = glu_request(deadline=2.0)
+    q = queue_of(gone, live)
+    batches, expired, _ = form_batches(q, [0], CFG, now=1.0)
+    assert expired == [gone] and gone.state is RequestState.EXPIRED
+    assert batches[0].requests == [live] and len(q) == 0
+
+
+def test_max_delay_holds_a_young_key_and_says_when_to_wake():
+    cfg = SchedulerConfig(streams=1, max_delay_us=1000)
+    r = glu_request(at=10.0)
+    q = queue_of(r)
+    batches, _, wake = form_batches(q, [0], cfg, now=10.0002)
+    assert batches == [] and wake == pytest.approx(10.001) and len(q) == 1
+    batches, _, wake = form_batches(q, [0], cfg, now=10.0011)
+    assert batches[0].requests == [r] and wake is None
+
+
+def test_max_delay_does_not_hold_a_full_batch():
+    cfg = SchedulerConfig(streams=1, max_delay_us=1000, max_batch_requests=3)
+    reqs = [glu_request(at=10.0) for _ in range(3)]
+    batches, _, _ = form_batches(queue_of(*reqs), [0], cfg, now=10.0)
+    assert batches[0].requests == reqs
+
+
+def test_queue_discard_is_lazy_and_counts():
+    a, b = glu_request(), glu_request()
+    q = queue_of(a, b)
+    q.discard(a, RequestState.CANCELLED)
+    assert len(q) == 1
+    batches, _, _ = form_batches(q, [0], CFG, now=1.0)
+    assert batches[0].requests == [b]
+    assert q.peak == 2
+
+
+def test_no_idle_stream_no_batch():
+    q = queue_of(glu_request())
+    assert form_batches(q, [], CFG, now=1.0) == ([], [], None)
+    assert len(q) == 1

@@ -1,0 +1,112 @@
+"""Module-level functions: no set-up under asyncio.run and trio.run, clean endings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import trio
+
+import opsched
+from tests.helpers import rand
+from tests.sched_helpers import solo_glu, solo_gn
+
+F32 = np.dtype(np.float32)
+
+
+def run_script(body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a fresh interpreter with warnings as errors."""
+    code = "import numpy as np, opsched, threading, asyncio\n" + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-X", "dev", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_plain_asyncio_run_needs_no_setup_and_ends_cleanly():
+    proc = run_script(
+        """
+        async def main():
+            x = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+            g = np.ones((4, 3), np.float32)
+            outs = await asyncio.gather(*(opsched.glu_backward(g, x) for _ in range(50)))
+            dx = await opsched.group_norm_grad(*(np.ones((2, 2, 4), np.float32),) * 3,
+                                               np.zeros((2, 2), np.float32),
+                                               np.ones((2, 2), np.float32))
+            print("ok", float(outs[0][0, 0]), dx.shape)
+        asyncio.run(main())
+        asyncio.run(main())  # a second loop gets its own default scheduler
+        print("threads", [t.name for t in threading.enumerate()])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok 0.5") == 2
+    assert "threads ['MainThread']" in proc.stdout
+    assert "destroyed but it is pending" not in proc.stderr
+    assert proc.stderr == ""
+
+
+def test_plain_trio_run_needs_no_setup_and_ends_cleanly():
+    proc = run_script(
+        """
+        import trio
+        async def main():
+            x = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+            g = np.ones((4, 3), np.float32)
+            async with trio.open_nursery() as n:
+                for _ in range(20):
+                    n.start_soon(opsched.glu_backward, g, x)
+            print("ok", float((await opsched.glu_backward(g, x))[0, 0]))
+        trio.run(main)
+        print("threads", [t.name for t in threading.enumerate()])
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ok 0.5" in proc.stdout and "threads ['MainThread']" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_module_functions_under_trio_match_solo():
+    rng = np.random.default_rng(0)
+    g, x = rand(rng, (8, 16), F32), rand(rng, (8, 32), F32)
+    xs = rand(rng, (2, 4, 10), F32)
+    gn = (xs, rand(rng, xs.shape, F32), rand(rng, xs.shape, F32), rand(rng, (2, 4), F32),
+          (rng.random((2, 4)) + 0.5).astype(F32))  # fmt: skip
+    results = {}
+
+    async def main():
+        async with opsched.open_scheduler(device="reference") as sched:
+            results["glu"] = await opsched.glu_backward(g, x)  # uses the enclosing block
+            results["gn"] = await opsched.group_norm_grad(*gn)
+            results["sched"] = await opsched.current_scheduler() is sched
+
+    trio.run(main)
+    np.testing.assert_array_equal(results["glu"], solo_glu(g, x, -1))
+    np.testing.assert_array_equal(results["gn"], solo_gn(*gn))
+    assert results["sched"] is True
+
+
+def test_module_function_outside_a_loop_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="running asyncio or trio event loop"):
+        opsched.glu_backward(np.ones((1,), F32), np.ones((2,), F32)).send(None)
+
+
+def test_open_scheduler_rejects_bad_config():
+    async def main():
+        with pytest.raises(ValueError, match="unknown scheduler setting"):
+            async with opsched.open_scheduler(stream=2):
+                pass
+        with pytest.raises(ValueError, match="unknown device 'gpu'"):
+            async with opsched.open_scheduler(device="gpu"):
+                pass
+        with pytest.raises(TypeError, match="config must be a SchedulerConfig"):
+            async with opsched.open_scheduler(42):  # type: ignore[arg-type]
+                pass
+
+    trio.run(main)

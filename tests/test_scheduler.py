@@ -1,0 +1,464 @@
+"""The async scheduler's behaviour, on both devices where it applies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+
+import opsched
+from opsched import (
+    DeadlineExceededError,
+    InjectedFault,
+    InnerError,
+    ParamInvalidError,
+    ParamNullptrError,
+    QueueFullError,
+    RuntimeLaunchError,
+    SchedulerClosedError,
+    Status,
+)
+from tests.helpers import rand
+from tests.sched_helpers import FailWhen, Gate, random_glu, random_gn, solo_glu, solo_gn
+
+pytestmark = pytest.mark.asyncio
+
+F32 = np.dtype(np.float32)
+DEVICES = ["cpu", "reference"]
+
+
+def small_glu(rng, rows=4, cols=8):
+    return rand(rng, (rows, cols // 2), F32), rand(rng, (rows, cols), F32)
+
+
+def assert_adds_up(stats):
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
+    assert stats.queued == 0 and stats.running == 0
+
+
+def stream_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
+
+
+# -------------------------------------------------------------------- results and fusion
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_batches_bit_identical_to_solo(device, seed):
+    rng = np.random.default_rng(seed)
+    streams = int(rng.integers(1, 4))
+    glu = [random_glu(rng) for _ in range(int(rng.integers(1, 60)))]
+    gn = [random_gn(rng) for _ in range(int(rng.integers(1, 40)))]
+    async with opsched.open_scheduler(device=device, streams=streams) as sched:
+        calls = [sched.glu_backward(*a) for a in glu] + [sched.group_norm_grad(*a) for a in gn]
+        order = rng.permutation(len(calls))
+        results = await asyncio.gather(*(calls[i] for i in order))
+    by_call = dict(zip(order.tolist(), results, strict=True))
+    for i, args in enumerate(glu):
+        np.testing.assert_array_equal(by_call[i], solo_glu(*args))
+    for j, args in enumerate(gn):
+        np.testing.assert_array_equal(by_call[len(glu) + j], solo_gn(*args))
+    stats = sched.statistics()
+    assert_adds_up(stats)
+    assert stats.completed == len(calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_concurrent_requests_fuse(device):
+    rng = np.random.default_rng(0)
+    args = [small_glu(rng) for _ in range(100)]
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+    stats = sched.statistics()
+    assert stats.launches < 10 and stats.requests_per_launch_max >= 50
+    assert stats.requests_per_launch_mean == pytest.approx(100 / stats.launches)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_out_is_written_in_place_and_results_belong_to_the_caller(device):
+    rng = np.random.default_rng(1)
+    g, x = small_glu(rng)
+    out = np.zeros((4, 16), F32)[:, ::2]  # strided out, fused path
+    async with opsched.open_scheduler(device=device) as sched:
+        got, fresh = await asyncio.gather(
+            sched.glu_backward(g, x, out=out), sched.glu_backward(g, x)
+        )
+    assert got is out
+    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
+    assert fresh.flags.owndata and fresh is not out  # never a view into pooled memory
+    np.testing.assert_array_equal(fresh, out)
+
+
+async def test_large_requests_split_across_streams_bit_identical():
+    rng = np.random.default_rng(2)
+    g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
+    xg = rand(rng, (4, 8, 512), F32)
+    gn_args = (xg, rand(rng, xg.shape, F32), rand(rng, xg.shape, F32),
+               rand(rng, (4, 8), F32), (rng.random((4, 8)) + 0.5).astype(F32))  # fmt: skip
+    cfg = {"streams": 3, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 14}
+    async with opsched.open_scheduler(**cfg) as sched:
+        out = await sched.glu_backward(g, x)
+        dx = await sched.group_norm_grad(*gn_args)
+        stats = sched.statistics()
+    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
+    np.testing.assert_array_equal(dx, solo_gn(*gn_args))
+    assert stats.launches == 6  # each request in three parts, one per stream
+    assert all(s.launches == 2 for s in stats.streams)
+
+
+async def test_large_unsplittable_request_runs_alone():
+    rng = np.random.default_rng(3)
+    # dim=1 of a (8, 8, 64) view whose last two axes are swapped in memory: the half
+    # (axes 1 and 2 together) cannot be viewed as one row, so it cannot be split.
+    x = rand(rng, (8, 64, 8), F32).transpose(0, 2, 1)
+    g = rand(rng, (8, 4, 64), F32)
+    cfg = {"streams": 2, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 13}
+    async with opsched.open_scheduler(**cfg) as sched:
+        out = await sched.glu_backward(g, x, 1)
+    np.testing.assert_array_equal(out, solo_glu(g, x, 1))
+    assert sched.statistics().launches == 1
+
+
+# --------------------------------------------------------------- priorities and queue
+
+
+async def test_priorities_then_fifo():
+    rng = np.random.default_rng(4)
+    blocker = small_glu(rng)
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0, max_batch_requests=1) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()  # the dispatch ran: the only stream is now busy
+        prios = [0, 5, 0, 9, 5]
+        pend = [sched.glu_backward_nowait(*small_glu(rng), priority=p) for p in prios]
+        gate.open()
+        await first
+        for p in pend:
+            await p
+    ids = [pend_i._request.id for pend_i in pend]
+    launched_after = [ids.index(batch[0]) for batch in gate.launched[1:]]
+    assert launched_after == [3, 1, 4, 0, 2]  # 9, then 5s in order, then 0s in order
+
+
+async def test_queue_full_nowait_raises_and_await_waits():
+    rng = np.random.default_rng(5)
+    blocker = small_glu(rng)
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(
+        streams=1, inline_max_bytes=0, max_queued_requests=2
+    ) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()
+        queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(2)]
+        with pytest.raises(QueueFullError, match="2 requests are queued"):
+            sched.glu_backward_nowait(*small_glu(rng))
+        assert isinstance(QueueFullError(), anyio.WouldBlock)
+        async with anyio.create_task_group() as tg:
+            waiter = (
+                rng.standard_normal((4, 4)).astype(F32),
+                rng.standard_normal((4, 8)).astype(F32),
+            )
+            results = []
+
+            async def backpressured():
+                results.append(await sched.glu_backward(*waiter))
+
+            tg.start_soon(backpressured)
+            await anyio.lowlevel.checkpoint()
+            assert sched.statistics().queued == 2  # the third waits outside the queue
+            gate.open()
+        await first
+        for q in queued:
+            await q
+        np.testing.assert_array_equal(results[0], solo_glu(*waiter, -1))
+        assert sched.statistics().rejected == 1
+
+
+# ----------------------------------------------------------- deadlines and cancellation
+
+
+async def test_deadline_expires_from_its_own_timer_and_never_launches():
+    rng = np.random.default_rng(6)
+    blocker = small_glu(rng)
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()
+        late = small_glu(rng)
+        with pytest.raises(DeadlineExceededError, match="was not launched"):
+            await sched.glu_backward(*late, deadline=time.monotonic() + 0.02)
+        assert not gate.opened.is_set()  # it expired while the stream was still held
+        with pytest.raises(TimeoutError):  # DeadlineExceededError is a TimeoutError
+            await sched.glu_backward(*late, timeout=0.01)
+        gate.open()
+        await first
+    stats = sched.statistics()
+    assert stats.expired == 2 and stats.completed == 1
+    assert not gate.launched_array(late[1])
+    assert_adds_up(stats)
+
+
+async def test_request_launched_before_its_deadline_completes():
+    rng = np.random.default_rng(7)
+    g, x = small_glu(rng)
+    async with opsched.open_scheduler() as sched:
+        out = await sched.glu_backward(g, x, timeout=30)
+    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
+
+
+async def test_cancel_queued_request_leaves_queue():
+    rng = np.random.default_rng(8)
+    blocker = small_glu(rng)
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()
+        victim = small_glu(rng)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sched.glu_backward, *victim)
+            await anyio.lowlevel.checkpoint()
+            assert sched.statistics().queued == 1  # submitted, waiting in the queue
+            tg.cancel_scope.cancel()
+        assert sched.statistics().queued == 0 and sched.statistics().cancelled == 1
+        survivor = small_glu(rng)
+        pend = sched.glu_backward_nowait(*survivor)
+        gate.open()
+        await first
+        np.testing.assert_array_equal(await pend, solo_glu(*survivor, -1))
+    assert not gate.launched_array(victim[1])
+    assert_adds_up(sched.statistics())
+
+
+async def test_cancel_running_request_drops_result_and_others_complete():
+    rng = np.random.default_rng(9)
+    held = small_glu(rng)
+    gate = Gate(hold=held[1])
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        task = asyncio.ensure_future(sched.glu_backward(*held))
+        await asyncio.sleep(0)  # let it submit
+        await anyio.lowlevel.checkpoint()  # and be dispatched: now running, held at the gate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        other = small_glu(rng)
+        np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
+        gate.open()
+    stats = sched.statistics()
+    assert stats.cancelled == 1 and stats.completed == 1
+    assert_adds_up(stats)
+
+
+# ------------------------------------------------------------------- error isolation
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_failing_request_is_isolated_in_its_fused_batch(device):
+    rng = np.random.default_rng(10)
+    args = [small_glu(rng) for _ in range(20)]
+    bad = args[13]
+    async with opsched.open_scheduler(device=device, streams=1) as sched:
+        sched.device.inject_faults(FailWhen(bad[1]))
+        results = await asyncio.gather(
+            *(sched.glu_backward(g, x) for g, x in args), return_exceptions=True
+        )
+    for (g, x), r in zip(args, results, strict=True):
+        if x is bad[1]:
+            assert isinstance(r, RuntimeLaunchError) and r.status == Status.ERR_RUNTIME_ERROR
+            assert isinstance(r.__cause__, InjectedFault)
+        else:
+            np.testing.assert_array_equal(r, solo_glu(g, x, -1))
+    stats = sched.statistics()
+    assert stats.failed == 1 and stats.completed == 19
+    assert_adds_up(stats)
+
+
+async def test_kernel_exception_becomes_runtime_launch_error(monkeypatch):
+    rng = np.random.default_rng(11)
+    g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
+
+    def broken(*a, **k):
+        raise MemoryError("kernel blew up")
+
+    async with opsched.open_scheduler(fuse_max_bytes=1024, split_min_bytes=1 << 30) as sched:
+        monkeypatch.setattr("opsched.ops.glu_backward.glu_backward_fast", broken)
+        with pytest.raises(RuntimeLaunchError, match="MemoryError: kernel blew up"):
+            await sched.glu_backward(g, x)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(await sched.glu_backward(g, x), solo_glu(g, x, -1))
+
+
+async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeypatch):
+    import opsched._scheduler as sched_mod
+
+    rng = np.random.default_rng(12)
+    real = sched_mod.form_batches
+    calls = {"n": 0}
+
+    def flaky(queue, idle, config, now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            queue.pop(queue.best_key())  # takes a request, then breaks
+            raise KeyError("policy bug")
+        return real(queue, idle, config, now)
+
+    monkeypatch.setattr(sched_mod, "form_batches", flaky)
+    async with opsched.open_scheduler(streams=1) as sched:
+        with pytest.raises(InnerError, match="batch formation failed: KeyError") as info:
+            await sched.glu_backward(*small_glu(rng))
+        assert isinstance(info.value.__cause__, KeyError)
+        after = small_glu(rng)
+        np.testing.assert_array_equal(await sched.glu_backward(*after), solo_glu(*after, -1))
+    assert_adds_up(sched.statistics())
+
+
+# ----------------------------------------------------------- invalid requests, lifecycle
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_invalid_requests_rejected_at_submit_with_their_status(device):
+    rng = np.random.default_rng(13)
+    g, x = small_glu(rng)
+    async with opsched.open_scheduler(device=device) as sched:
+        with pytest.raises(ParamInvalidError) as info:
+            await sched.glu_backward(g, x, dim=0)
+        assert info.value.status == 161002
+        with pytest.raises(ParamNullptrError):
+            sched.group_norm_grad_nowait(None, x, x, x, x)
+        with pytest.raises(TypeError, match="priority must be an integer"):
+            sched.glu_backward_nowait(g, x, priority="high")
+        with pytest.raises(TypeError, match="deadline must be a number"):
+            sched.glu_backward_nowait(g, x, deadline="soon")
+        stats = sched.statistics()
+    assert stats.submitted == 0 and stats.rejected == 4 and stats.launches == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_leaving_the_block_drains_pending_requests(device):
+    rng = np.random.default_rng(14)
+    args = [small_glu(rng) for _ in range(30)]
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        pending = [sched.glu_backward_nowait(g, x) for g, x in args]
+    assert all(p.done() for p in pending)
+    for p, (g, x) in zip(pending, args, strict=True):
+        np.testing.assert_array_equal(await p, solo_glu(g, x, -1))
+    assert sched.state is opsched.SchedulerState.CLOSED
+    with pytest.raises(SchedulerClosedError, match="closed"):
+        await sched.glu_backward(*args[0])
+    assert not stream_threads()
+
+
+async def test_aclose_cancel_pending_fails_queued_requests():
+    rng = np.random.default_rng(15)
+    blocker = small_glu(rng)
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()
+        queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(3)]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: sched.aclose(cancel_pending=True))
+            await anyio.lowlevel.checkpoint()
+            for q in queued:
+                with pytest.raises(SchedulerClosedError):
+                    await q
+            gate.open()  # the running launch still finishes
+        np.testing.assert_array_equal(await first, solo_glu(*blocker, -1))
+    stats = sched.statistics()
+    assert stats.cancelled == 3 and stats.completed == 1
+    assert_adds_up(stats)
+    assert not stream_threads()
+
+
+async def test_exception_in_block_cancels_pending_and_closes():
+    rng = np.random.default_rng(16)
+    with pytest.raises(ZeroDivisionError):
+        async with opsched.open_scheduler() as sched:
+            sched.glu_backward_nowait(*small_glu(rng))
+            1 / 0  # noqa: B018
+    assert sched.state is opsched.SchedulerState.CLOSED
+    assert_adds_up(sched.statistics())
+    assert not stream_threads()
+
+
+# --------------------------------------------------------- workspace pool and executors
+
+
+async def test_workspace_limit_bounds_the_pool_and_everything_completes():
+    rng = np.random.default_rng(17)
+    args = [small_glu(rng, rows=16, cols=256) for _ in range(200)]
+    limit = 256 << 10
+    async with opsched.open_scheduler(streams=2, workspace_limit_bytes=limit) as sched:
+        results = await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+        stats = sched.statistics()
+    for (g, x), r in zip(args, results, strict=True):
+        np.testing.assert_array_equal(r, solo_glu(g, x, -1))
+    assert stats.pool.peak <= limit and stats.completed == 200
+
+
+async def test_request_larger_than_the_workspace_cap_is_invalid():
+    rng = np.random.default_rng(18)
+    g, x = rand(rng, (64, 1024), F32), rand(rng, (64, 2048), F32)
+    async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
+        with pytest.raises(
+            ParamInvalidError,
+            match=r"needs \d+ bytes of workspace, more than "
+            r"workspace_limit_bytes=65536",
+        ):
+            await sched.glu_backward(g, x)
+
+
+async def test_steady_state_hits_executor_cache_and_allocates_nothing():
+    rng = np.random.default_rng(19)
+    shapes = [((r, 2 * c), F32) for r in (2, 4, 8, 16) for c in (8, 16, 32, 64)]  # 16 shapes
+    pool_args = [(rand(rng, (r, c // 2), dt), rand(rng, (r, c), dt)) for (r, c), dt in shapes]
+
+    async def burst(sched, n):
+        picks = rng.integers(len(pool_args), size=n)
+        await asyncio.gather(*(sched.glu_backward(*pool_args[i]) for i in picks))
+
+    async with opsched.open_scheduler(streams=2) as sched:
+        for _ in range(100):  # warm up over the workload's whole range, largest bursts too
+            await burst(sched, int(rng.integers(1, 64)))
+        for _ in range(4):
+            await asyncio.gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
+        before = sched.statistics()
+        for _ in range(200):
+            await burst(sched, int(rng.integers(1, 64)))
+        after = sched.statistics()
+    hits = after.executor_cache.hits - before.executor_cache.hits
+    misses = after.executor_cache.misses - before.executor_cache.misses
+    assert hits / (hits + misses) >= 0.99, (hits, misses)
+    assert after.pool.allocated == before.pool.allocated  # no new workspace allocations
+
+
+# ------------------------------------------------------------------------- observability
+
+
+async def test_statistics_and_launch_log_events():
+    rng = np.random.default_rng(20)
+    args = [small_glu(rng) for _ in range(10)]
+    with structlog.testing.capture_logs() as logs:
+        async with opsched.open_scheduler(streams=1) as sched:
+            await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+    launches = [e for e in logs if e["event"] == "launch"]
+    assert len(launches) == sched.statistics().launches
+    first = launches[0]
+    assert first["log_level"] == "debug" and first["op"] == "GluBackward"
+    assert {"dtype", "requests", "bytes", "stream", "queue_wait_s", "run_s"} <= set(first)
+    assert sum(e["requests"] for e in launches) == 10
+    assert not [e for e in logs if e["event"] not in {"launch", "workspace pool grew"}]
+    stats = sched.statistics()
+    assert stats.streams[0].launches == stats.launches and stats.streams[0].busy_seconds >= 0
+    assert stats.queued_peak >= 1

@@ -1,0 +1,115 @@
+"""The synchronous facade."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+
+import opsched
+import opsched.sync
+from tests.helpers import rand
+from tests.sched_helpers import FailWhen, Gate, solo_glu, solo_gn
+
+F32 = np.dtype(np.float32)
+
+
+def glu_args(rng, rows=4):
+    return rand(rng, (rows, 4), F32), rand(rng, (rows, 8), F32)
+
+
+def test_blocking_calls_and_fused_futures():
+    rng = np.random.default_rng(0)
+    args = [glu_args(rng) for _ in range(500)]
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        g, x = args[0]
+        np.testing.assert_array_equal(sched.glu_backward(g, x), solo_glu(g, x, -1))
+        futures = [sched.submit_glu_backward(g, x) for g, x in args]
+        for f, (g, x) in zip(futures, args, strict=True):
+            np.testing.assert_array_equal(f.result(timeout=30), solo_glu(g, x, -1))
+        stats = sched.statistics()
+    assert stats.launches < 100  # thread submissions fuse too
+    assert stats.completed == 501
+    assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
+
+
+def test_group_norm_and_out():
+    rng = np.random.default_rng(1)
+    x = rand(rng, (2, 3, 8), F32)
+    gn = (x, rand(rng, x.shape, F32), rand(rng, x.shape, F32), rand(rng, (2, 3), F32),
+          (rng.random((2, 3)) + 0.5).astype(F32))  # fmt: skip
+    out = np.empty_like(x)
+    with opsched.sync.open_scheduler(device="reference") as sched:
+        assert sched.group_norm_grad(*gn, out=out) is out
+        fut = sched.submit_group_norm_grad(*gn)
+        np.testing.assert_array_equal(fut.result(timeout=30), solo_gn(*gn))
+    np.testing.assert_array_equal(out, solo_gn(*gn))
+
+
+def test_errors_reach_the_caller():
+    rng = np.random.default_rng(2)
+    g, x = glu_args(rng)
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        with pytest.raises(opsched.ParamInvalidError, match="grad_out.shape"):
+            sched.submit_glu_backward(g, x, 0)  # raised at submit, in this thread
+        sched.scheduler.device.inject_faults(FailWhen(x))
+        with pytest.raises(opsched.RuntimeLaunchError):
+            sched.glu_backward(g, x)
+
+
+def test_cancel_a_queued_future_and_deadline():
+    rng = np.random.default_rng(3)
+    blocker = glu_args(rng)
+    gate = Gate(hold=blocker[1])
+    with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.scheduler.device.inject_faults(gate)
+        first = sched.submit_glu_backward(*blocker)
+        assert gate.entered.wait(10)  # the only stream is now held
+        victim = glu_args(rng)
+        doomed = sched.submit_glu_backward(*victim)
+        assert doomed.cancel()
+        late = sched.submit_glu_backward(*glu_args(rng), timeout=0.01)
+        with pytest.raises(opsched.DeadlineExceededError):
+            late.result(timeout=30)  # expired by its timer while the stream is held
+        gate.open()
+        first.result(timeout=30)
+        stats = sched.statistics()
+    assert not gate.launched_array(victim[1])
+    assert stats.cancelled == 1 and stats.expired == 1 and stats.completed == 1
+
+
+def test_call_from_the_loop_thread_is_a_clear_error():
+    rng = np.random.default_rng(4)
+    g, x = glu_args(rng)
+    with opsched.sync.open_scheduler() as sched:
+
+        async def inside():
+            return sched.glu_backward(g, x)
+
+        with pytest.raises(RuntimeError, match="own event-loop thread"):
+            sched._portal.portal.call(inside)
+
+
+def test_works_from_a_thread_running_its_own_asyncio_loop():
+    rng = np.random.default_rng(5)
+    g, x = glu_args(rng)
+
+    async def notebook_cell():
+        return opsched.sync.glu_backward(g, x)  # blocking call inside a running loop
+
+    np.testing.assert_array_equal(asyncio.run(notebook_cell()), solo_glu(g, x, -1))
+
+
+def test_many_submitting_threads():
+    rng = np.random.default_rng(6)
+    args = [glu_args(rng) for _ in range(400)]
+    with (
+        opsched.sync.open_scheduler(streams=2) as sched,
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+    ):
+        results = list(pool.map(lambda a: sched.glu_backward(*a), args))
+    for (g, x), r in zip(args, results, strict=True):
+        np.testing.assert_array_equal(r, solo_glu(g, x, -1))
