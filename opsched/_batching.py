@@ -8,7 +8,8 @@ now, changing queue state and nothing else. It is where the policy lives:
 - a request larger than ``fuse_max_bytes`` launches alone, and one of at least
   ``split_min_bytes`` is split across the idle streams when its layout allows;
 - otherwise queued requests of one key fuse, up to ``max_batch_requests`` and
-  ``max_batch_bytes``, spread over the idle streams when there is enough work for several;
+  ``max_batch_bytes``, spread over the idle streams when each share would move at least
+  :data:`MIN_SPREAD_BYTES`;
 - with ``max_delay_us > 0`` a key whose oldest request is younger than the delay waits for
   company (unless its batch is already full);
 - requests whose deadline has passed leave the queue as expired, never launched.
@@ -23,17 +24,24 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Any
 
-import anyio
 import attrs
 import numpy as np
 
 from opsched._config import SchedulerConfig
+from opsched._loop import LoopEvent, ThreadEvent
 from opsched.ops import Operator
 
 __all__ = ["Batch", "Request", "RequestQueue", "RequestState", "form_batches"]
 
-#: Fusing fewer requests than this per stream is not worth spreading a batch across streams.
-MIN_SPREAD_REQUESTS = 16
+#: A fused batch is spread over several idle streams only when each share moves at least
+#: this many bytes: below it the per-launch Python work (which holds the GIL) outweighs the
+#: parallel kernel time.
+MIN_SPREAD_BYTES = 1 << 20
+
+
+def _unbound_event() -> LoopEvent:
+    """For requests built outside a scheduler (tests of the pure policy)."""
+    return ThreadEvent()
 
 
 class RequestState(enum.Enum):
@@ -67,8 +75,8 @@ class Request:
     enqueued_at: float
     state: RequestState = RequestState.QUEUED
     error: BaseException | None = None
-    #: Set when the request reached a final state.
-    done: anyio.Event = attrs.field(factory=anyio.Event)
+    #: Set when the request reached a final state (the loop's native event).
+    done: LoopEvent = attrs.field(factory=_unbound_event, kw_only=True)
     #: The caller stopped waiting: the result is dropped when the launch finishes.
     abandoned: bool = False
     #: Launches (split parts) still running for this request.
@@ -76,6 +84,8 @@ class Request:
     launched_at: float = 0.0
     #: For requests submitted from threads: the future their submitter holds.
     future: Future[np.ndarray] | None = None
+    #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
+    signature: Hashable | None = attrs.field(default=None, kw_only=True)
 
     @property
     def result(self) -> np.ndarray:
@@ -117,6 +127,7 @@ class RequestQueue:
     """
 
     _heaps: dict[Hashable, list[tuple[int, int, Request]]] = attrs.field(factory=dict)
+    _bytes: dict[Hashable, int] = attrs.field(factory=dict)
     _live: int = 0
     peak: int = 0
     #: When a list, every popped request is also appended to it (the dispatcher's record of
@@ -132,12 +143,14 @@ class RequestQueue:
         if heap is None:
             heap = self._heaps[request.key] = []
         heapq.heappush(heap, (-request.priority, request.id, request))
+        self._bytes[request.key] = self._bytes.get(request.key, 0) + request.nbytes
         self._live += 1
         self.peak = max(self.peak, self._live)
 
     def discard(self, request: Request, state: RequestState) -> None:
         """Take a queued ``request`` out (lazily), leaving it in ``state``."""
         request.state = state
+        self._bytes[request.key] -= request.nbytes
         self._live -= 1
 
     def head(self, key: Hashable) -> Request | None:
@@ -150,15 +163,21 @@ class RequestQueue:
             heapq.heappop(heap)
         if heap is not None:
             del self._heaps[key]
+            self._bytes.pop(key, None)
         return None
 
     def pop(self, key: Hashable) -> Request:
         """Remove and return the head of ``key`` (call :meth:`head` first)."""
         request = heapq.heappop(self._heaps[key])[2]
+        self._bytes[key] -= request.nbytes
         self._live -= 1
         if self.taken is not None:
             self.taken.append(request)
         return request
+
+    def queued_bytes(self, key: Hashable) -> int:
+        """Bytes of the live requests of ``key``."""
+        return self._bytes.get(key, 0)
 
     def count(self, key: Hashable) -> int:
         """Heap entries of ``key`` (an upper bound on its live requests)."""
@@ -182,6 +201,7 @@ class RequestQueue:
         """Remove and return every live request."""
         out = [r for heap in self._heaps.values() for _, _, r in heap]
         self._heaps.clear()
+        self._bytes.clear()
         self._live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
 
@@ -234,13 +254,14 @@ def form_batches(
             due = head.enqueued_at + delay
             wake_at = due if wake_at is None else min(wake_at, due)
             continue
-        share = math.ceil(queue.count(key) / len(idle))
         limit = config.max_batch_requests
-        if len(idle) > 1 and share >= MIN_SPREAD_REQUESTS:
-            limit = min(limit, share)
+        ways = min(len(idle), queue.queued_bytes(key) // MIN_SPREAD_BYTES)
+        if ways > 1:
+            limit = min(limit, math.ceil(queue.count(key) / ways))
         batch = _take(queue, key, limit, config, now, expired)
         if batch:
-            batches.append(Batch(batch, idle.pop(0), key, fused=True))
+            # A lone request runs on its own arrays: no gather, no scatter (same bits).
+            batches.append(Batch(batch, idle.pop(0), key, fused=len(batch) > 1))
     return batches, expired, wake_at
 
 

@@ -55,6 +55,8 @@ class Executor:
     scalars: dict[str, Any]
     plan: Any
     workspace_size: int
+    #: Free for the owner's bookkeeping (the scheduler keeps a fused launch's layout here).
+    layout: Any = attrs.field(default=None, init=False)
     _repeatable: bool = attrs.field(default=False, init=False)
     _state: ExecutorState = attrs.field(default=ExecutorState.READY, init=False)
     _launches: int = attrs.field(default=0, init=False)
@@ -124,6 +126,25 @@ class Executor:
                 )
                 raise ParamInvalidError(msg)
         self.tensors.update(arrays)
+
+    def count_launch(self) -> None:
+        """Count a launch whose workspace and bound arrays the owner guarantees (the
+        scheduler: pool-sized workspace, geometry from the cache key); only the
+        executor's own state is checked."""
+        if self._state is not ExecutorState.READY:
+            msg = f"{self.op.name} executor: launch while {self._state.value}"
+            raise ParamInvalidError(msg)
+        self._launches += 1
+        if not self._repeatable:
+            self._state = ExecutorState.SPENT
+
+    def rebind_same_geometry(self, tensors: dict[str, np.ndarray]) -> None:
+        """Bind arrays the caller guarantees have the planned geometry (no checks).
+
+        For owners that found this executor by a key made of that very geometry, as the
+        scheduler's executor cache does; everyone else uses :meth:`bind`.
+        """
+        self.tensors = tensors
 
     def destroy(self) -> None:
         """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""

@@ -8,13 +8,79 @@ primitive: ``loop.call_soon_threadsafe`` on asyncio, ``TrioToken.run_sync_soon``
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
+import threading
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["LoopHandle", "current_loop"]
+__all__ = ["LoopEvent", "LoopHandle", "ThreadEvent", "current_loop"]
+
+
+class LoopEvent(Protocol):
+    """What the scheduler needs of an event: ``asyncio.Event`` and ``trio.Event`` both fit.
+
+    The scheduler uses the running loop's own event class: constructing one is ten times
+    cheaper than ``anyio.Event()``, which looks up the backend on every construction.
+    """
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> Any: ...
+
+
+class _AsyncioEvent:
+    """asyncio.Event, minus a coroutine frame per wait: ``wait()`` returns a future.
+
+    Each waiter gets its own future, so cancelling a waiter never affects the event.
+    """
+
+    __slots__ = ("_flag", "_loop", "_waiters")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._flag = False
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def set(self) -> None:
+        if not self._flag:
+            self._flag = True
+            for fut in self._waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._waiters.clear()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self) -> Any:
+        fut = self._loop.create_future()
+        if self._flag:
+            fut.set_result(None)
+        else:
+            self._waiters.append(fut)
+        return fut
+
+
+class ThreadEvent:
+    """A LoopEvent that is never awaited: for requests built outside any loop (tests)."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    async def wait(self) -> None:
+        msg = "this request belongs to no scheduler; nothing can await it"
+        raise RuntimeError(msg)
 
 
 @attrs.frozen
@@ -28,6 +94,27 @@ class LoopHandle:
     #: The backend's name, "asyncio" or "trio".
     library: str
     _later: Callable[..., Any] | None = None
+    _event: Callable[[], LoopEvent] = ThreadEvent  # always given: the loop's own class
+    _idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
+    _checkpoint: Callable[[], Any] | None = None
+
+    def idle(self) -> bool:
+        """True when nothing else is ready to run on the loop right now.
+
+        Then deferring work to the next loop step gains nothing: no other task can add to
+        it first. asyncio: its ready queue is empty (a private attribute, read defensively:
+        without it this says False); trio: ``tasks_runnable == 0``.
+        """
+        return self._idle()
+
+    async def checkpoint(self) -> None:
+        """Yield to the loop once (and deliver a pending cancellation)."""
+        assert self._checkpoint is not None
+        await self._checkpoint()
+
+    def new_event(self) -> LoopEvent:
+        """A new event of the loop's own kind (set and awaited on the loop thread)."""
+        return self._event()
 
     def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop ``delay`` seconds from now (call from the loop).
@@ -64,10 +151,41 @@ def current_loop() -> LoopHandle:
         except RuntimeError:
             pass
         else:
-            return LoopHandle(token, token.run_sync_soon, token.run_sync_soon, "trio")
+
+            def trio_idle() -> bool:
+                return bool(trio.lowlevel.current_statistics().tasks_runnable == 0)
+
+            return LoopHandle(
+                token,
+                token.run_sync_soon,
+                token.run_sync_soon,
+                "trio",
+                None,
+                trio.Event,
+                trio_idle,
+                trio.lowlevel.checkpoint,
+            )
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         msg = "opsched's async API must be called from a running asyncio or trio event loop"
         raise RuntimeError(msg) from None
-    return LoopHandle(loop, loop.call_soon, loop.call_soon_threadsafe, "asyncio", loop.call_later)
+    ready = getattr(loop, "_ready", None)
+
+    def asyncio_idle() -> bool:
+        return ready is not None and not ready
+
+    return LoopHandle(
+        loop,
+        loop.call_soon,
+        loop.call_soon_threadsafe,
+        "asyncio",
+        loop.call_later,
+        functools.partial(_AsyncioEvent, loop),
+        asyncio_idle,
+        _asyncio_checkpoint,
+    )
+
+
+async def _asyncio_checkpoint() -> None:
+    await asyncio.sleep(0)

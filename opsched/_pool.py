@@ -42,6 +42,8 @@ class Block:
     stream: int
     #: Completes when the last launch that used the block has finished (None: nothing ran).
     last_event: Any = None
+    #: Views the scheduler carved this block into, by layout (reused while the block lives).
+    views: dict[Any, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen

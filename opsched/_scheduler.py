@@ -15,14 +15,16 @@ every launch runs inside an exception boundary that fails only the requests conc
 
 from __future__ import annotations
 
+import bisect
 import collections
 import enum
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import attrs
@@ -43,7 +45,7 @@ from opsched._errors import (
 )
 from opsched._executor import Executor, geometry_of
 from opsched._log import enabled, get_logger
-from opsched._loop import LoopHandle
+from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
 
@@ -106,8 +108,7 @@ class SchedulerStatistics:
         return self.completed + self.failed + self.cancelled + self.expired
 
 
-@attrs.frozen
-class _Checked:
+class _Checked(NamedTuple):
     """A request that passed its checks, not yet queued."""
 
     op: Operator
@@ -118,6 +119,31 @@ class _Checked:
     nbytes: int
     priority: int
     deadline: float | None
+    signature: Hashable | None
+
+
+@attrs.frozen
+class _FusedLayout:
+    """Where a fused launch's gathered arrays and kernel workspace sit in its block."""
+
+    arrays: tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+    kernel_bytes: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, geometry: dict[str, tuple[tuple[int, ...], np.dtype]], kernel_bytes: int) -> Any:
+        arrays = tuple((name, shape, dtype) for name, (shape, dtype) in geometry.items())
+        counts = [(math.prod(shape), dtype) for _, shape, dtype in arrays]
+        return cls(arrays, kernel_bytes, workspace_bytes(counts) + kernel_bytes)
+
+    def carve(self, block: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The gathered arrays and the kernel's workspace, as views of ``block``."""
+        carve = Carver(block)
+        arrays = {
+            name: carve.take(math.prod(shape), dtype).reshape(shape)
+            for name, shape, dtype in self.arrays
+        }
+        return arrays, block[carve.offset :]
 
 
 @attrs.define(eq=False)
@@ -128,6 +154,10 @@ class _Launch:
     op: Operator
     block: Block | None
     started: float
+
+
+#: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
+_SIGNATURES_KEPT = 4096
 
 
 def _bucket(units: int) -> int:
@@ -187,9 +217,9 @@ class Scheduler:
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
     _dispatch_pending: bool = attrs.field(default=False, init=False)
     _memory_wait: bool = attrs.field(default=False, init=False)
-    _space: anyio.Event | None = attrs.field(default=None, init=False)
-    _quiet: anyio.Event | None = attrs.field(default=None, init=False)
-    _wake: anyio.Event | None = attrs.field(default=None, init=False)
+    _space: LoopEvent | None = attrs.field(default=None, init=False)
+    _quiet: LoopEvent | None = attrs.field(default=None, init=False)
+    _wake: LoopEvent | None = attrs.field(default=None, init=False)
     _wake_at: float | None = attrs.field(default=None, init=False)
     _counts: dict[str, int] = attrs.field(init=False)
     _per_launch_max: int = attrs.field(default=0, init=False)
@@ -200,6 +230,7 @@ class Scheduler:
     )
     _inbox_room: threading.Condition = attrs.field(factory=threading.Condition, init=False)
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
+    _signatures: dict[Hashable, tuple[Any, ...]] = attrs.field(factory=dict, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
 
@@ -292,9 +323,11 @@ class Scheduler:
         Arguments and errors as :meth:`glu_backward` and
         :func:`opsched.aclnn.group_norm_grad_get_workspace_size`.
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
         tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}
-        request = await self._submit(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        try:
+            request = self._enqueue(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        except QueueFullError:
+            request = await self._submit(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
         return await self._wait(request)
 
     def group_norm_grad_nowait(
@@ -362,7 +395,7 @@ class Scheduler:
         if cancel_pending:
             self._fail_queued()
         while len(self._queue) or self._inflight:
-            self._quiet = anyio.Event()
+            self._quiet = self._loop.new_event()
             self._schedule_dispatch()
             await self._quiet.wait()
         self._shutdown()
@@ -378,7 +411,7 @@ class Scheduler:
     async def _serve(self) -> None:
         """Service task: timers for ``max_delay_us``; returns when the scheduler closes."""
         while self._state is not SchedulerState.CLOSED:
-            self._wake = anyio.Event()
+            self._wake = self._loop.new_event()
             if self._wake_at is None:
                 await self._wake.wait()
             else:
@@ -424,13 +457,17 @@ class Scheduler:
         deadline: float | None,
         timeout: float | None,
     ) -> Request:
+        """Try the nowait path; park while the queue is full.
+
+        A caller whose cancel scope is already cancelled queues the request and is then
+        cancelled at its first wait, which withdraws it (counted as cancelled).
+        """
         while True:
             try:
-                return self._submit_nowait(op, tensors, scalars, priority, deadline, timeout)
+                return self._enqueue(op, tensors, scalars, priority, deadline, timeout)
             except QueueFullError:
-                self._counts["rejected"] -= 1  # not a rejection: we wait for room
                 if self._space is None:
-                    self._space = anyio.Event()
+                    self._space = self._loop.new_event()
                 await self._space.wait()
 
     def _submit_nowait(
@@ -443,13 +480,34 @@ class Scheduler:
         timeout: float | None,
     ) -> Request:
         try:
+            return self._enqueue(op, tensors, scalars, priority, deadline, timeout)
+        except QueueFullError:
+            self._counts["rejected"] += 1
+            raise
+
+    def _enqueue(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Request:
+        """Check and queue a request; QueueFullError (uncounted) when there is no room."""
+        try:
             request = self._make_request(op, tensors, scalars, priority, deadline, timeout)
+        except QueueFullError:
+            raise
         except BaseException:
             self._counts["rejected"] += 1
             raise
         self._queue.push(request)
         self._counts["submitted"] += 1
-        self._schedule_dispatch()
+        if self._loop.idle() and not self._dispatch_pending:
+            self._dispatch()  # nobody else can join this batch: launch now, no loop hop
+        else:
+            self._schedule_dispatch()  # others are about to submit: let them, then fuse
         return request
 
     def _make_request(
@@ -476,22 +534,42 @@ class Scheduler:
         deadline: float | None,
         timeout: float | None,
     ) -> _Checked:
-        """Everything a request needs that touches no scheduler state (any thread)."""
+        """Everything a request needs that touches no scheduler state (any thread).
+
+        The checks depend only on the arrays' shapes and dtypes and the scalar arguments,
+        so a signature seen before skips them (a dict lookup); failures are never cached:
+        a bad request always runs the checks and raises its status.
+        """
         if self._state is not SchedulerState.OPEN:
             msg = f"the scheduler is {self._state.value}; it accepts no new requests"
             raise SchedulerClosedError(msg)
-        scalars = op.check(tensors, scalars, allocate=True)
         deadline = _deadline(deadline, timeout)
-        if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+        if type(priority) is not int and (
+            isinstance(priority, bool) or not isinstance(priority, int | np.integer)
+        ):
             msg = f"priority must be an integer, got {type(priority).__qualname__} {priority!r}"
             raise TypeError(msg)
-        if any(tensors[name] is None for name in op.outputs):
-            tensors.update(op.allocate(tensors, scalars))
-        key, units = op.fusion(tensors, scalars)
-        nbytes = op.nbytes(tensors)
-        if nbytes > self._pool.limit // 4:
-            self._check_fits(op, tensors, scalars, key, units, nbytes)
-        return _Checked(op, tensors, scalars, key, units, nbytes, int(priority), deadline)
+        signature = op.signature(tensors, scalars)
+        known = self._signatures.get(signature) if signature is not None else None
+        if known is None:
+            scalars = op.check(tensors, scalars, allocate=True)
+            if any(tensors[name] is None for name in op.outputs):
+                tensors.update(op.allocate(tensors, scalars))
+            key, units = op.fusion(tensors, scalars)
+            nbytes = op.nbytes(tensors)
+            if nbytes > self._pool.limit // 4:
+                self._check_fits(op, tensors, scalars, key, units, nbytes)
+            if signature is not None:
+                if len(self._signatures) >= _SIGNATURES_KEPT:
+                    self._signatures.clear()
+                self._signatures[signature] = (scalars, key, units, nbytes)
+        else:
+            scalars, key, units, nbytes = known
+            if any(tensors[name] is None for name in op.outputs):
+                tensors.update(op.allocate(tensors, scalars))
+        return _Checked(
+            op, tensors, scalars, key, units, nbytes, int(priority), deadline, signature
+        )
 
     def _request(self, c: _Checked) -> Request:
         return Request(
@@ -505,6 +583,8 @@ class Scheduler:
             c.priority,
             c.deadline,
             time.monotonic(),
+            done=self._loop.new_event(),
+            signature=c.signature,
         )
 
     # ------------------------------------------------------------ submission from threads
@@ -598,8 +678,8 @@ class Scheduler:
         else:
             capacity = _bucket(units)
             geometry, _ = op.fused_geometry(key, capacity)
-            gathered = workspace_bytes([(int(np.prod(s)), dt) for s, dt in geometry.values()])
-            need = gathered + op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
+            plan_bytes = op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
+            need = _FusedLayout.of(geometry, plan_bytes).nbytes
         if not self._pool.fits(need):
             msg = (
                 f"{op.name}: this request needs {need} bytes of workspace, more than "
@@ -610,8 +690,22 @@ class Scheduler:
     # ------------------------------------------------------------------------- waiting
 
     async def _wait(self, request: Request) -> np.ndarray:
+        done = request.done
+        if request.deadline is None and not done.is_set():  # the common case
+            try:
+                await done.wait()
+            except BaseException:
+                if not done.is_set():
+                    self._abandon(request)
+                raise
+            if request.state is RequestState.DONE:
+                return request.result
+            assert request.error is not None
+            raise request.error
         try:
-            if request.deadline is None:
+            if request.done.is_set():  # finished inline at submit: still yield once
+                await self._loop.checkpoint()
+            elif request.deadline is None:
                 await request.done.wait()
             else:
                 with anyio.move_on_after(request.deadline - time.monotonic()):
@@ -717,8 +811,7 @@ class Scheduler:
             request.state = RequestState.QUEUED
             self._queue.push(request)
         for batch in group:
-            self._idle.append(batch.stream)
-        self._idle.sort()
+            bisect.insort(self._idle, batch.stream)
 
     def _start(self, group: list[Batch]) -> bool:
         """Start a fused batch, a solo request, or every part of a split request.
@@ -794,30 +887,27 @@ class Scheduler:
         capacity = _bucket(batch.units)
         cache_key = (op.name, "fused", batch.key, capacity, self.device.name, batch.stream)
         executor = self._cache.get(cache_key)
-        geometry, _ = op.fused_geometry(batch.key, capacity)
-        gathered = workspace_bytes([(int(np.prod(s)), dt) for s, dt in geometry.values()])
         if executor is None:
+            geometry, scalars = op.fused_geometry(batch.key, capacity)
             plan = op.fused_plan(batch.key, capacity, DEFAULT_BLOCK)
-            executor = Executor(
-                op, {}, op.fused_geometry(batch.key, capacity)[1], plan, op.workspace_size(plan)
-            )
+            executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
             executor.set_repeatable()
+            executor.layout = _FusedLayout.of(geometry, executor.workspace_size)
             self._cache.put(cache_key, executor)
-        block = self._pool.allocate(gathered + executor.workspace_size, batch.stream)
+        layout: _FusedLayout = executor.layout
+        block = self._pool.allocate(layout.nbytes, batch.stream)
         if block is None:
             return None
         try:
-            carve = Carver(block.array)
-            arrays = {
-                name: carve.take(int(np.prod(shape)), dtype).reshape(shape)
-                for name, (shape, dtype) in geometry.items()
-            }
-            kernel_ws = block.array[carve.offset :]
-            if executor.tensors:
-                executor.bind(**arrays)
-            else:
-                executor.tensors = arrays
-            executor.consume(op, kernel_ws, executor.workspace_size)
+            # A block keeps the views it was carved into, per layout: steady state carves
+            # nothing, and rebinding the same views needs no geometry check.
+            views = block.views.get(cache_key)
+            if views is None:
+                views = block.views[cache_key] = layout.carve(block.array)
+            arrays, kernel_ws = views
+            if executor.tensors is not arrays:
+                executor.rebind_same_geometry(arrays)
+            executor.count_launch()
         except BaseException:
             self._pool.release(block)
             raise
@@ -837,10 +927,16 @@ class Scheduler:
     ) -> tuple[Block | None, Callable[[], Any]] | None:
         request = batch.requests[0]
         tensors, scalars = batch.part or (request.tensors, request.scalars)
-        geometry = tuple(geometry_of(tensors[n]) for n in op.tensor_names)
+        strides = tuple(tensors[n].strides for n in op.tensor_names)
+        if batch.part is None and request.signature is not None:
+            geometry: Hashable = request.signature  # shapes, dtypes, scalars: from the checks
+        else:
+            geometry = (
+                tuple(geometry_of(tensors[n]) for n in op.tensor_names),
+                tuple(sorted(scalars.items())),
+            )
         overlap = op.overlaps_any(tensors)
-        scalar_key = tuple(sorted(scalars.items()))
-        cache_key = (op.name, geometry, scalar_key, overlap, self.device.name, batch.stream)
+        cache_key = (geometry, strides, overlap, self.device.name, batch.stream)
         executor = self._cache.get(cache_key)
         if executor is None:
             plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
@@ -848,7 +944,7 @@ class Scheduler:
             executor.set_repeatable()
             self._cache.put(cache_key, executor)
         else:
-            executor.bind(**tensors)
+            executor.rebind_same_geometry(tensors)  # the cache key is the geometry
         size = executor.workspace_size
         block: Block | None = None
         if size:
@@ -856,12 +952,7 @@ class Scheduler:
             if block is None:
                 return None
         workspace = block.array if block is not None else None
-        try:
-            executor.consume(op, workspace, size)
-        except BaseException:
-            if block is not None:
-                self._pool.release(block)
-            raise
+        executor.count_launch()
         device = self.device
         plan = executor.plan
         bound = dict(tensors)
@@ -885,8 +976,7 @@ class Scheduler:
         if launch.block is not None:
             self._pool.release(launch.block)
         self._memory_wait = False
-        self._idle.append(batch.stream)
-        self._idle.sort()
+        bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
         run_s = result[1] if error is None else 0.0
         for request in batch.requests:
@@ -910,7 +1000,10 @@ class Scheduler:
                 run_s=run_s,
                 failed=sum(1 for r in batch.requests if r.error is not None),
             )
-        self._schedule_dispatch()
+        if len(self._queue):
+            self._schedule_dispatch()  # a stream and workspace came free for what waits
+        else:
+            self._check_quiet()
 
     def _resolve(self, request: Request) -> None:
         if request.abandoned:
@@ -971,15 +1064,10 @@ def _run_fused(
     """Gather, compute, scatter; on failure re-run in halves to isolate the culprits."""
     try:
         device.check_fault(requests)
-        offset = 0
-        for r in requests:
-            op.gather(r.tensors, r.scalars, arrays, offset)
-            offset += r.units
-        device.run_kernel(op, plan, op.fused_prefix(arrays, offset), workspace)
-        offset = 0
-        for r in requests:
-            op.scatter(r.tensors, r.scalars, arrays, offset)
-            offset += r.units
+        offsets = op.gather(requests, arrays)
+        units = sum(r.units for r in requests)
+        device.run_kernel(op, plan, op.fused_prefix(arrays, units), workspace)
+        op.scatter(requests, arrays, offsets)
     except Exception as exc:
         if len(requests) == 1:
             errors[requests[0].id] = exc

@@ -51,6 +51,9 @@ def test_same_key_fuses_into_one_launch():
     batches, expired, wake = form_batches(queue_of(*reqs), [0], CFG, now=1.0)
     assert len(batches) == 1 and batches[0].requests == reqs and batches[0].fused
     assert not expired and wake is None
+    lone = glu_request()
+    batches, _, _ = form_batches(queue_of(lone), [0], CFG, now=1.0)
+    assert batches[0].requests == [lone] and not batches[0].fused
 
 
 def test_keys_do_not_mix_and_highest_priority_key_goes_first():
@@ -82,13 +85,13 @@ def test_max_batch_requests_and_bytes():
     assert len(batches[0].requests) == 3
 
 
-def test_work_spreads_over_idle_streams_when_there_is_enough():
-    reqs = [glu_request() for _ in range(64)]
+def test_work_spreads_over_idle_streams_when_each_share_is_large():
+    reqs = [glu_request(rows=32, cols=2048) for _ in range(64)]  # 640 KiB each
     batches, _, _ = form_batches(queue_of(*reqs), [0, 1], CFG, now=1.0)
     assert [len(b.requests) for b in batches] == [32, 32]
-    few = [glu_request() for _ in range(6)]
-    batches, _, _ = form_batches(queue_of(*few), [0, 1], CFG, now=1.0)
-    assert [len(b.requests) for b in batches] == [6]  # too little to be worth spreading
+    small = [glu_request() for _ in range(64)]  # 64 x 160 B: one launch is cheaper
+    batches, _, _ = form_batches(queue_of(*small), [0, 1], CFG, now=1.0)
+    assert [len(b.requests) for b in batches] == [64]
 
 
 def test_large_request_launches_alone_and_splits_across_idle_streams():
@@ -104,7 +107,7 @@ def test_large_request_launches_alone_and_splits_across_idle_streams():
     assert all(np.shares_memory(p, big.tensors["self"]) for p in parts)  # views, no copies
     assert len(q) == 1  # small waits for a stream
     batches, _, _ = form_batches(q, [1], cfg, now=1.0)
-    assert batches[0].requests == [small] and batches[0].fused
+    assert batches[0].requests == [small] and not batches[0].fused  # alone: no gather
 
 
 def test_large_request_alone_when_one_stream_idle():

@@ -429,10 +429,12 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
         await asyncio.gather(*(sched.glu_backward(*pool_args[i]) for i in picks))
 
     async with opsched.open_scheduler(streams=2) as sched:
-        for _ in range(100):  # warm up over the workload's whole range, largest bursts too
+        for _ in range(300):  # warm up over the workload's whole range, largest bursts too
             await burst(sched, int(rng.integers(1, 64)))
         for _ in range(4):
             await asyncio.gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
+        for args in pool_args:  # bursts of one take the solo path: see each shape alone
+            await sched.glu_backward(*args)
         before = sched.statistics()
         for _ in range(200):
             await burst(sched, int(rng.integers(1, 64)))

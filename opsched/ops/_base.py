@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import itertools
 import operator
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -160,6 +160,24 @@ class Operator(abc.ABC):
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         """Return the reference kernel's result (a new array) for a checked request."""
 
+    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
+        """What the checks depend on: each tensor's shape and dtype (None when absent) and
+        each scalar's type and value; None when an argument is not exactly an ndarray."""
+        parts: list[Any] = [self.name]
+        for name in self.tensor_names:
+            t = tensors[name]
+            if t is None:
+                parts.append(None)
+            elif type(t) is np.ndarray:
+                parts.append((t.shape, t.dtype))
+            else:
+                return None
+        for value in scalars.values():
+            if not isinstance(value, Hashable):
+                return None
+            parts.append((type(value), value))
+        return tuple(parts)
+
     def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
         """True when an output overlaps an input but ``plan`` does not stage the output
         (arrays rebound on a repeatable executor planned for separate buffers)."""
@@ -200,16 +218,14 @@ class Operator(abc.ABC):
         """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
 
     @abc.abstractmethod
-    def gather(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        """Copy a request's inputs into the fused arrays at unit ``offset``."""
+    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+        """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
+        the fused arrays; return each request's unit offset. Few numpy calls per launch, not
+        per request, where the layouts allow."""
 
     @abc.abstractmethod
-    def scatter(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        """Copy a request's outputs out of the fused arrays at unit ``offset``."""
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        """Copy each request's slice of the fused outputs into its own output arrays."""
 
     @abc.abstractmethod
     def split(

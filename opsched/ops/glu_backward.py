@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -100,6 +100,17 @@ class GluBackward(Operator):
         """``shape`` with ``shape[dim]`` halved: the shape of ``grad_out``."""
         return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
+    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
+        # A flat tuple, built without loops: this runs for every submitted request.
+        g, x, out, dim = tensors["grad_out"], tensors["self"], tensors["out"], scalars["dim"]
+        if type(g) is not np.ndarray or type(x) is not np.ndarray or type(dim) is not int:
+            return super().signature(tensors, scalars)
+        if out is None:
+            return (g.shape, g.dtype, x.shape, x.dtype, dim)
+        if type(out) is not np.ndarray:
+            return None
+        return (g.shape, g.dtype, x.shape, x.dtype, dim, out.shape, out.dtype)
+
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
         x = tensors["self"]
         return {"out": np.empty(x.shape, x.dtype)}
@@ -142,23 +153,34 @@ class GluBackward(Operator):
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GluPlan:
         return make_glu_plan((2, capacity), 0, key[1], block=block)  # type: ignore[index]
 
-    def gather(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        a, b = _halves(tensors["self"], scalars["dim"])
-        g = tensors["grad_out"]
-        end = offset + g.size
-        np.copyto(fused["grad_out"][0, offset:end].reshape(g.shape), g)
-        np.copyto(fused["self"][0, offset:end].reshape(a.shape), a)
-        np.copyto(fused["self"][1, offset:end].reshape(b.shape), b)
+    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+        # Requests with the same half-length h are copied with one concatenate per operand:
+        # their (outer, h) views of a, b and grad_out stack along axis 0, strided or not.
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            h = glu_grid(r.tensors["self"].shape, r.scalars["dim"])[1]
+            groups.setdefault(h, []).append(i)
+        offsets = [0] * len(requests)
+        offset = 0
+        g_row, a_row, b_row = fused["grad_out"][0], fused["self"][0], fused["self"][1]
+        for h, members in groups.items():
+            views = [_rows(requests[i].tensors, requests[i].scalars["dim"], h) for i in members]
+            start = offset
+            for i, (g2, _, _) in zip(members, views, strict=True):
+                offsets[i] = offset
+                offset += g2.shape[0] * h
+            end = offset
+            for k, target in enumerate((g_row, a_row, b_row)):
+                np.concatenate([v[k] for v in views], axis=0, out=target[start:end].reshape(-1, h))
+        return offsets
 
-    def scatter(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        out_a, out_b = _halves(tensors["out"], scalars["dim"])
-        end = offset + out_a.size
-        np.copyto(out_a, fused["out"][0, offset:end].reshape(out_a.shape))
-        np.copyto(out_b, fused["out"][1, offset:end].reshape(out_b.shape))
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        oa_row, ob_row = fused["out"][0], fused["out"][1]
+        for r, offset in zip(requests, offsets, strict=True):
+            out_a, out_b = _halves(r.tensors["out"], r.scalars["dim"])
+            end = offset + out_a.size
+            np.copyto(out_a, oa_row[offset:end].reshape(out_a.shape))
+            np.copyto(out_b, ob_row[offset:end].reshape(out_b.shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
@@ -179,8 +201,22 @@ class GluBackward(Operator):
         return [(dict(zip(("grad_out", "self", "out"), v, strict=True)), {"dim": 1}) for v in views]
 
 
+def _rows(
+    tensors: Mapping[str, np.ndarray], dim: int, h: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(grad_out, a, b)`` of a request as ``(outer, h)`` arrays: views when the layout
+    allows, else contiguous copies (numpy's reshape decides)."""
+    x, g = tensors["self"], tensors["grad_out"]
+    a, b = _halves(x, dim)
+    if x.ndim == 2 and dim == 1:  # already (outer, h): no reshape calls
+        return g, a, b
+    return g.reshape(-1, h), a.reshape(-1, h), b.reshape(-1, h)
+
+
 def _halves(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     h = x.shape[dim] // 2
+    if dim == x.ndim - 1:  # the usual split: plain last-axis slices
+        return x[..., :h], x[..., h:]
     lead = (slice(None),) * dim
     return x[(*lead, slice(0, h))], x[(*lead, slice(h, None))]
 

@@ -6,7 +6,7 @@ The device formula equals the true gradient only when gamma is all ones (SPEC ca
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -76,6 +76,20 @@ class GroupNormalizationGrad(Operator):
                 raise ParamInvalidError(msg)
         return {}
 
+    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
+        t = tensors
+        x, dy, gamma, mean, rstd, dx = t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"]
+        arrays = (x, dy, gamma, mean, rstd)
+        if any(type(a) is not np.ndarray for a in arrays):
+            return super().signature(tensors, scalars)
+        base = (x.shape, x.dtype, dy.shape, dy.dtype, gamma.shape, gamma.dtype,
+                mean.shape, mean.dtype, rstd.shape, rstd.dtype)  # fmt: skip
+        if dx is None:
+            return base
+        if type(dx) is not np.ndarray:
+            return None
+        return (*base, dx.shape, dx.dtype)
+
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
         x = tensors["x"]
         return {"dx": np.empty(x.shape, x.dtype)}
@@ -121,21 +135,24 @@ class GroupNormalizationGrad(Operator):
         m: int = key[2]  # type: ignore[index]
         return make_group_norm_plan((capacity, 1, m), dtype, block=block)
 
-    def gather(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        x = tensors["x"]
-        end = offset + x.shape[0] * x.shape[1]
+    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+        # All requests of a key share M: one concatenate per operand for the whole launch.
+        offsets, offset = [], 0
+        for r in requests:
+            offsets.append(offset)
+            x = r.tensors["x"]
+            offset += x.shape[0] * x.shape[1]
         for name in ("x", "dy", "gamma", "mean", "rstd"):
-            t = tensors[name]
-            np.copyto(fused[name][offset:end].reshape(t.shape), t)
+            target = fused[name][:offset]
+            parts = [r.tensors[name].reshape(-1, *target.shape[1:]) for r in requests]
+            np.concatenate(parts, axis=0, out=target)
+        return offsets
 
-    def scatter(
-        self, tensors: Tensors, scalars: Mapping[str, Any], fused: Tensors, offset: int
-    ) -> None:
-        dx = tensors["dx"]
-        end = offset + dx.shape[0] * dx.shape[1]
-        np.copyto(dx, fused["dx"][offset:end].reshape(dx.shape))
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        dx_all = fused["dx"]
+        for r, offset in zip(requests, offsets, strict=True):
+            dx = r.tensors["dx"]
+            np.copyto(dx, dx_all[offset : offset + dx.shape[0] * dx.shape[1]].reshape(dx.shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -1,0 +1,304 @@
+"""The scheduler benchmark: five figures, each against a baseline measured in the same run.
+
+1. Small-request throughput: 256 coroutines each awaiting 200 requests through the
+   scheduler, against the same requests one at a time through the two-phase API (check,
+   plan, workspace, launch) with no scheduler.
+2. Idle latency: one request at a time; scheduler median minus direct median.
+3. Event-loop responsiveness: a 1 ms ticker's lag while 32 large GLU requests run.
+4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1.
+5. Steady state: new workspace allocations and executor-cache hit rate after warm-up.
+
+Medians over repeats; the machines we run on are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+import opsched
+from opsched import aclnn
+
+__all__ = ["bench_scheduler", "print_scheduler_report"]
+
+F32 = np.float32
+
+
+def _glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
+    return [
+        (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
+        for _ in range(n)
+    ]
+
+
+def _gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
+    out: list[tuple[np.ndarray, ...]] = []
+    for _ in range(n):
+        x, dy, gamma = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(3))
+        mean = rng.standard_normal((4, 8)).astype(F32)
+        rstd = (rng.random((4, 8)) + 0.5).astype(F32)
+        out.append((x, dy, gamma, mean, rstd))
+    return out
+
+
+def _direct(op: str) -> Callable[..., np.ndarray]:
+    """One request through the two-phase API: check, plan, workspace, launch."""
+    if op == "glu":
+
+        def glu(g: np.ndarray, x: np.ndarray) -> np.ndarray:
+            out = np.empty(x.shape, x.dtype)
+            size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
+            aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
+            return out
+
+        return glu
+
+    def gn(
+        x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
+    ) -> np.ndarray:
+        dx = np.empty(x.shape, x.dtype)
+        size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
+        aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
+        return dx
+
+    return gn
+
+
+def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:
+    return sched.glu_backward if op == "glu" else sched.group_norm_grad
+
+
+async def _throughput_run(
+    op: str, inputs: list[tuple[np.ndarray, ...]], clients: int, per_client: int
+) -> tuple[float, opsched.SchedulerStatistics, opsched.SchedulerStatistics]:
+    async with opsched.open_scheduler() as sched:
+        call = _submit(sched, op)
+
+        async def client(i: int) -> None:
+            for j in range(per_client):
+                await call(*inputs[(i * per_client + j) % len(inputs)])
+
+        await asyncio.gather(*(client(i) for i in range(clients)))  # warm-up round
+        before = sched.statistics()
+        start = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        elapsed = time.perf_counter() - start
+        after = sched.statistics()
+    return elapsed, before, after
+
+
+def _throughput(op: str, repeats: int, clients: int, per_client: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    inputs = (_glu_inputs if op == "glu" else _gn_inputs)(rng, 4096)
+    total = clients * per_client
+    direct = _direct(op)
+    sched_times, direct_times, ratios = [], [], []
+    steady: dict[str, Any] = {}
+    for _ in range(repeats):
+        elapsed, before, after = asyncio.run(_throughput_run(op, inputs, clients, per_client))
+        start = time.perf_counter()
+        for k in range(total):
+            direct(*inputs[k % len(inputs)])
+        t_direct = time.perf_counter() - start
+        sched_times.append(elapsed)
+        direct_times.append(t_direct)
+        ratios.append(t_direct / elapsed)
+        hits = after.executor_cache.hits - before.executor_cache.hits
+        misses = after.executor_cache.misses - before.executor_cache.misses
+        steady = {
+            "new_workspace_allocations": after.pool.misses - before.pool.misses,
+            "new_workspace_bytes": after.pool.allocated - before.pool.allocated,
+            "executor_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "requests_per_launch_mean": (after.completed - before.completed)
+            / max(1, after.launches - before.launches),
+        }
+    return {
+        "requests": total,
+        "scheduler_rps": total / statistics.median(sched_times),
+        "direct_rps": total / statistics.median(direct_times),
+        "speedup": statistics.median(ratios),
+        "steady_state": steady,
+    }
+
+
+async def _latency_run(args: tuple[np.ndarray, ...], n: int) -> tuple[list[float], list[float]]:
+    """Alternate one scheduler request and one direct call, n times: drift in the
+    machine's load hits both series alike."""
+    direct = _direct("glu")
+    g, x = args
+    sched_s, direct_s = [], []
+    async with opsched.open_scheduler() as sched:
+        for _ in range(50):
+            await sched.glu_backward(g, x)
+            direct(g, x)
+        for _ in range(n):
+            start = time.perf_counter()
+            await sched.glu_backward(g, x)
+            mid = time.perf_counter()
+            direct(g, x)
+            end = time.perf_counter()
+            sched_s.append(mid - start)
+            direct_s.append(end - mid)
+    return sched_s, direct_s
+
+
+def _latency(repeats: int, n: int = 2000) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    args = _glu_inputs(rng, 1)[0]
+    sched_med, direct_med = [], []
+    for _ in range(repeats):
+        sched_s, direct_s = asyncio.run(_latency_run(args, n))
+        sched_med.append(statistics.median(sched_s))
+        direct_med.append(statistics.median(direct_s))
+    s, d = statistics.median(sched_med), statistics.median(direct_med)
+    return {"scheduler_median_us": s * 1e6, "direct_median_us": d * 1e6, "added_us": (s - d) * 1e6}
+
+
+async def _responsiveness_run(requests: int) -> dict[str, float]:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1024, 8192)).astype(F32)
+    g = rng.standard_normal((1024, 4096)).astype(F32)
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - start - 0.001)
+
+    async with opsched.open_scheduler() as sched:
+        await sched.glu_backward(g, x)  # warm-up: executors and workspace
+        tick = asyncio.ensure_future(ticker())
+        start = time.perf_counter()
+        await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(requests)))
+        elapsed = time.perf_counter() - start
+        done.set()
+        await tick
+    lags.sort()
+    return {
+        "p99_lag_ms": lags[int(0.99 * (len(lags) - 1))] * 1e3,
+        "max_lag_ms": lags[-1] * 1e3,
+        "ticks": len(lags),
+        "seconds": elapsed,
+    }
+
+
+def _responsiveness(repeats: int, requests: int = 32) -> dict[str, Any]:
+    runs = [asyncio.run(_responsiveness_run(requests)) for _ in range(repeats)]
+    return {
+        "requests": requests,
+        "p99_lag_ms": statistics.median(r["p99_lag_ms"] for r in runs),
+        "max_lag_ms": statistics.median(r["max_lag_ms"] for r in runs),
+        "ticks": runs[-1]["ticks"],
+    }
+
+
+async def _scaling_run(streams: int, requests: int) -> float:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((256, 8192)).astype(F32)
+    g = rng.standard_normal((256, 4096)).astype(F32)
+    async with opsched.open_scheduler(streams=streams) as sched:
+        await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(streams)))  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(requests)))
+        return time.perf_counter() - start
+
+
+def _scaling(repeats: int, requests: int = 64) -> dict[str, Any]:
+    ratios, one, two = [], [], []
+    for _ in range(repeats):
+        t1 = asyncio.run(_scaling_run(1, requests))
+        t2 = asyncio.run(_scaling_run(2, requests))
+        one.append(requests / t1)
+        two.append(requests / t2)
+        ratios.append(t1 / t2)
+    return {
+        "requests": requests,
+        "streams1_rps": statistics.median(one),
+        "streams2_rps": statistics.median(two),
+        "speedup": statistics.median(ratios),
+    }
+
+
+def bench_scheduler(
+    repeats: int = 3,
+    parts: tuple[str, ...] = ("throughput", "latency", "responsiveness", "scaling"),
+    clients: int = 256,
+    per_client: int = 200,
+) -> dict[str, Any]:
+    """Run the chosen parts; return their figures (steady state rides on throughput)."""
+    result: dict[str, Any] = {"repeats": repeats}
+    if "throughput" in parts:
+        result["throughput_glu"] = _throughput("glu", repeats, clients, per_client)
+        result["throughput_gn"] = _throughput("gn", repeats, clients, per_client)
+    if "latency" in parts:
+        result["latency"] = _latency(repeats)
+    if "responsiveness" in parts:
+        result["responsiveness"] = _responsiveness(repeats)
+    if "scaling" in parts:
+        result["scaling"] = _scaling(repeats)
+    return result
+
+
+def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
+    """Print every figure with its target and whether it was reached."""
+
+    def line(name: str, figure: str, target: str, ok: bool) -> None:
+        print(f"{name:<44}{figure:<40}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
+
+    print(
+        f"{'figure':<44}{'measured (median of ' + str(r['repeats']) + ')':<40}{'target':<16}",
+        file=out,
+    )
+    for key, label in (("throughput_glu", "GLU 8x64"), ("throughput_gn", "group norm 4x8x64")):
+        if key in r:
+            t = r[key]
+            line(
+                f"1. throughput, {label}, {t['requests']} requests",
+                f"{t['scheduler_rps']:,.0f}/s vs direct {t['direct_rps']:,.0f}/s "
+                f"= {t['speedup']:.1f}x",
+                ">= 3x",
+                t["speedup"] >= 3,
+            )
+    if "latency" in r:
+        lat = r["latency"]
+        line(
+            "2. idle latency, added by the scheduler",
+            f"{lat['scheduler_median_us']:.0f} us - {lat['direct_median_us']:.0f} us = "
+            f"{lat['added_us']:.0f} us",
+            "<= 50 us",
+            lat["added_us"] <= 50,
+        )
+    if "responsiveness" in r:
+        resp = r["responsiveness"]
+        line(
+            "3. loop lag, 32 x GLU 1024x8192 running",
+            f"p99 {resp['p99_lag_ms']:.2f} ms, max {resp['max_lag_ms']:.2f} ms",
+            "<= 5 / 10 ms",
+            resp["p99_lag_ms"] <= 5 and resp["max_lag_ms"] <= 10,
+        )
+    if "scaling" in r:
+        sc = r["scaling"]
+        line(
+            "4. stream scaling, 64 x GLU 256x8192",
+            f"{sc['streams2_rps']:.1f}/s vs {sc['streams1_rps']:.1f}/s = {sc['speedup']:.2f}x",
+            ">= 1.5x",
+            sc["speedup"] >= 1.5,
+        )
+    for key in ("throughput_glu", "throughput_gn"):
+        if key in r:
+            st = r[key]["steady_state"]
+            line(
+                f"5. steady state ({key[11:]})",
+                f"{st['new_workspace_allocations']} new blocks, "
+                f"hit rate {st['executor_hit_rate']:.2%}, "
+                f"{st['requests_per_launch_mean']:.0f} req/launch",
+                "0, >= 99%",
+                st["new_workspace_allocations"] == 0 and st["executor_hit_rate"] >= 0.99,
+            )
