@@ -1,11 +1,24 @@
-"""``python -m opsched demo``: both operators through the two-phase API on the seeds."""
+"""``python -m opsched demo``: the seeds through the two-phase API, then the scheduler.
+
+1. The seed documents' worked examples through the two-phase API.
+2. An async "training loop": many coroutines, each running a small backward step
+   (group-norm grad, then GLU backward on the result) for several iterations.
+3. A sync batch script queueing thousands of requests through ``opsched.sync``.
+
+Every scheduler result is checked bit for bit against the same request run alone through
+the two-phase API; the demo exits 1 if any differs.
+"""
 
 from __future__ import annotations
 
-from typing import TextIO
+import asyncio
+import time
+from typing import Any, TextIO
 
 import numpy as np
 
+import opsched
+import opsched.sync
 from opsched import aclnn
 from opsched._seeds import glu_seed, group_norm_seed
 
@@ -16,31 +29,120 @@ def _workspace(size: int) -> np.ndarray | None:
     return np.empty(size, np.uint8) if size else None
 
 
-def run_demo(out: TextIO) -> int:
-    """Run the seed examples, print inputs' shapes and results; return an exit status."""
-    np.set_printoptions(precision=6, suppress=True, linewidth=100)
-    grad_out, x, dim = glu_seed()
-    result = np.empty_like(x)
-    size, executor = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, result)
+def _solo_glu(grad_out: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
+    out = np.empty_like(x)
+    size, executor = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, out)
     aclnn.glu_backward(_workspace(size), size, executor)
-    print("GluBackward (aclnnGluBackward), seed example", file=out)
-    print(f"  self {x.shape} FLOAT, grad_out all ones {grad_out.shape}, dim={dim}", file=out)
-    print(f"  workspace: {size} bytes", file=out)
-    print("  out =", file=out)
-    print("    " + str(result).replace("\n", "\n    "), file=out)
+    return out
 
-    x, dy, gamma, mean, rstd = group_norm_seed()
+
+def _solo_gn(
+    x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
+) -> np.ndarray:
     dx = np.empty_like(x)
     size, executor = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
     aclnn.group_norm_grad(_workspace(size), size, executor)
-    print("\nGroupNormalizationGrad (aclnnGroupNormalizationGrad), seed example", file=out)
+    return dx
+
+
+def _seeds(out: TextIO) -> None:
+    grad_out, x, dim = glu_seed()
+    result = _solo_glu(grad_out, x, dim)
+    print("1. The seed examples through the two-phase API (aclnn)", file=out)
+    print(f"   GluBackward, self {x.shape} FLOAT, grad_out = 1, dim = {dim}:", file=out)
+    print(f"     out[0, 0] = {np.array2string(result[0, 0], precision=6)}", file=out)
+    x, dy, gamma, mean, rstd = group_norm_seed()
+    dx = _solo_gn(x, dy, gamma, mean, rstd)
+    print(f"   GroupNormalizationGrad, x {x.shape}, x[..., i] = i / 128, dy = 0.5:", file=out)
+    print(f"     dx[1, 3, -3:] = {np.array2string(dx[1, 3, -3:], precision=6)}", file=out)
+    print("     (every group is -31.75 / 128 * x: s1 = 64 cancels M * dy)", file=out)
+
+
+async def _training_loop(workers: int, steps: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Each worker: x -> group-norm grad -> GLU backward on that gradient, per step."""
+    shapes = [(4, 8, 32), (2, 8, 64), (8, 4, 16)]
+    data = []
+    for w in range(workers):
+        n, g, m = shapes[w % len(shapes)]
+        x, dy, gamma = (rng.standard_normal((n, g, m)).astype(np.float32) for _ in range(3))
+        mean = rng.standard_normal((n, g)).astype(np.float32)
+        rstd = (rng.random((n, g)) + 0.5).astype(np.float32)
+        gate = rng.standard_normal((n, g, 2 * m)).astype(np.float32)
+        data.append((x, dy, gamma, mean, rstd, gate))
+    results: list[list[np.ndarray]] = [[] for _ in range(workers)]
+
+    async def worker(w: int) -> None:
+        x, dy, gamma, mean, rstd, gate = data[w]
+        for _ in range(steps):
+            dx = await opsched.group_norm_grad(x, dy, gamma, mean, rstd)
+            results[w].append(await opsched.glu_backward(dx, gate, dim=-1))
+
+    async with opsched.open_scheduler(streams=2) as sched:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(workers)))
+        elapsed = time.perf_counter() - start
+        stats = sched.statistics()
+    mismatches = 0
+    for (x, dy, gamma, mean, rstd, gate), outs in zip(data, results, strict=True):
+        expected = _solo_glu(_solo_gn(x, dy, gamma, mean, rstd), gate, -1)
+        mismatches += sum(not np.array_equal(o, expected) for o in outs)
+    return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
+
+
+def _batch_script(requests: int, rng: np.random.Generator) -> dict[str, Any]:
+    inputs = [
+        (rng.standard_normal((16, 32)).astype(np.float32),
+         rng.standard_normal((16, 64)).astype(np.float32))
+        for _ in range(64)
+    ]  # fmt: skip
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        start = time.perf_counter()
+        futures = [sched.submit_glu_backward(*inputs[i % 64]) for i in range(requests)]
+        results = [f.result() for f in futures]
+        elapsed = time.perf_counter() - start
+        stats = sched.statistics()
+    expected = [_solo_glu(g, x, -1) for g, x in inputs]
+    mismatches = sum(not np.array_equal(r, expected[i % 64]) for i, r in enumerate(results))
+    return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
+
+
+def _print_stats(stats: opsched.SchedulerStatistics, seconds: float, out: TextIO) -> None:
     print(
-        f"  x {x.shape} FLOAT with x[..., i] = (i % 128) / 128, dy = 0.5, gamma = 1, "
-        "mean = 0, rstd = 1",
+        f"   {stats.completed} requests in {stats.launches} launches "
+        f"({stats.requests_per_launch_mean:.1f} per launch on average, "
+        f"{stats.requests_per_launch_max} at most) in {seconds * 1e3:.0f} ms",
         file=out,
     )
-    print(f"  workspace: {size} bytes", file=out)
-    print(f"  dx[0, 0, :8]   = {dx[0, 0, :8]}", file=out)
-    print(f"  dx[1, 3, -4:]  = {dx[1, 3, -4:]}", file=out)
-    print("  (every group equals -31.75 / 128 * x: s1 = 64 cancels M * dy)", file=out)
-    return 0
+    streams = ", ".join(
+        f"stream {s.index}: {s.launches} launches, {s.busy_seconds * 1e3:.0f} ms busy"
+        for s in stats.streams
+    )
+    print(f"   {streams}", file=out)
+    pool, cache = stats.pool, stats.executor_cache
+    print(
+        f"   workspace pool: peak {pool.peak / 1024:.0f} KiB, {pool.hits} hits / "
+        f"{pool.misses} misses; executor cache: {cache.hits} hits / {cache.misses} misses",
+        file=out,
+    )
+
+
+def run_demo(out: TextIO) -> int:
+    """Run the demo, printing to ``out``; return the exit status (1 on a mismatch)."""
+    rng = np.random.default_rng(0)
+    _seeds(out)
+
+    workers, steps = 64, 20
+    loop = asyncio.run(_training_loop(workers, steps, rng))
+    print(
+        f"\n2. Async training loop: {workers} coroutines x {steps} steps of "
+        "group-norm grad -> GLU backward",
+        file=out,
+    )
+    _print_stats(loop["stats"], loop["seconds"], out)
+    print(f"   results bit-identical to solo launches: {loop['mismatches'] == 0}", file=out)
+
+    batch = _batch_script(5000, rng)
+    print("\n3. Sync batch script: 5000 GLU backward requests queued with opsched.sync", file=out)
+    _print_stats(batch["stats"], batch["seconds"], out)
+    print(f"   results bit-identical to solo launches: {batch['mismatches'] == 0}", file=out)
+    return 1 if loop["mismatches"] or batch["mismatches"] else 0

@@ -1,11 +1,12 @@
 """The workspace pool: a caching allocator in the style of PyTorch's.
 
 Sizes are rounded up to size classes (four per power of two), so recurring launches reuse
-blocks. A free block belongs to the stream that last used it and is reused there without
-synchronisation; it moves to another stream only once the event of its last launch has
-completed. ``limit`` caps the bytes the pool holds (in use plus cached): at the cap it first
-frees cached blocks, and if that is not enough :meth:`WorkspacePool.allocate` returns None
-and the caller waits for blocks to come back. It never exceeds the cap and never fails.
+blocks; a request may also take a free block of up to twice its class. A free block belongs
+to the stream that last used it and is reused there without synchronisation; it moves to
+another stream only once the event of its last launch has completed. ``limit`` caps the
+bytes the pool holds (in use plus cached): at the cap it first frees cached blocks, and if
+that is not enough :meth:`WorkspacePool.allocate` returns None and the caller waits for
+blocks to come back. It never exceeds the cap and never fails.
 """
 
 from __future__ import annotations
@@ -151,10 +152,17 @@ class WorkspacePool:
         return attrs.asdict(self.statistics())
 
     def _take_cached(self, cls: int, stream: int) -> Block | None:
-        own = self._free.get(stream, {}).get(cls)
+        mine = self._free.get(stream, {})
+        own = mine.get(cls)
         if own:
             self._cached -= 1
             return own.pop()
+        # No free block of the exact class on this stream: take the smallest larger one up
+        # to twice the size (as torch's allocator does), before trying other streams.
+        larger = [size for size, blocks in mine.items() if blocks and cls < size <= 2 * cls]
+        if larger:
+            self._cached -= 1
+            return mine[min(larger)].pop()
         for other, by_size in self._free.items():
             blocks = by_size.get(cls)
             if other == stream or not blocks:

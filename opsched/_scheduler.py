@@ -1039,6 +1039,8 @@ class Scheduler:
 
 
 def _deadline(deadline: float | None, timeout: float | None) -> float | None:
+    if deadline is None and timeout is None:
+        return None
     for name, value in (("deadline", deadline), ("timeout", timeout)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             msg = f"{name} must be a number of seconds or None, got {value!r}"

@@ -20,6 +20,8 @@ def test_demo_runs_and_prints_both_operators():
     assert proc.returncode == 0, proc.stderr
     assert "GluBackward" in proc.stdout and "GroupNormalizationGrad" in proc.stdout
     assert "0.334656" in proc.stdout  # sigmoid(-0.6872), the seed's first gradient
+    assert proc.stdout.count("results bit-identical to solo launches: True") == 2
+    assert "2560 requests in" in proc.stdout and "5000 requests in" in proc.stdout
 
 
 def test_unknown_command_fails_with_usage():

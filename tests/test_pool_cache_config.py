@@ -29,6 +29,16 @@ def test_size_classes(n, cls):
     assert size_class(n) <= max(512, n * 1.25 + 1)  # at most 25% rounding waste
 
 
+def test_pool_serves_from_a_larger_cached_block_up_to_twice_the_size():
+    pool = WorkspacePool(1 << 20)
+    big = pool.allocate(2048, 0)
+    pool.release(big)
+    assert pool.allocate(1024, 0) is big  # 2048 <= 2 x 1024: reused
+    pool.release(big)
+    assert pool.allocate(512, 0) is not big  # 2048 > 2 x 512: a new block
+    assert pool.statistics().misses == 2
+
+
 def test_pool_reuses_a_block_on_its_stream():
     pool = WorkspacePool(1 << 20)
     a = pool.allocate(1000, stream=0)
