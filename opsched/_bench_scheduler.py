@@ -6,7 +6,8 @@
 2. Idle latency: one request at a time; scheduler median minus direct median.
 3. Event-loop responsiveness: a 1 ms ticker's lag while 32 large GLU requests run.
 4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1.
-5. Steady state: new workspace allocations and executor-cache hit rate after warm-up.
+5. Steady state: new workspace allocations and executor-cache hit rate in the measured
+   round of (1), after two warm-up rounds of the same workload.
 
 Medians over repeats; the machines we run on are shared and noisy.
 """
@@ -83,7 +84,8 @@ async def _throughput_run(
             for j in range(per_client):
                 await call(*inputs[(i * per_client + j) % len(inputs)])
 
-        await asyncio.gather(*(client(i) for i in range(clients)))  # warm-up round
+        for _ in range(2):  # warm-up: two rounds, until batch compositions have settled
+            await asyncio.gather(*(client(i) for i in range(clients)))
         before = sched.statistics()
         start = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(clients)))

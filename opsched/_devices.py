@@ -19,6 +19,7 @@ in the stream's thread (or inline): that is the single hand-off point back to th
 from __future__ import annotations
 
 import abc
+import os
 import queue
 import threading
 import time
@@ -164,6 +165,7 @@ class _ThreadStream(Stream):
             self._thread = None
 
     def _worker(self) -> None:
+        _lower_priority()
         while (item := self._queue.get()) is not None:
             kind, a, b = item
             if kind == "run":
@@ -172,6 +174,25 @@ class _ThreadStream(Stream):
                 a._complete()
             else:
                 a.synchronize()
+
+
+#: How much lower than the event loop's the stream threads' OS priority is (nice levels).
+STREAM_NICENESS = 5
+
+
+def _lower_priority() -> None:
+    """Give this stream thread a lower OS priority than the event-loop thread.
+
+    With as many busy streams as cores, the loop thread would otherwise wait out whole
+    scheduler time slices; a lower priority lets it run as soon as it is runnable, which
+    keeps the loop responsive while kernels compute. Linux sets niceness per thread; where
+    that is not available this does nothing.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + STREAM_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 @attrs.define(eq=False)

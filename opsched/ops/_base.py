@@ -148,9 +148,9 @@ class Operator(abc.ABC):
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:
         """Plan a launch (geometry, staging, workspace layout) for checked arguments."""
 
-    @abc.abstractmethod
     def workspace_size(self, plan: Any) -> int:
-        """Bytes of workspace the planned launch uses."""
+        """Bytes of workspace the planned launch uses (every plan carries its own count)."""
+        return int(plan.workspace_bytes)
 
     @abc.abstractmethod
     def run(self, plan: Any, tensors: Tensors, workspace: np.ndarray | None) -> None:

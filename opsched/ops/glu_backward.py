@@ -120,9 +120,6 @@ class GluBackward(Operator):
             tensors["grad_out"], tensors["self"], scalars["dim"], tensors["out"], block=block
         )
 
-    def workspace_size(self, plan: GluPlan) -> int:
-        return plan.workspace_bytes
-
     def run(self, plan: GluPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         glu_backward_fast(plan, tensors["grad_out"], tensors["self"], tensors["out"], workspace)
 

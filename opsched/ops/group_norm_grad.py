@@ -99,9 +99,6 @@ class GroupNormalizationGrad(Operator):
             tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"], block=block
         )
 
-    def workspace_size(self, plan: GroupNormPlan) -> int:
-        return plan.workspace_bytes
-
     def run(self, plan: GroupNormPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         t = tensors
         group_norm_grad_fast(
