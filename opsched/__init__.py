@@ -5,7 +5,7 @@ The two-phase device-style API is the :mod:`opsched.aclnn` module.
 """
 
 from opsched import aclnn
-from opsched._api import current_scheduler, glu_backward, group_norm_grad, open_scheduler
+from opsched._api import current_scheduler, glu_backward, group_norm_grad, open_scheduler, run
 from opsched._batching import RequestState
 from opsched._cache import CacheStatistics
 from opsched._config import SchedulerConfig
@@ -13,6 +13,7 @@ from opsched._devices import Event, InjectedFault, Stream, StreamStatistics
 from opsched._errors import (
     AclnnError,
     DeadlineExceededError,
+    GraphExecutionError,
     InnerError,
     ParamInvalidError,
     ParamNullptrError,
@@ -20,8 +21,10 @@ from opsched._errors import (
     RuntimeLaunchError,
     SchedulerClosedError,
     Status,
+    UpstreamFailedError,
 )
 from opsched._executor import Executor, ExecutorState
+from opsched._graph import Graph, Node, NodeState, Placeholder
 from opsched._pool import PoolStatistics
 from opsched._scheduler import Pending, Scheduler, SchedulerState, SchedulerStatistics
 
@@ -34,11 +37,16 @@ __all__ = [
     "Event",
     "Executor",
     "ExecutorState",
+    "Graph",
+    "GraphExecutionError",
     "InjectedFault",
     "InnerError",
+    "Node",
+    "NodeState",
     "ParamInvalidError",
     "ParamNullptrError",
     "Pending",
+    "Placeholder",
     "PoolStatistics",
     "QueueFullError",
     "RequestState",
@@ -51,10 +59,12 @@ __all__ = [
     "Status",
     "Stream",
     "StreamStatistics",
+    "UpstreamFailedError",
     "__version__",
     "aclnn",
     "current_scheduler",
     "glu_backward",
     "group_norm_grad",
     "open_scheduler",
+    "run",
 ]

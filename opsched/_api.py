@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,11 +21,13 @@ import numpy as np
 
 from opsched._config import SchedulerConfig
 from opsched._devices import make_device
+from opsched._graph import Graph, Node, Placeholder
 from opsched._loop import current_loop
 from opsched._scheduler import Scheduler, SchedulerState
 
 __all__ = [
     "current_scheduler",
+    "run",
     "glu_backward",
     "group_norm_grad",
     "open_scheduler",
@@ -175,4 +177,20 @@ async def group_norm_grad(
     scheduler = await current_scheduler()
     return await scheduler.group_norm_grad(
         x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
+    )
+
+
+async def run(
+    graph: Graph,
+    outputs: Sequence[Node],
+    *,
+    inputs: Mapping[Node | Placeholder, np.ndarray] | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> list[np.ndarray]:
+    """Run a graph on the current scheduler; see :meth:`Scheduler.run`."""
+    scheduler = await current_scheduler()
+    return await scheduler.run(
+        graph, outputs, inputs=inputs, priority=priority, deadline=deadline, timeout=timeout
     )

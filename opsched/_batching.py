@@ -86,6 +86,10 @@ class Request:
     future: Future[np.ndarray] | None = None
     #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
     signature: Hashable | None = attrs.field(default=None, kw_only=True)
+    #: For a graph node: ``(graph run, node run)``; its launch reports to them.
+    graph: Any = None
+    #: Stream events its launch must wait for (its producers' launches).
+    waits: list[Any] | None = None
 
     @property
     def result(self) -> np.ndarray:
@@ -308,7 +312,7 @@ def _take(
 
 def _solo(request: Request, idle: list[int], config: SchedulerConfig) -> list[Batch]:
     """A large request: alone on one stream, or split across the idle streams."""
-    if request.nbytes >= config.split_min_bytes and len(idle) > 1:
+    if request.nbytes >= config.split_min_bytes and len(idle) > 1 and request.graph is None:
         parts = request.op.split(request.tensors, request.scalars, len(idle))
         if parts:
             request.parts_left = len(parts)

@@ -9,12 +9,14 @@ the builtin a Python user would reach for (``TimeoutError``, ``RuntimeError``).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import anyio
 
 __all__ = [
     "AclnnError",
     "DeadlineExceededError",
+    "GraphExecutionError",
     "InnerError",
     "ParamInvalidError",
     "ParamNullptrError",
@@ -22,6 +24,7 @@ __all__ = [
     "RuntimeLaunchError",
     "SchedulerClosedError",
     "Status",
+    "UpstreamFailedError",
 ]
 
 
@@ -105,3 +108,22 @@ class DeadlineExceededError(TimeoutError):
 class SchedulerClosedError(RuntimeError):
     """The scheduler is closing or closed: new requests are refused, and
     ``aclose(cancel_pending=True)`` fails the pending ones with this error."""
+
+
+class UpstreamFailedError(RuntimeError):
+    """A graph node produced no result because a node it depends on failed (chained)."""
+
+
+class GraphExecutionError(Exception):
+    """A graph run had failed nodes. Independent branches still completed.
+
+    Attributes:
+        failed: node name -> the exception that node ended with.
+        outputs: the requested outputs in order; None for those that did not complete.
+    """
+
+    def __init__(self, failed: dict[str, BaseException], outputs: list[Any]) -> None:
+        names = ", ".join(f"{name!r} ({type(err).__name__}: {err})" for name, err in failed.items())
+        super().__init__(f"{len(failed)} graph node(s) failed: {names}")
+        self.failed = failed
+        self.outputs = outputs

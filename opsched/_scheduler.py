@@ -22,7 +22,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -34,16 +34,18 @@ from kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched._batching import Batch, Request, RequestQueue, RequestState, form_batches
 from opsched._cache import CacheStatistics, ExecutorCache
 from opsched._config import SchedulerConfig
-from opsched._devices import Device, StreamStatistics
+from opsched._devices import Device, Event, StreamStatistics
 from opsched._errors import (
     DeadlineExceededError,
     InnerError,
     ParamInvalidError,
+    ParamNullptrError,
     QueueFullError,
     RuntimeLaunchError,
     SchedulerClosedError,
 )
 from opsched._executor import Executor, geometry_of
+from opsched._graph import Graph, GraphRun, Node, Placeholder
 from opsched._log import enabled, get_logger
 from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
@@ -81,6 +83,8 @@ class SchedulerStatistics:
         launches: launches started (split parts count one each).
         requests_per_launch_mean: requests served per launch, on average.
         requests_per_launch_max: the most requests one launch served.
+        graph_runs: graph runs started.
+        graph_nodes: graph nodes submitted as requests.
         streams: per-stream launches and busy seconds.
         pool: the workspace pool's counters.
         executor_cache: the executor cache's counters.
@@ -98,6 +102,8 @@ class SchedulerStatistics:
     launches: int
     requests_per_launch_mean: float
     requests_per_launch_max: int
+    graph_runs: int
+    graph_nodes: int
     streams: tuple[StreamStatistics, ...]
     pool: PoolStatistics
     executor_cache: CacheStatistics
@@ -239,7 +245,17 @@ class Scheduler:
         self._cache = ExecutorCache(self.config.executor_cache_limit)
         self._idle = list(range(len(self.device.streams)))
         self._counts = dict.fromkeys(
-            ("submitted", "completed", "failed", "cancelled", "expired", "rejected", "launches"),
+            (
+                "submitted",
+                "completed",
+                "failed",
+                "cancelled",
+                "expired",
+                "rejected",
+                "launches",
+                "graph_runs",
+                "graph_nodes",
+            ),
             0,
         )
 
@@ -351,6 +367,133 @@ class Scheduler:
         request = self._submit_nowait(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
         return Pending(self, request)
 
+    async def run(
+        self,
+        graph: Graph,
+        outputs: Sequence[Node],
+        *,
+        inputs: Mapping[Node | Placeholder, np.ndarray] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> list[np.ndarray]:
+        """Run the nodes ``outputs`` need; return their arrays, in order.
+
+        Args:
+            graph: the :class:`~opsched.Graph`.
+            outputs: nodes of ``graph`` whose results to return (each a fresh array).
+            inputs: arrays for the graph's placeholders (same shape and dtype), and
+                optionally for nodes, whose value is then taken as given, not computed.
+            priority, deadline, timeout: for every node of the run, as for single calls.
+
+        Raises:
+            GraphExecutionError: some nodes failed; it names each, with its cause, and
+                holds the outputs that completed.
+            ParamNullptrError, ParamInvalidError, TypeError, ValueError: bad outputs or
+                inputs (a placeholder without an array, an array of another geometry).
+            SchedulerClosedError: the scheduler is closed.
+        """
+        done = self._loop.new_event()
+        run = self._start_graph(graph, outputs, inputs, priority, deadline, timeout, done.set)
+        try:
+            if run.deadline is not None and not done.is_set():
+                # The run's own timer: nodes still queued at the deadline expire (and fail
+                # what depends on them); launched ones finish.
+                with anyio.move_on_after(run.deadline - time.monotonic()):
+                    await done.wait()
+                for request in run.queued():
+                    if request.state is RequestState.QUEUED:
+                        self._queue.discard(request, RequestState.EXPIRED)
+                        self._expired(request)
+            await done.wait()
+        except BaseException:
+            for request in run.cancel():
+                if request.state is RequestState.QUEUED:
+                    self._abandon(request)
+            raise
+        return run.result()
+
+    def _start_graph(
+        self,
+        graph: Graph,
+        outputs: Sequence[Node],
+        inputs: Mapping[Node | Placeholder, np.ndarray] | None,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+        done: Callable[[], None],
+    ) -> GraphRun:
+        if self._state is not SchedulerState.OPEN:
+            msg = f"the scheduler is {self._state.value}; it accepts no new graph runs"
+            raise SchedulerClosedError(msg)
+        if not isinstance(graph, Graph):
+            msg = f"run: graph must be an opsched.Graph, got {type(graph).__qualname__}"
+            raise TypeError(msg)
+        outputs = list(outputs)
+        if not outputs:
+            msg = "run: outputs must name at least one node of the graph"
+            raise ValueError(msg)
+        for node in outputs:
+            if not isinstance(node, Node) or node.graph is not graph:
+                msg = f"run: output {node!r} is not a node of this graph"
+                raise ValueError(msg)
+        given = _check_graph_inputs(graph, outputs, dict(inputs or {}))
+        run = GraphRun(
+            graph,
+            outputs,
+            int(priority),
+            _deadline(deadline, timeout),
+            self._graph_submit,
+            self._graph_allocate,
+            self._pool.release,
+            done,
+            self._graph_drop,
+        )
+        self._counts["graph_runs"] += 1
+        run.start(given)
+        return run
+
+    def _graph_submit(
+        self,
+        run: GraphRun,
+        node_run: Any,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        waits: list[Event],
+    ) -> Request:
+        node = node_run.node
+        checked = self._checked(
+            node.op, tensors, scalars, run.priority, run.deadline, None, internal=True
+        )
+        request = self._request(checked)
+        request.graph = (run, node_run)
+        request.waits = waits or None
+        self._queue.push(request)
+        self._counts["submitted"] += 1
+        self._counts["graph_nodes"] += 1
+        self._schedule_dispatch()
+        return request
+
+    def _graph_allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, Any]:
+        """An intermediate output: from the pool while it is at most half full (the other
+        half stays for launch workspaces), else a plain array."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        pool = self._pool
+        if nbytes and pool.statistics().current + nbytes <= pool.limit // 2:
+            block = pool.allocate(nbytes, 0)
+            if block is not None:
+                return block.array[:nbytes].view(dtype).reshape(shape), block
+        return np.empty(shape, dtype), None
+
+    def _graph_drop(self, request: Request, error: BaseException) -> None:
+        """Fail a queued graph request whose producer failed (it never launches)."""
+        if request.state is RequestState.QUEUED:
+            self._queue.discard(request, RequestState.FAILED)
+            request.error = error
+            self._counts["failed"] += 1
+            _settle(request)
+            self._wake_space()
+
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of the scheduler's counters."""
         c = self._counts
@@ -368,6 +511,8 @@ class Scheduler:
             launches=launches,
             requests_per_launch_mean=self._served / launches if launches else 0.0,
             requests_per_launch_max=self._per_launch_max,
+            graph_runs=c["graph_runs"],
+            graph_nodes=c["graph_nodes"],
             streams=tuple(s.statistics() for s in self.device.streams),
             pool=self._pool.statistics(),
             executor_cache=self._cache.statistics(),
@@ -536,6 +681,8 @@ class Scheduler:
         priority: int,
         deadline: float | None,
         timeout: float | None,
+        *,
+        internal: bool = False,
     ) -> _Checked:
         """Everything a request needs that touches no scheduler state (any thread).
 
@@ -543,7 +690,7 @@ class Scheduler:
         so a signature seen before skips them (a dict lookup); failures are never cached:
         a bad request always runs the checks and raises its status.
         """
-        if self._state is not SchedulerState.OPEN:
+        if self._state is not SchedulerState.OPEN and not internal:
             msg = f"the scheduler is {self._state.value}; it accepts no new requests"
             raise SchedulerClosedError(msg)
         deadline = _deadline(deadline, timeout)
@@ -860,15 +1007,34 @@ class Scheduler:
         self._served += len(batch.requests)
         self._per_launch_max = max(self._per_launch_max, len(batch.requests))
         stream = self.device.streams[batch.stream]
-        if self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes:
+        # Graph nodes: wait on the device for producers still running (no Python wait), and
+        # tell each run when its node is launched, so its consumers can be queued at once.
+        waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
+        nodes = [r for r in batch.requests if r.graph is not None]
+        inline = (
+            self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
+            and not waits
+        )  # fmt: skip
+        if inline:
+            event = Event() if nodes else None
+            for r in nodes:
+                r.graph[0].launched(r.graph[1], event)
             stream.run_inline(work, lambda result, error: self._complete(launch, result, error))
-        else:
-            post = self._loop.post
+            if event is not None:
+                event._complete()
+            return
+        for e in waits:
+            stream.wait_event(e)
+        post = self._loop.post
 
-            def done(result: Any, error: BaseException | None) -> None:
-                post(self._complete, launch, result, error)  # False: the loop ended, drop it
+        def done(result: Any, error: BaseException | None) -> None:
+            post(self._complete, launch, result, error)  # False: the loop ended, drop it
 
-            stream.enqueue(work, done)
+        stream.enqueue(work, done)
+        if nodes:
+            event = stream.record_event()
+            for r in nodes:
+                r.graph[0].launched(r.graph[1], event)
 
     def _out_of_memory(self, group: list[Batch]) -> bool:
         batch = group[0]
@@ -1002,6 +1168,7 @@ class Scheduler:
                 queue_wait_s=min(r.launched_at - r.enqueued_at for r in batch.requests),
                 run_s=run_s,
                 failed=sum(1 for r in batch.requests if r.error is not None),
+                nodes=[r.graph[1].node.name for r in batch.requests if r.graph is not None],
             )
         if len(self._queue):
             self._schedule_dispatch()  # a stream and workspace came free for what waits
@@ -1096,8 +1263,14 @@ def _group_key(batch: Batch) -> int:
 
 
 def _settle(request: Request) -> None:
-    """Wake the request's waiter: its event, and its thread-side future if it has one."""
+    """Wake the request's waiter: its event, its thread-side future, its graph run."""
     request.done.set()
+    if request.graph is not None:
+        run, node_run = request.graph
+        if request.state is RequestState.DONE:
+            run.finished(node_run, None)
+        else:
+            run.finished(node_run, request.error or SchedulerClosedError("cancelled"))
     future = request.future
     if future is not None and not future.done():
         if request.state is RequestState.DONE:
@@ -1116,3 +1289,40 @@ def _launch_error(request: Request, cause: BaseException) -> BaseException:
     )
     error.__cause__ = cause
     return error
+
+
+def _check_graph_inputs(
+    graph: Graph, outputs: list[Node], inputs: dict[Any, Any]
+) -> dict[Node | Placeholder, np.ndarray]:
+    """Check ``inputs`` against the graph: owners, geometry, every needed placeholder."""
+    for key, array in inputs.items():
+        if not isinstance(key, Node | Placeholder) or key.graph is not graph:
+            msg = f"run: inputs key {key!r} is not a placeholder or node of this graph"
+            raise ValueError(msg)
+        if not isinstance(array, np.ndarray):
+            msg = (
+                f"run: inputs[{key.name!r}] must be a numpy.ndarray, got {type(array).__qualname__}"
+            )
+            raise TypeError(msg)
+        if array.shape != key.shape or array.dtype != key.dtype:
+            msg = (
+                f"run: inputs[{key.name!r}] has shape {array.shape} and dtype {array.dtype}; "
+                f"expected {key.shape} and {key.dtype}"
+            )
+            raise ParamInvalidError(msg)
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node.index in seen or node in inputs:
+            continue
+        seen.add(node.index)
+        for value in node.args.values():
+            if isinstance(value, Placeholder) and value not in inputs:
+                msg = (
+                    f"run: placeholder {value.name!r} (used by node {node.name!r}) has no "
+                    "array in inputs"
+                )
+                raise ParamNullptrError(msg)
+        stack.extend(node.deps)
+    return inputs

@@ -17,9 +17,10 @@ loop thread would deadlock, so it raises RuntimeError instead.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -29,10 +30,11 @@ import numpy as np
 
 from opsched import _api
 from opsched._config import SchedulerConfig
+from opsched._graph import Graph, Node
 from opsched._scheduler import Scheduler, SchedulerStatistics
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
 
-__all__ = ["SyncScheduler", "glu_backward", "group_norm_grad", "open_scheduler"]
+__all__ = ["SyncScheduler", "glu_backward", "group_norm_grad", "open_scheduler", "run"]
 
 
 class _Portal:
@@ -121,6 +123,13 @@ class SyncScheduler:
         tensors["dx"] = kw.pop("out", None)
         return self._scheduler.submit_threadsafe(GROUP_NORM_GRAD, tensors, {}, **kw)
 
+    def run(self, graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
+        """Blocking :meth:`Scheduler.run` of a graph (same arguments and errors)."""
+        result: list[np.ndarray] = self._portal.call(
+            functools.partial(self._scheduler.run, graph, outputs, **kw)
+        )
+        return result
+
     def statistics(self) -> SchedulerStatistics:
         """The scheduler's statistics snapshot."""
         stats: SchedulerStatistics = self._portal.call(self._scheduler.statistics)
@@ -176,3 +185,8 @@ def group_norm_grad(
 ) -> np.ndarray:
     """Blocking GroupNormalizationGrad on the process-wide default scheduler."""
     return _default_scheduler().group_norm_grad(x, dy, gamma, mean, rstd, **kw)
+
+
+def run(graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
+    """Blocking graph run on the process-wide default scheduler."""
+    return _default_scheduler().run(graph, outputs, **kw)

@@ -141,8 +141,17 @@ class Operator(abc.ABC):
         """
 
     @abc.abstractmethod
+    def output_spec(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``name -> (shape, dtype)`` of each output of a checked request."""
+
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Return new, C-contiguous arrays for the outputs of a checked request."""
+        return {
+            name: np.empty(shape, dtype)
+            for name, (shape, dtype) in self.output_spec(tensors, scalars).items()
+        }
 
     @abc.abstractmethod
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:

@@ -111,8 +111,14 @@ class GluBackward(Operator):
             return None
         return (g.shape, g.dtype, x.shape, x.dtype, dim, out.shape, out.dtype)
 
-    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def output_spec(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         x = tensors["self"]
+        return {"out": (x.shape, x.dtype)}
+
+    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        x = tensors["self"]  # the hot path: no intermediate dict
         return {"out": np.empty(x.shape, x.dtype)}
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GluPlan:

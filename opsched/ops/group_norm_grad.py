@@ -90,9 +90,11 @@ class GroupNormalizationGrad(Operator):
             return None
         return (*base, dx.shape, dx.dtype)
 
-    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def output_spec(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         x = tensors["x"]
-        return {"dx": np.empty(x.shape, x.dtype)}
+        return {"dx": (x.shape, x.dtype)}
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GroupNormPlan:
         return plan_group_norm_grad(

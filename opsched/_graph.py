@@ -1,0 +1,406 @@
+"""Task graphs: build once, check at build time, run many times.
+
+A :class:`Graph` holds operator nodes whose inputs are arrays, :class:`Placeholder` inputs
+bound at each run, or earlier nodes (so no data cycle can be built); ``after`` adds
+ordering-only edges, refused when they would close a cycle. Every SPEC check runs when a node
+is added, on zero-byte stand-ins of the inferred shapes and dtypes.
+
+A run (:class:`GraphRun`, driven by the scheduler) submits a node to the scheduler's queue as
+soon as every node it depends on has been *launched*: it then fuses with whatever else is
+queued, and its launch waits on its producers' stream events on the device side, so a chain
+does not make a trip through the event loop per edge. Intermediate outputs come from the
+workspace pool and go back when their last consumer has finished; requested outputs are the
+caller's arrays. A failing node fails everything downstream, with the cause chained;
+independent branches still complete.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from opsched._errors import AclnnError, GraphExecutionError, UpstreamFailedError
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+
+if TYPE_CHECKING:
+    from opsched._batching import Request
+    from opsched._devices import Event
+    from opsched._pool import Block
+
+__all__ = ["Graph", "GraphRun", "Node", "Placeholder"]
+
+
+@attrs.define(eq=False, repr=False)
+class Placeholder:
+    """A graph input bound to an array at each run (``inputs={placeholder: array}``)."""
+
+    graph: Graph
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __repr__(self) -> str:
+        return f"<Placeholder {self.name!r} {self.shape} {self.dtype}>"
+
+
+@attrs.define(eq=False, repr=False)
+class Node:
+    """One operator call in a graph; stands for its output array in later nodes."""
+
+    graph: Graph
+    index: int
+    name: str
+    op: Operator
+    args: dict[str, Any]
+    scalars: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    #: Nodes this one must run after (data producers and ordering-only edges).
+    deps: list[Node] = attrs.field(factory=list)
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
+
+
+def _stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zero-byte array with ``shape`` and ``dtype``, for running checks at build time."""
+    return np.broadcast_to(np.empty((), dtype), shape)
+
+
+@attrs.define(eq=False)
+class Graph:
+    """A graph of operator calls; see the module docstring.
+
+    Example::
+
+        g = opsched.Graph()
+        a = g.group_norm_grad(x, dy, gamma, mean, rstd)
+        b = g.glu_backward(a, gate, dim=-1)
+        outs = await sched.run(g, outputs=[a, b])
+    """
+
+    nodes: list[Node] = attrs.field(factory=list, init=False)
+    placeholders: list[Placeholder] = attrs.field(factory=list, init=False)
+
+    def input(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> Placeholder:
+        """A placeholder for an array of ``shape`` and ``dtype`` given at each run."""
+        ph = Placeholder(
+            self, name or f"input{len(self.placeholders)}", tuple(shape), np.dtype(dtype)
+        )
+        self.placeholders.append(ph)
+        return ph
+
+    def glu_backward(
+        self, grad_out: Any, self_: Any, dim: int = -1, *, name: str | None = None
+    ) -> Node:
+        """Add a GluBackward node (arguments as :func:`opsched.aclnn` / the scheduler).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
+                naming the node.
+        """
+        return self._add(GLU_BACKWARD, {"grad_out": grad_out, "self": self_}, {"dim": dim}, name)
+
+    def group_norm_grad(
+        self, x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any, *, name: str | None = None
+    ) -> Node:
+        """Add a GroupNormalizationGrad node; checks as :meth:`glu_backward`."""
+        args = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
+        return self._add(GROUP_NORM_GRAD, args, {}, name)
+
+    def after(self, node: Node, *others: Node) -> None:
+        """Make ``node`` run after each of ``others`` (an ordering-only edge).
+
+        Raises:
+            ValueError: a node of another graph, or an edge that would close a cycle.
+        """
+        for other in (node, *others):
+            self._own(other, "after")
+        for other in others:
+            if other is node or self._reaches(node, other):
+                msg = f"after({node.name!r}, {other.name!r}) would close a cycle"
+                raise ValueError(msg)
+            if other not in node.deps:
+                node.deps.append(other)
+
+    def _add(
+        self, op: Operator, args: dict[str, Any], scalars: dict[str, Any], name: str | None
+    ) -> Node:
+        name = name or f"{op.name}#{len(self.nodes)}"
+        stand_ins: dict[str, Any] = {}
+        deps: list[Node] = []
+        for arg, value in args.items():
+            if isinstance(value, Node | Placeholder):
+                self._own(value, name)
+                stand_ins[arg] = _stand_in(value.shape, value.dtype)
+                if isinstance(value, Node) and value not in deps:
+                    deps.append(value)
+            else:
+                stand_ins[arg] = value
+        for out in op.outputs:
+            stand_ins[out] = None
+        try:
+            checked = op.check(stand_ins, scalars, allocate=True)
+        except (AclnnError, TypeError) as err:
+            raise type(err)(f"node {name!r}: {err.args[0]}") from err
+        (shape, dtype), *_ = op.output_spec(stand_ins, checked).values()
+        node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
+        self.nodes.append(node)
+        return node
+
+    def _own(self, item: Node | Placeholder, where: str) -> None:
+        if item.graph is not self:
+            msg = f"{where}: {item!r} belongs to another graph"
+            raise ValueError(msg)
+
+    @staticmethod
+    def _reaches(start: Node, target: Node) -> bool:
+        """Whether ``target`` depends on ``start`` (so ``start`` cannot wait for it)."""
+        stack, seen = [target], set()
+        while stack:
+            n = stack.pop()
+            if n is start:
+                return True
+            if id(n) not in seen:
+                seen.add(id(n))
+                stack.extend(n.deps)
+        return False
+
+
+class NodeState(enum.Enum):
+    """Where a node is in one run."""
+
+    WAITING = "waiting"  # for nodes it depends on to launch
+    QUEUED = "queued"
+    LAUNCHED = "launched"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FED = "fed"  # its value was given in ``inputs``
+
+
+@attrs.define(eq=False)
+class _NodeRun:
+    node: Node
+    state: NodeState = NodeState.WAITING
+    waiting: int = 0
+    consumers: list[_NodeRun] = attrs.field(factory=list)
+    consumers_left: int = 0
+    output: np.ndarray | None = None
+    block: Block | None = None
+    request: Request | None = None
+    event: Event | None = None
+    error: BaseException | None = None
+    #: The caller asked for this node's output (it is theirs, not pooled).
+    wanted: bool = False
+
+
+@attrs.define(eq=False)
+class GraphRun:
+    """The state of one run of a graph on a scheduler (driven by the scheduler).
+
+    The callables are the scheduler's: ``submit`` queues a node's request, ``allocate`` /
+    ``release`` handle intermediate memory, ``drop`` fails a queued request, ``done`` is
+    called once every needed node is final. Everything runs on the scheduler's loop thread.
+    """
+
+    graph: Graph
+    outputs: list[Node]
+    priority: int
+    deadline: float | None
+    submit: Any
+    allocate: Any
+    release: Any
+    done: Any
+    drop: Any
+    runs: dict[int, _NodeRun] = attrs.field(factory=dict)
+    left: int = 0
+    cancelled: bool = False
+    _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
+
+    def start(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> None:
+        """Plan the nodes the outputs need, bind inputs, submit the ready ones."""
+        needed = self._needed(inputs)
+        wanted = {id(n) for n in self.outputs}
+        for node in needed:
+            self.runs[node.index] = _NodeRun(node)
+        for node in needed:
+            nr = self.runs[node.index]
+            if node in inputs:
+                nr.state, nr.output = NodeState.FED, inputs[node]
+                continue
+            for dep in node.deps:
+                dep_run = self.runs[dep.index]
+                if dep_run.state is not NodeState.FED:
+                    nr.waiting += 1
+                dep_run.consumers.append(nr)
+            self.left += 1
+        for nr in self.runs.values():
+            nr.consumers_left = len(nr.consumers)
+            nr.wanted = id(nr.node) in wanted
+        self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
+        if not self.left:
+            self.done()
+            return
+        for node in needed:
+            nr = self.runs[node.index]
+            if nr.state is NodeState.WAITING and nr.waiting == 0:
+                self._submit(nr)
+
+    def _needed(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> list[Node]:
+        """The outputs and every node they depend on, in a dependency order; a node whose
+        value is given in ``inputs`` needs nothing before it."""
+        order: list[Node] = []
+        seen: set[int] = set()
+
+        def visit(n: Node) -> None:
+            if n.index in seen:
+                return
+            seen.add(n.index)
+            if n not in inputs:
+                for d in n.deps:
+                    visit(d)
+            order.append(n)
+
+        for n in self.outputs:
+            visit(n)
+        return order
+
+    def _submit(self, nr: _NodeRun) -> None:
+        node = nr.node
+        tensors: dict[str, Any] = {}
+        waits = []
+        for arg, value in node.args.items():
+            if isinstance(value, Node):
+                producer = self.runs[value.index]
+                tensors[arg] = producer.output
+                if producer.event is not None:
+                    waits.append(producer.event)
+            elif isinstance(value, Placeholder):
+                tensors[arg] = self._placeholders[value]
+            else:
+                tensors[arg] = value
+        for dep in node.deps:  # ordering-only edges wait too
+            dep_run = self.runs[dep.index]
+            if dep_run.event is not None and dep_run.event not in waits:
+                waits.append(dep_run.event)
+        (out_name,) = node.op.outputs
+        if nr.wanted:
+            nr.output = np.empty(node.shape, node.dtype)  # the caller's array
+        else:
+            nr.output, nr.block = self.allocate(node.shape, node.dtype)
+        tensors[out_name] = nr.output
+        nr.state = NodeState.QUEUED
+        nr.request = self.submit(self, nr, tensors, dict(node.scalars), waits)
+
+    # ------------------------------------------------------------------ scheduler hooks
+
+    def launched(self, nr: _NodeRun, event: Event) -> None:
+        """``nr``'s launch was enqueued; ``event`` completes when it has run."""
+        nr.state = NodeState.LAUNCHED
+        nr.event = event
+        for consumer in nr.consumers:
+            consumer.waiting -= 1
+            if consumer.waiting == 0 and consumer.state is NodeState.WAITING and not self.cancelled:
+                self._submit(consumer)
+
+    def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
+        """``nr``'s request reached a final state (``error`` None: success)."""
+        if nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED):
+            return
+        upstream = next(
+            (
+                self.runs[d.index]
+                for d in nr.node.deps
+                if self.runs[d.index].state is NodeState.FAILED
+            ),
+            None,
+        )
+        if error is None and upstream is not None:
+            error = _upstream_error(nr.node, upstream)
+        if error is None:
+            nr.state = NodeState.DONE
+        else:
+            nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED
+            nr.error = error
+            self._fail_downstream(nr)
+        self._settle(nr)
+
+    def queued(self) -> list[Request]:
+        """Requests of this run still in the scheduler's queue."""
+        return [
+            nr.request
+            for nr in self.runs.values()
+            if nr.state is NodeState.QUEUED and nr.request is not None
+        ]
+
+    def cancel(self) -> list[Request]:
+        """Stop the run: nodes not yet launched will not be; returns queued requests."""
+        self.cancelled = True
+        queued = []
+        for nr in self.runs.values():
+            if nr.state is NodeState.WAITING:
+                nr.state = NodeState.CANCELLED
+                self._settle(nr)
+            elif nr.state is NodeState.QUEUED and nr.request is not None:
+                queued.append(nr.request)
+        return queued
+
+    def _fail_downstream(self, failed: _NodeRun) -> None:
+        for consumer in failed.consumers:
+            if consumer.state is NodeState.WAITING:
+                consumer.state = NodeState.FAILED
+                consumer.error = _upstream_error(consumer.node, failed)
+                self._settle(consumer)
+                self._fail_downstream(consumer)
+            elif consumer.state is NodeState.QUEUED and consumer.request is not None:
+                # out of the queue at once; its request's end calls finished() for it
+                self.drop(consumer.request, _upstream_error(consumer.node, failed))
+            # a launched consumer fails when its launch finishes (its result is discarded)
+
+    def _settle(self, nr: _NodeRun) -> None:
+        """A node is final: free the inputs it held, count it, finish the run."""
+        for dep in nr.node.deps:
+            producer = self.runs[dep.index]
+            if nr in producer.consumers:
+                producer.consumers_left -= 1
+                self._maybe_release(producer)
+        self._maybe_release(nr)
+        self.left -= 1
+        if self.left == 0:
+            self.done()
+
+    def _maybe_release(self, nr: _NodeRun) -> None:
+        final = nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED)
+        if nr.block is not None and final and nr.consumers_left == 0:
+            self.release(nr.block)
+            nr.block = None
+
+    def result(self) -> list[np.ndarray]:
+        """The requested outputs, or GraphExecutionError naming every failed node."""
+        failed = {
+            nr.node.name: nr.error
+            for nr in self.runs.values()
+            if nr.state is NodeState.FAILED and nr.error is not None
+        }
+        outs = [
+            self.runs[n.index].output
+            if self.runs[n.index].state in (NodeState.DONE, NodeState.FED)
+            else None
+            for n in self.outputs
+        ]
+        if failed:
+            raise GraphExecutionError(failed, outs)
+        return outs  # type: ignore[return-value]
+
+
+def _upstream_error(node: Node, failed: _NodeRun) -> BaseException:
+    error = UpstreamFailedError(
+        f"node {node.name!r} did not produce a result: upstream node {failed.node.name!r} failed"
+    )
+    error.__cause__ = failed.error
+    return error

@@ -1,0 +1,357 @@
+"""Task graphs: build-time checks, execution, chaining on streams, failures, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+
+import opsched
+import opsched.sync
+from opsched import (
+    DeadlineExceededError,
+    Graph,
+    GraphExecutionError,
+    InjectedFault,
+    ParamInvalidError,
+    ParamNullptrError,
+    RuntimeLaunchError,
+    UpstreamFailedError,
+)
+from tests.helpers import gn_inputs, rand
+from tests.sched_helpers import FailWhen, Gate, solo_glu, solo_gn
+
+F32 = np.dtype(np.float32)
+DEVICES = ["cpu", "reference"]
+
+
+def chain(rng, length=8, n=2, g=4, m=8):
+    """An alternating chain: group-norm grad, then GLU backward on its output, repeated.
+
+    Returns the graph, its nodes, and a function computing the same chain one call at a
+    time through the two-phase API (the oracle).
+    """
+    graph = Graph()
+    nodes = []
+    steps = []
+    prev = None
+    for i in range(length):
+        if i % 2 == 0:
+            shape = (n, g, m) if prev is None else prev.shape
+            x, dy, gamma, mean, rstd = gn_inputs(rng, shape, F32)
+            dy_arg = dy if prev is None else prev
+            node = graph.group_norm_grad(x, dy_arg, gamma, mean, rstd, name=f"gn{i}")
+            steps.append(("gn", (x, dy, gamma, mean, rstd)))
+        else:
+            gate = rand(rng, (*prev.shape[:-1], 2 * prev.shape[-1]), F32)
+            node = graph.glu_backward(prev, gate, dim=-1, name=f"glu{i}")
+            steps.append(("glu", (gate,)))
+        nodes.append(node)
+        prev = node
+
+    def oracle():
+        values = []
+        for i, (kind, args) in enumerate(steps):
+            if kind == "gn":
+                x, dy, gamma, mean, rstd = args
+                dy = dy if i == 0 else values[-1]
+                values.append(solo_gn(x, dy, gamma, mean, rstd))
+            else:
+                values.append(solo_glu(values[-1], args[0], -1))
+        return values
+
+    return graph, nodes, oracle
+
+
+# --------------------------------------------------------------------------- building
+
+
+def test_bad_node_raises_its_status_naming_the_node():
+    rng = np.random.default_rng(0)
+    g = Graph()
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 4, 8), F32)
+    a = g.group_norm_grad(x, dy, gamma, mean, rstd, name="norm")
+    assert (a.shape, a.dtype) == ((2, 4, 8), F32)
+    with pytest.raises(ParamInvalidError, match="node 'gate': GluBackward: grad_out.shape") as info:
+        g.glu_backward(a, rand(rng, (2, 4, 8), F32), dim=-1, name="gate")  # needs (2, 4, 4)
+    assert info.value.status == 161002
+    with pytest.raises(ParamNullptrError, match="node 'GroupNormalizationGrad#1'"):
+        g.group_norm_grad(a, None, gamma, mean, rstd)
+    assert len(g.nodes) == 1  # nothing was added
+
+
+def test_nodes_of_another_graph_and_cycles_are_refused():
+    rng = np.random.default_rng(1)
+    g1, g2 = Graph(), Graph()
+    args = gn_inputs(rng, (1, 2, 4), F32)
+    a = g1.group_norm_grad(*args)
+    with pytest.raises(ValueError, match="belongs to another graph"):
+        g2.glu_backward(rand(rng, (1, 2, 2), F32), a, dim=-1)
+    b = g1.group_norm_grad(args[0], a, *args[2:])
+    c = g1.group_norm_grad(*args)
+    g1.after(c, b)  # c waits for b: fine
+    with pytest.raises(ValueError, match="would close a cycle"):
+        g1.after(a, b)  # b depends on a
+    with pytest.raises(ValueError, match="would close a cycle"):
+        g1.after(b, c)  # c waits for b
+
+
+def test_placeholder_shapes_flow_through():
+    g = Graph()
+    x = g.input((2, 3, 8), np.float32, name="x")
+    stats = g.input((2, 3), np.float32, name="stats")
+    a = g.group_norm_grad(x, x, x, stats, stats)
+    b = g.glu_backward(a, g.input((2, 3, 16), np.float32), dim=2)
+    assert b.shape == (2, 3, 16) and b.dtype == F32
+
+
+# -------------------------------------------------------------------------- execution
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device", DEVICES)
+async def test_chain_bit_identical_to_calls_one_by_one(device):
+    rng = np.random.default_rng(2)
+    graph, nodes, oracle = chain(rng)
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        outs = await sched.run(graph, outputs=nodes)
+        stats = sched.statistics()
+    for got, want in zip(outs, oracle(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert stats.graph_runs == 1 and stats.graph_nodes == 8 and stats.completed == 8
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device", DEVICES)
+async def test_diamond_fan_out_fan_in(device):
+    rng = np.random.default_rng(3)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 3, 8), F32)
+    g = Graph()
+    top = g.group_norm_grad(x, dy, gamma, mean, rstd, name="top")
+    gate1, gate2 = rand(rng, (2, 3, 16), F32), rand(rng, (2, 3, 16), F32)
+    left = g.glu_backward(top, gate1, dim=-1, name="left")  # fan-out: two consumers of top
+    right = g.glu_backward(top, gate2, dim=-1, name="right")
+    x2, _, gamma2, mean2, rstd2 = gn_inputs(rng, (2, 3, 16), F32)
+    bottom = g.group_norm_grad(left, right, gamma2, mean2, rstd2, name="bottom")  # fan-in
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        (out,) = await sched.run(g, outputs=[bottom])
+        stats = sched.statistics()
+    t = solo_gn(x, dy, gamma, mean, rstd)
+    want = solo_gn(solo_glu(t, gate1, -1), solo_glu(t, gate2, -1), gamma2, mean2, rstd2)
+    np.testing.assert_array_equal(out, want)
+    assert stats.pool.in_use == 0  # intermediates went back to the pool
+    assert stats.pool.allocated > 0
+
+
+@pytest.mark.asyncio
+async def test_only_needed_nodes_run_and_fed_nodes_are_not_computed():
+    rng = np.random.default_rng(4)
+    graph, nodes, oracle = chain(rng, length=4)
+    want = oracle()
+    async with opsched.open_scheduler() as sched:
+        (second,) = await sched.run(graph, outputs=[nodes[1]])
+        assert sched.statistics().graph_nodes == 2  # the later nodes were not needed
+        fed = np.ascontiguousarray(want[1])
+        (last,) = await sched.run(graph, outputs=[nodes[3]], inputs={nodes[1]: fed})
+        assert sched.statistics().graph_nodes == 4  # nodes 2 and 3 only
+    np.testing.assert_array_equal(second, want[1])
+    np.testing.assert_array_equal(last, want[3])
+
+
+@pytest.mark.asyncio
+async def test_rerun_with_new_placeholder_inputs_reuses_executors():
+    rng = np.random.default_rng(5)
+    g = Graph()
+    x = g.input((2, 4, 8), np.float32, name="x")
+    dy = g.input((2, 4, 8), np.float32, name="dy")
+    gate = g.input((2, 4, 16), np.float32, name="gate")
+    _, _, gamma, mean, rstd = gn_inputs(rng, (2, 4, 8), F32)
+    a = g.group_norm_grad(x, dy, gamma, mean, rstd)
+    b = g.glu_backward(a, gate, dim=-1)
+    async with opsched.open_scheduler(streams=1) as sched:
+        for i in range(4):
+            feeds = {x: rand(rng, (2, 4, 8), F32), dy: rand(rng, (2, 4, 8), F32),
+                     gate: rand(rng, (2, 4, 16), F32)}  # fmt: skip
+            (out,) = await sched.run(g, outputs=[b], inputs=feeds)
+            t = solo_gn(feeds[x], feeds[dy], gamma, mean, rstd)
+            np.testing.assert_array_equal(out, solo_glu(t, feeds[gate], -1))
+            if i == 0:
+                first = sched.statistics().executor_cache
+        last = sched.statistics().executor_cache
+    assert last.misses == first.misses  # later runs planned nothing new
+    assert last.hits > first.hits
+
+
+@pytest.mark.asyncio
+async def test_input_errors():
+    rng = np.random.default_rng(6)
+    g = Graph()
+    x = g.input((1, 2, 4), np.float32, name="x")
+    stats = rand(rng, (1, 2), F32)
+    a = g.group_norm_grad(x, x, x, stats, stats)
+    async with opsched.open_scheduler() as sched:
+        with pytest.raises(ParamNullptrError, match="placeholder 'x'.*no array"):
+            await sched.run(g, outputs=[a])
+        with pytest.raises(ParamInvalidError, match=r"inputs\['x'\] has shape \(1, 2, 5\)"):
+            await sched.run(g, outputs=[a], inputs={x: np.zeros((1, 2, 5), F32)})
+        with pytest.raises(ValueError, match="not a node of this graph"):
+            await sched.run(g, outputs=[Graph().input((1,), np.float32)])
+        with pytest.raises(ValueError, match="at least one node"):
+            await sched.run(g, outputs=[])
+
+
+@pytest.mark.asyncio
+async def test_graphs_fuse_with_each_other_and_with_single_calls():
+    rng = np.random.default_rng(7)
+    graph, nodes, oracle = chain(rng, length=4)
+    want = oracle()
+    single = (rand(rng, (4, 4), F32), rand(rng, (4, 8), F32))
+    async with opsched.open_scheduler(streams=1) as sched:
+        results = await asyncio.gather(
+            *(sched.run(graph, outputs=[nodes[-1]]) for _ in range(20)),
+            sched.glu_backward(*single),
+        )
+        stats = sched.statistics()
+    for (out,) in results[:-1]:
+        np.testing.assert_array_equal(out, want[-1])
+    np.testing.assert_array_equal(results[-1], solo_glu(*single, -1))
+    assert stats.requests_per_launch_max >= 20  # one node of every run in one launch
+    assert stats.launches < 20 * 4
+
+
+# ------------------------------------------------------------- chaining on the device
+
+
+@pytest.mark.asyncio
+async def test_dependent_launches_on_another_stream_while_its_producer_runs():
+    rng = np.random.default_rng(8)
+    graph, nodes, oracle = chain(rng, length=2)
+    first_x = graph.nodes[0].args["x"]
+    gate = Gate(hold=first_x)
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        async with anyio.create_task_group() as tg:
+            results = []
+
+            async def go():
+                results.append(await sched.run(graph, outputs=nodes))
+
+            tg.start_soon(go)
+            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            # the producer is held on stream 0, yet its consumer is already launched on
+            # stream 1, waiting on the producer's event: no trip back to Python between them
+            assert sched.statistics().launches == 2
+            assert not gate.opened.is_set()
+            gate.open()
+    for got, want in zip(results[0], oracle(), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- failures, cancel
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("device", DEVICES)
+async def test_failure_fails_downstream_and_independent_branches_complete(device):
+    rng = np.random.default_rng(9)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 3, 8), F32)
+    bad_gate, ok_gate = rand(rng, (2, 3, 16), F32), rand(rng, (2, 3, 16), F32)
+    g = Graph()
+    top = g.group_norm_grad(x, dy, gamma, mean, rstd, name="top")
+    bad = g.glu_backward(top, bad_gate, dim=-1, name="bad")
+    _, _, gamma2, mean2, rstd2 = gn_inputs(rng, (2, 3, 16), F32)
+    after_bad = g.group_norm_grad(bad, bad, gamma2, mean2, rstd2, name="after_bad")
+    ok = g.glu_backward(top, ok_gate, dim=-1, name="ok")
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        sched.device.inject_faults(FailWhen(bad_gate))
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(g, outputs=[after_bad, ok, top])
+        stats = sched.statistics()
+    err = info.value
+    assert set(err.failed) == {"bad", "after_bad"}
+    assert "'bad' (RuntimeLaunchError" in str(err)
+    assert isinstance(err.failed["bad"], RuntimeLaunchError)
+    assert isinstance(err.failed["bad"].__cause__, InjectedFault)
+    assert isinstance(err.failed["after_bad"], UpstreamFailedError)
+    assert err.failed["after_bad"].__cause__ is err.failed["bad"]
+    assert err.outputs[0] is None
+    t = solo_gn(x, dy, gamma, mean, rstd)
+    np.testing.assert_array_equal(err.outputs[1], solo_glu(t, ok_gate, -1))
+    np.testing.assert_array_equal(err.outputs[2], t)
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
+    assert stats.pool.in_use == 0
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_run_stops_unlaunched_nodes_and_lets_running_ones_finish():
+    rng = np.random.default_rng(10)
+    graph, nodes, _ = chain(rng, length=6)
+    gate = Gate(hold=graph.nodes[0].args["x"])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        with anyio.move_on_after(0.05):  # cancelled while its first node is held running
+            await sched.run(graph, outputs=[nodes[-1]])
+        gate.open()
+        other = (rand(rng, (4, 4), F32), rand(rng, (4, 8), F32))
+        np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
+        stats = sched.statistics()
+    assert stats.graph_nodes <= 2  # only the held node (and maybe the next) were submitted
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
+    assert stats.pool.in_use == 0
+
+
+@pytest.mark.asyncio
+async def test_run_deadline_applies_to_every_node():
+    rng = np.random.default_rng(11)
+    graph, nodes, _ = chain(rng, length=2)
+    blocker = (rand(rng, (4, 4), F32), rand(rng, (4, 8), F32))
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        first = sched.glu_backward_nowait(*blocker)
+        await anyio.lowlevel.checkpoint()
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(graph, outputs=nodes, timeout=0.02)
+        gate.open()
+        await first
+    failed = info.value.failed
+    assert isinstance(failed["gn0"], DeadlineExceededError)
+    assert isinstance(failed["glu1"], UpstreamFailedError)
+
+
+@pytest.mark.asyncio
+async def test_launch_log_names_graph_nodes():
+    rng = np.random.default_rng(12)
+    graph, nodes, _ = chain(rng, length=2)
+    with structlog.testing.capture_logs() as logs:
+        async with opsched.open_scheduler(streams=1) as sched:
+            await sched.run(graph, outputs=nodes)
+    served = [name for e in logs if e["event"] == "launch" for name in e["nodes"]]
+    assert served == ["gn0", "glu1"]
+
+
+# ------------------------------------------------------------ module level and sync
+
+
+def test_module_level_run_under_trio_and_sync_run():
+    import trio
+
+    rng = np.random.default_rng(13)
+    graph, nodes, oracle = chain(rng, length=4)
+    want = oracle()
+    got = {}
+
+    async def main():
+        got["trio"] = await opsched.run(graph, outputs=[nodes[-1]])
+
+    trio.run(main)
+    np.testing.assert_array_equal(got["trio"][0], want[-1])
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        (out,) = sched.run(graph, outputs=[nodes[-1]])
+    np.testing.assert_array_equal(out, want[-1])
+    assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
