@@ -61,6 +61,12 @@ class Node:
     dtype: np.dtype
     #: Nodes this one must run after (data producers and ordering-only edges).
     deps: list[Node] = attrs.field(factory=list)
+    #: What its checks established, reused at every run: fusion key, units, bytes and the
+    #: signature of its geometry (runs bind arrays of exactly this geometry).
+    key: Any = None
+    units: int = 0
+    nbytes: int = 0
+    signature: Any = None
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
@@ -149,6 +155,12 @@ class Graph:
             raise type(err)(f"node {name!r}: {err.args[0]}") from err
         (shape, dtype), *_ = op.output_spec(stand_ins, checked).values()
         node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
+        stand_ins.update(
+            {out: _stand_in(s, d) for out, (s, d) in op.output_spec(stand_ins, checked).items()}
+        )
+        node.key, node.units = op.fusion(stand_ins, checked)
+        node.nbytes = op.nbytes(stand_ins)
+        node.signature = op.signature(stand_ins, scalars)
         self.nodes.append(node)
         return node
 
@@ -295,12 +307,13 @@ class GraphRun:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
         tensors[out_name] = nr.output
         nr.state = NodeState.QUEUED
-        nr.request = self.submit(self, nr, tensors, dict(node.scalars), waits)
+        nr.request = self.submit(self, nr, tensors, waits)
 
     # ------------------------------------------------------------------ scheduler hooks
 
-    def launched(self, nr: _NodeRun, event: Event) -> None:
-        """``nr``'s launch was enqueued; ``event`` completes when it has run."""
+    def launched(self, nr: _NodeRun, event: Event | None) -> None:
+        """``nr``'s launch was enqueued; ``event`` completes when it has run (None: it runs
+        inline, before any consumer can be dispatched)."""
         nr.state = NodeState.LAUNCHED
         nr.event = event
         for consumer in nr.consumers:

@@ -115,6 +115,11 @@ class WorkspacePool:
         self._free.setdefault(block.stream, {}).setdefault(block.nbytes, []).append(block)
         self._cached += 1
 
+    @property
+    def current(self) -> int:
+        """Bytes the pool holds now (in use or cached)."""
+        return self._current
+
     def fits(self, nbytes: int) -> bool:
         """Whether one request of ``nbytes`` can ever be served under the cap."""
         return size_class(nbytes) <= self.limit

@@ -454,18 +454,25 @@ class Scheduler:
         return run
 
     def _graph_submit(
-        self,
-        run: GraphRun,
-        node_run: Any,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        waits: list[Event],
+        self, run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]
     ) -> Request:
+        """Queue a graph node. Its checks ran when it was added; a run binds arrays of
+        exactly the checked geometry, so nothing is checked again."""
         node = node_run.node
-        checked = self._checked(
-            node.op, tensors, scalars, run.priority, run.deadline, None, internal=True
+        request = Request(
+            next(self._ids),
+            node.op,
+            tensors,
+            node.scalars,
+            node.key,
+            node.units,
+            node.nbytes,
+            run.priority,
+            run.deadline,
+            time.monotonic(),
+            done=self._loop.new_event(),
+            signature=node.signature,
         )
-        request = self._request(checked)
         request.graph = (run, node_run)
         request.waits = waits or None
         self._queue.push(request)
@@ -479,7 +486,7 @@ class Scheduler:
         half stays for launch workspaces), else a plain array."""
         nbytes = math.prod(shape) * dtype.itemsize
         pool = self._pool
-        if nbytes and pool.statistics().current + nbytes <= pool.limit // 2:
+        if nbytes and pool.current + nbytes <= pool.limit // 2:
             block = pool.allocate(nbytes, 0)
             if block is not None:
                 return block.array[:nbytes].view(dtype).reshape(shape), block
@@ -1016,12 +1023,11 @@ class Scheduler:
             and not waits
         )  # fmt: skip
         if inline:
-            event = Event() if nodes else None
+            # Consumers queued by launched() are dispatched only after this returns, when
+            # the inline run is over: they need no event to wait on.
             for r in nodes:
-                r.graph[0].launched(r.graph[1], event)
+                r.graph[0].launched(r.graph[1], None)
             stream.run_inline(work, lambda result, error: self._complete(launch, result, error))
-            if event is not None:
-                event._complete()
             return
         for e in waits:
             stream.wait_event(e)
