@@ -67,9 +67,15 @@ class Node:
     units: int = 0
     nbytes: int = 0
     signature: Any = None
+    #: ``(argument, kind, value)``: how a run binds each argument (kind: array, node index,
+    #: placeholder), precomputed so binding is a plain loop.
+    binding: tuple[tuple[str, object, Any], ...] = ()
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
+
+
+_ARRAY, _NODE, _PLACEHOLDER = object(), object(), object()  # kinds of a node argument
 
 
 def _stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -91,6 +97,7 @@ class Graph:
 
     nodes: list[Node] = attrs.field(factory=list, init=False)
     placeholders: list[Placeholder] = attrs.field(factory=list, init=False)
+    _plans: dict[tuple[Any, ...], _RunPlan] = attrs.field(factory=dict, init=False)
 
     def input(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> Placeholder:
         """A placeholder for an array of ``shape`` and ``dtype`` given at each run."""
@@ -132,6 +139,7 @@ class Graph:
                 raise ValueError(msg)
             if other not in node.deps:
                 node.deps.append(other)
+        self._plans.clear()
 
     def _add(
         self, op: Operator, args: dict[str, Any], scalars: dict[str, Any], name: str | None
@@ -161,8 +169,48 @@ class Graph:
         node.key, node.units = op.fusion(stand_ins, checked)
         node.nbytes = op.nbytes(stand_ins)
         node.signature = op.signature(stand_ins, scalars)
+        node.binding = tuple(
+            (arg, _NODE, v.index) if isinstance(v, Node)
+            else (arg, _PLACEHOLDER, v) if isinstance(v, Placeholder)
+            else (arg, _ARRAY, v)
+            for arg, v in args.items()
+        )  # fmt: skip
         self.nodes.append(node)
+        self._plans.clear()
         return node
+
+    def _plan(self, outputs: tuple[int, ...], fed: frozenset[int]) -> _RunPlan:
+        """The nodes a run of ``outputs`` needs when the ``fed`` nodes are given (cached)."""
+        key = (outputs, fed)
+        plan = self._plans.get(key)
+        if plan is None:
+            order: list[int] = []
+            seen: set[int] = set()
+
+            def visit(n: Node) -> None:
+                if n.index in seen:
+                    return
+                seen.add(n.index)
+                if n.index not in fed:
+                    for d in n.deps:
+                        visit(d)
+                order.append(n.index)
+
+            for i in outputs:
+                visit(self.nodes[i])
+            deps = tuple(
+                () if i in fed else tuple(d.index for d in self.nodes[i].deps) for i in order
+            )
+            used: dict[Placeholder, str] = {}
+            for i in order:
+                if i not in fed:
+                    for _, kind, value in self.nodes[i].binding:
+                        if kind is _PLACEHOLDER:
+                            used.setdefault(value, self.nodes[i].name)
+            plan = self._plans[key] = _RunPlan(
+                tuple(order), deps, frozenset(outputs), tuple(used.items())
+            )
+        return plan
 
     def _own(self, item: Node | Placeholder, where: str) -> None:
         if item.graph is not self:
@@ -195,20 +243,38 @@ class NodeState(enum.Enum):
     FED = "fed"  # its value was given in ``inputs``
 
 
-@attrs.define(eq=False)
 class _NodeRun:
-    node: Node
-    state: NodeState = NodeState.WAITING
-    waiting: int = 0
-    consumers: list[_NodeRun] = attrs.field(factory=list)
-    consumers_left: int = 0
-    output: np.ndarray | None = None
-    block: Block | None = None
-    request: Request | None = None
-    event: Event | None = None
-    error: BaseException | None = None
-    #: The caller asked for this node's output (it is theirs, not pooled).
-    wanted: bool = False
+    """One node's state in one run (a plain slotted class: a run makes one per node)."""
+
+    __slots__ = (
+        "block", "consumers", "consumers_left", "error", "event", "node", "output",
+        "producers", "request", "state", "waiting", "wanted",
+    )  # fmt: skip
+
+    def __init__(self, node: Node, wanted: bool) -> None:
+        self.node = node
+        self.wanted = wanted  # the caller asked for its output: theirs, not pooled
+        self.state = NodeState.WAITING
+        self.waiting = 0
+        self.consumers: list[_NodeRun] = []
+        self.producers: list[_NodeRun] = []
+        self.consumers_left = 0
+        self.output: np.ndarray | None = None
+        self.block: Block | None = None
+        self.request: Request | None = None
+        self.event: Event | None = None
+        self.error: BaseException | None = None
+
+
+@attrs.frozen
+class _RunPlan:
+    """What a run of given outputs (and fed nodes) needs, computed once per graph version."""
+
+    order: tuple[int, ...]  # needed node indices, producers before consumers
+    deps: tuple[tuple[int, ...], ...]  # per entry of ``order``: its needed dependencies
+    wanted: frozenset[int]
+    #: ``(placeholder, name of a node using it)`` for every placeholder the run binds.
+    placeholders: tuple[tuple[Placeholder, str], ...]
 
 
 @attrs.define(eq=False)
@@ -235,77 +301,50 @@ class GraphRun:
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
     def start(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> None:
-        """Plan the nodes the outputs need, bind inputs, submit the ready ones."""
-        needed = self._needed(inputs)
-        wanted = {id(n) for n in self.outputs}
-        for node in needed:
-            self.runs[node.index] = _NodeRun(node)
-        for node in needed:
-            nr = self.runs[node.index]
-            if node in inputs:
-                nr.state, nr.output = NodeState.FED, inputs[node]
+        """Set up the nodes the outputs need, bind inputs, submit the ready ones."""
+        fed = frozenset(n.index for n in inputs if isinstance(n, Node))
+        plan = self.graph._plan(tuple(n.index for n in self.outputs), fed)
+        nodes = self.graph.nodes
+        runs = self.runs
+        for index, deps in zip(plan.order, plan.deps, strict=True):
+            nr = runs[index] = _NodeRun(nodes[index], index in plan.wanted)
+            if index in fed:
+                nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
                 continue
-            for dep in node.deps:
-                dep_run = self.runs[dep.index]
-                if dep_run.state is not NodeState.FED:
-                    nr.waiting += 1
-                dep_run.consumers.append(nr)
             self.left += 1
-        for nr in self.runs.values():
-            nr.consumers_left = len(nr.consumers)
-            nr.wanted = id(nr.node) in wanted
+            for d in deps:
+                producer = runs[d]
+                nr.producers.append(producer)
+                producer.consumers.append(nr)
+                producer.consumers_left += 1
+                if producer.state is not NodeState.FED:
+                    nr.waiting += 1
         self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
         if not self.left:
             self.done()
             return
-        for node in needed:
-            nr = self.runs[node.index]
+        for index in plan.order:
+            nr = runs[index]
             if nr.state is NodeState.WAITING and nr.waiting == 0:
                 self._submit(nr)
-
-    def _needed(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> list[Node]:
-        """The outputs and every node they depend on, in a dependency order; a node whose
-        value is given in ``inputs`` needs nothing before it."""
-        order: list[Node] = []
-        seen: set[int] = set()
-
-        def visit(n: Node) -> None:
-            if n.index in seen:
-                return
-            seen.add(n.index)
-            if n not in inputs:
-                for d in n.deps:
-                    visit(d)
-            order.append(n)
-
-        for n in self.outputs:
-            visit(n)
-        return order
 
     def _submit(self, nr: _NodeRun) -> None:
         node = nr.node
         tensors: dict[str, Any] = {}
-        waits = []
-        for arg, value in node.args.items():
-            if isinstance(value, Node):
-                producer = self.runs[value.index]
-                tensors[arg] = producer.output
-                if producer.event is not None:
-                    waits.append(producer.event)
-            elif isinstance(value, Placeholder):
-                tensors[arg] = self._placeholders[value]
-            else:
+        runs, placeholders = self.runs, self._placeholders
+        for arg, kind, value in node.binding:
+            if kind is _ARRAY:
                 tensors[arg] = value
-        for dep in node.deps:  # ordering-only edges wait too
-            dep_run = self.runs[dep.index]
-            if dep_run.event is not None and dep_run.event not in waits:
-                waits.append(dep_run.event)
-        (out_name,) = node.op.outputs
+            elif kind is _NODE:
+                tensors[arg] = runs[value].output
+            else:
+                tensors[arg] = placeholders[value]
+        waits = [p.event for p in nr.producers if p.event is not None]
         if nr.wanted:
             nr.output = np.empty(node.shape, node.dtype)  # the caller's array
         else:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
-        tensors[out_name] = nr.output
+        tensors[node.op.outputs[0]] = nr.output
         nr.state = NodeState.QUEUED
         nr.request = self.submit(self, nr, tensors, waits)
 
@@ -377,11 +416,9 @@ class GraphRun:
 
     def _settle(self, nr: _NodeRun) -> None:
         """A node is final: free the inputs it held, count it, finish the run."""
-        for dep in nr.node.deps:
-            producer = self.runs[dep.index]
-            if nr in producer.consumers:
-                producer.consumers_left -= 1
-                self._maybe_release(producer)
+        for producer in nr.producers:
+            producer.consumers_left -= 1
+            self._maybe_release(producer)
         self._maybe_release(nr)
         self.left -= 1
         if self.left == 0:

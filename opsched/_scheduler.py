@@ -489,7 +489,11 @@ class Scheduler:
         if nbytes and pool.current + nbytes <= pool.limit // 2:
             block = pool.allocate(nbytes, 0)
             if block is not None:
-                return block.array[:nbytes].view(dtype).reshape(shape), block
+                view = block.views.get((shape, dtype))  # a reused block keeps its views
+                if view is None:
+                    view = block.array[:nbytes].view(dtype).reshape(shape)
+                    block.views[(shape, dtype)] = view
+                return view, block
         return np.empty(shape, dtype), None
 
     def _graph_drop(self, request: Request, error: BaseException) -> None:
@@ -1316,19 +1320,13 @@ def _check_graph_inputs(
                 f"expected {key.shape} and {key.dtype}"
             )
             raise ParamInvalidError(msg)
-    seen: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        node = stack.pop()
-        if node.index in seen or node in inputs:
-            continue
-        seen.add(node.index)
-        for value in node.args.values():
-            if isinstance(value, Placeholder) and value not in inputs:
-                msg = (
-                    f"run: placeholder {value.name!r} (used by node {node.name!r}) has no "
-                    "array in inputs"
-                )
-                raise ParamNullptrError(msg)
-        stack.extend(node.deps)
+    fed = frozenset(k.index for k in inputs if isinstance(k, Node))
+    plan = graph._plan(tuple(n.index for n in outputs), fed)
+    for placeholder, user in plan.placeholders:
+        if placeholder not in inputs:
+            msg = (
+                f"run: placeholder {placeholder.name!r} (used by node {user!r}) has no "
+                "array in inputs"
+            )
+            raise ParamNullptrError(msg)
     return inputs
