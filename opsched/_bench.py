@@ -150,7 +150,7 @@ def print_kernel_table(rows: list[dict[str, Any]], out: TextIO) -> None:
         )
 
 
-def write_json(rows: list[dict[str, Any]], path: str) -> None:
-    """Write the rows with a small header to ``path``."""
+def write_json(benchmark: str, result: Any, path: str) -> None:
+    """Write a benchmark's result, named, to ``path`` (JSON)."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"benchmark": "kernels", "rows": rows}, f, indent=2)
+        json.dump({"benchmark": benchmark, "result": result}, f, indent=2)

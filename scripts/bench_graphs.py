@@ -6,9 +6,9 @@ python scripts/bench_graphs.py [--rounds 3] [--clients 64] [--repeats 20] [--jso
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from opsched._bench import write_json
 from opsched._bench_graphs import bench_graphs, print_graph_report
 
 
@@ -22,8 +22,7 @@ def main() -> int:
     result = bench_graphs(args.rounds, args.clients, args.repeats)
     print_graph_report(result, sys.stdout)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json("graphs", result, args.json)
     return 0
 
 

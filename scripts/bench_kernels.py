@@ -30,7 +30,7 @@ def main() -> int:
     )
     print_kernel_table(rows, sys.stdout)
     if args.json:
-        write_json(rows, args.json)
+        write_json("kernels", rows, args.json)
     return 0
 
 

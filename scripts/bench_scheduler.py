@@ -6,9 +6,9 @@ python scripts/bench_scheduler.py [--repeats 3] [--parts throughput,latency,...]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from opsched._bench import write_json
 from opsched._bench_scheduler import bench_scheduler, print_scheduler_report
 
 
@@ -25,8 +25,7 @@ def main() -> int:
     )
     print_scheduler_report(result, sys.stdout)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json("scheduler", result, args.json)
     return 0
 
 

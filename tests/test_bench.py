@@ -1,0 +1,54 @@
+"""The benchmarks run (tiny workloads; no assertion on speed, only on their reports)."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import subprocess
+import sys
+
+from opsched._bench import bench_kernels, print_kernel_table
+from opsched._bench_graphs import bench_graphs, print_graph_report
+from opsched._bench_scheduler import bench_scheduler, print_scheduler_report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernel_benchmark_reports_every_row():
+    rows = bench_kernels(sizes=(1024, 4096), dtypes=("FLOAT", "BFLOAT16"))
+    assert len(rows) == 2 * 2 * 2
+    assert all(r["ratio_to_copy"] > 0 and r["speedup_vs_reference"] > 0 for r in rows)
+    out = io.StringIO()
+    print_kernel_table(rows, out)
+    assert "GroupNormalizationGrad" in out.getvalue() and "BFLOAT16" in out.getvalue()
+
+
+def test_scheduler_benchmark_small():
+    result = bench_scheduler(repeats=1, parts=("throughput",), clients=4, per_client=5)
+    for key in ("throughput_glu", "throughput_gn"):
+        assert result[key]["requests"] == 20 and result[key]["speedup"] > 0
+    out = io.StringIO()
+    print_scheduler_report(result, out)
+    assert "1. throughput" in out.getvalue() and "5. steady state" in out.getvalue()
+
+
+def test_graph_benchmark_small():
+    result = bench_graphs(rounds=1, clients=2, repeats=1)
+    assert result["chains"] == 2 and result["graph_chains_per_s"] > 0
+    out = io.StringIO()
+    print_graph_report(result, out)
+    assert "(a) / (b)" in out.getvalue()
+
+
+def test_benchmark_script_writes_json(tmp_path):
+    path = tmp_path / "k.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--sizes", "1K",
+         "--dtypes", "FLOAT",
+         "--json", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "kernels" and len(data["result"]) == 2
