@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from opsched._stress import StressOptions, run_stress
+
 __all__ = ["main"]
 
 
@@ -13,8 +15,82 @@ def _parser() -> argparse.ArgumentParser:
         prog="opsched", description="An asyncio scheduler for batched NPU operators."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("demo", help="run both operators on the seed documents' worked examples")
+    sub.add_parser(
+        "demo", help="the seeds through the two-phase API, then an async and a sync workload"
+    )
+    add_stress_arguments(
+        sub.add_parser(
+            "stress",
+            help="hammer a scheduler with a mixed, fault-injected workload and verify every "
+            "request (exit 1 on any discrepancy)",
+        )
+    )
     return parser
+
+
+def add_stress_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``stress`` options (shared with ``scripts/stress.py``)."""
+    d = StressOptions()
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--requests", type=int, default=d.requests, help="requests to run")
+    size.add_argument("--duration", type=float, help="run for this many seconds instead")
+    p.add_argument("--clients", type=int, default=d.clients, help="async coroutines")
+    p.add_argument(
+        "--sync-clients", type=int, default=d.sync_clients, help="threads using opsched.sync"
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="everything derives from it")
+    p.add_argument("--device", default=d.device, help="cpu or reference")
+    p.add_argument("--config", help="scheduler TOML profile")
+    for name, help_ in (
+        ("invalid", "share of requests with a bad argument"),
+        ("cancel", "share cancelled by their caller"),
+        ("deadline", "share whose deadline has already passed"),
+        ("fault", "share hit by an injected launch failure"),
+        ("graphs", "share of templates submitted as graphs"),
+    ):
+        p.add_argument(f"--{name}", type=float, default=getattr(d, name), help=help_)
+    p.add_argument("--templates", type=int, default=d.templates, help="distinct request shapes")
+    p.add_argument(
+        "--max-queued-requests", type=int, default=d.max_queued_requests, help="queue cap"
+    )
+    p.add_argument(
+        "--workspace-limit-bytes", type=int, default=d.workspace_limit_bytes, help="pool cap"
+    )
+    p.add_argument("--watchdog", type=float, default=d.watchdog, help="seconds before lost")
+    p.add_argument("--report", metavar="PATH", help="write the JSON report here")
+    p.add_argument("--replay", type=int, metavar="INDEX", help="rerun one request of the seed")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
+
+
+def stress_options(args: argparse.Namespace) -> StressOptions:
+    """StressOptions from parsed ``stress`` arguments."""
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    return StressOptions(
+        requests=args.requests,
+        duration=args.duration,
+        clients=args.clients,
+        sync_clients=args.sync_clients,
+        seed=args.seed,
+        device=args.device,
+        config=args.config,
+        invalid=args.invalid,
+        cancel=args.cancel,
+        deadline=args.deadline,
+        fault=args.fault,
+        graphs=args.graphs,
+        templates=args.templates,
+        max_queued_requests=args.max_queued_requests,
+        workspace_limit_bytes=args.workspace_limit_bytes,
+        watchdog=args.watchdog,
+        report=args.report,
+        replay=args.replay,
+        progress=progress,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from opsched._demo import run_demo
 
         return run_demo(sys.stdout)
+    if args.command == "stress":
+        return run_stress(stress_options(args), sys.stdout)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

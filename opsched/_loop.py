@@ -97,6 +97,9 @@ class LoopHandle:
     _event: Callable[[], LoopEvent] = ThreadEvent  # always given: the loop's own class
     _idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
     _checkpoint: Callable[[], Any] | None = None
+    #: After a wait completed: raise if the caller's anyio cancel scope was cancelled
+    #: meanwhile (None where waits are cancellation points already, as on trio).
+    cancel_check: Callable[[], Any] | None = None
 
     def idle(self) -> bool:
         """True when nothing else is ready to run on the loop right now.
@@ -184,7 +187,26 @@ def current_loop() -> LoopHandle:
         functools.partial(_AsyncioEvent, loop),
         asyncio_idle,
         _asyncio_checkpoint,
+        _anyio_cancel_check(),
     )
+
+
+def _anyio_cancel_check() -> Callable[[], Any]:
+    """anyio's ``checkpoint_if_cancelled`` for asyncio, bound once.
+
+    On asyncio, anyio delivers a cancel scope's cancellation only to a task whose awaited
+    future is still pending: a request that finished just before would hand its result to a
+    caller whose scope was cancelled. Checking after each wait closes that gap; binding the
+    backend's method once makes the check cost ~2 us instead of ~4 us.
+    """
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        return get_async_backend("asyncio").checkpoint_if_cancelled
+    except Exception:  # an anyio without that internal: the public, slower function
+        import anyio.lowlevel
+
+        return anyio.lowlevel.checkpoint_if_cancelled
 
 
 async def _asyncio_checkpoint() -> None:

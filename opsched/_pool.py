@@ -105,7 +105,7 @@ class WorkspacePool:
             self._peak = max(self._peak, self._current)
             if enabled():
                 _log.info("workspace pool grew", block_bytes=cls, pool_bytes=self._current)
-        self._in_use += cls
+        self._in_use += block.nbytes  # a reused block may be larger than the class asked for
         return block
 
     def release(self, block: Block, event: Any = None) -> None:

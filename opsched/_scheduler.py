@@ -406,6 +406,8 @@ class Scheduler:
                         self._queue.discard(request, RequestState.EXPIRED)
                         self._expired(request)
             await done.wait()
+            if self._loop.cancel_check is not None:
+                await self._loop.cancel_check()
         except BaseException:
             for request in run.cancel():
                 if request.state is RequestState.QUEUED:
@@ -475,9 +477,13 @@ class Scheduler:
         )
         request.graph = (run, node_run)
         request.waits = waits or None
-        self._queue.push(request)
         self._counts["submitted"] += 1
         self._counts["graph_nodes"] += 1
+        if not request.nbytes:  # an empty tensor: done at once, without a launch
+            run.launched(node_run, None)
+            self._finish_empty(request)
+            return request
+        self._queue.push(request)
         self._schedule_dispatch()
         return request
 
@@ -661,8 +667,11 @@ class Scheduler:
         except BaseException:
             self._counts["rejected"] += 1
             raise
-        self._queue.push(request)
         self._counts["submitted"] += 1
+        if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
+            self._finish_empty(request)
+            return request
+        self._queue.push(request)
         if self._loop.idle() and not self._dispatch_pending:
             self._dispatch()  # nobody else can join this batch: launch now, no loop hop
         else:
@@ -800,8 +809,11 @@ class Scheduler:
                 continue
             request = self._request(checked)
             request.future = future
-            self._queue.push(request)
             self._counts["submitted"] += 1
+            if not request.nbytes:  # an empty tensor: done without a launch
+                self._finish_empty(request)
+                continue
+            self._queue.push(request)
             future.add_done_callback(self._future_done(request))
             if request.deadline is not None:
                 delay = request.deadline - time.monotonic()
@@ -852,9 +864,12 @@ class Scheduler:
 
     async def _wait(self, request: Request) -> np.ndarray:
         done = request.done
+        cancel_check = self._loop.cancel_check
         if request.deadline is None and not done.is_set():  # the common case
             try:
                 await done.wait()
+                if cancel_check is not None:
+                    await cancel_check()
             except BaseException:
                 if not done.is_set():
                     self._abandon(request)
@@ -877,6 +892,8 @@ class Scheduler:
                         self._expired(request)
                     else:  # launched before its deadline: the result is on its way
                         await request.done.wait()
+            if cancel_check is not None:
+                await cancel_check()
         except BaseException:
             if not request.done.is_set():
                 self._abandon(request)
@@ -885,6 +902,16 @@ class Scheduler:
             return request.result
         assert request.error is not None
         raise request.error
+
+    def _finish_empty(self, request: Request) -> None:
+        """Resolve a request of empty tensors at submit: nothing to launch. Its deadline
+        still holds: one already past expires, as it would in the queue."""
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            self._expired(request)
+            return
+        request.state = RequestState.DONE
+        self._counts["completed"] += 1
+        _settle(request)
 
     def _abandon(self, request: Request) -> None:
         """The caller stopped waiting (cancellation)."""
