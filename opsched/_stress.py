@@ -389,10 +389,7 @@ class _Harness:
                 )
         elif error is not None:
             self.tally.record(case, "wrong", f"{t.describe}: raised {error!r}")
-        elif (
-            not np.array_equal(result, t.expected, equal_nan=True)
-            or result.dtype != t.expected.dtype
-        ):
+        elif not _same_bits(result, t.expected):
             self.tally.record(case, "wrong", f"{t.describe}: result differs from the solo oracle")
         else:
             if self.sample.random() < 0.01 and result.size:
@@ -417,6 +414,16 @@ class _Harness:
             result.astype(np.float64), ref.astype(np.float64), rtol, atol, equal_nan=True
         ):
             self.tally._note(f"request {case.index}: outside SPEC tolerance of the reference")
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-identical: same dtype and shape, every element's bits equal (NaNs included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return bool(
+        np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits))
+    )
 
 
 async def _submit_async(
