@@ -63,8 +63,10 @@ class SchedulerConfig:
             (default 8 MiB).
         inline_max_bytes: launches this small run inline in the event-loop thread when their
             stream is idle, saving two thread hops (default 64 KiB; 0 disables).
-        max_queued_requests: queue capacity; when full, ``await`` waits and ``*_nowait``
-            raises QueueFullError (default 65536).
+        max_queued_requests: queue capacity for callers' submissions; when full, ``await``
+            waits (FIFO) and ``*_nowait`` raises QueueFullError (default 65536). The nodes a
+            running graph submits, and requests put back after a failed workspace
+            reservation, are admitted past it, so the queue may briefly exceed it.
         workspace_limit_bytes: cap of the workspace pool; launches wait at the cap, and a
             request that alone needs more fails (default 1 GiB).
         executor_cache_limit: repeatable executors kept, least recently used evicted

@@ -83,6 +83,7 @@ class SchedulerStatistics:
         launches: launches started (split parts count one each).
         requests_per_launch_mean: requests served per launch, on average.
         requests_per_launch_max: the most requests one launch served.
+        backpressure_waits: submissions that waited for room in a full queue.
         graph_runs: graph runs started.
         graph_nodes: graph nodes submitted as requests.
         streams: per-stream launches and busy seconds.
@@ -102,6 +103,7 @@ class SchedulerStatistics:
     launches: int
     requests_per_launch_mean: float
     requests_per_launch_max: int
+    backpressure_waits: int
     graph_runs: int
     graph_nodes: int
     streams: tuple[StreamStatistics, ...]
@@ -223,7 +225,9 @@ class Scheduler:
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
     _dispatch_pending: bool = attrs.field(default=False, init=False)
     _memory_wait: bool = attrs.field(default=False, init=False)
-    _space: LoopEvent | None = attrs.field(default=None, init=False)
+    _space_waiters: collections.deque[LoopEvent] = attrs.field(
+        factory=collections.deque, init=False
+    )
     _quiet: LoopEvent | None = attrs.field(default=None, init=False)
     _wake: LoopEvent | None = attrs.field(default=None, init=False)
     _wake_at: float | None = attrs.field(default=None, init=False)
@@ -237,6 +241,7 @@ class Scheduler:
     _inbox_room: threading.Condition = attrs.field(factory=threading.Condition, init=False)
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
     _signatures: dict[Hashable, tuple[Any, ...]] = attrs.field(factory=dict, init=False)
+    _thread_waits: int = attrs.field(default=0, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
 
@@ -255,6 +260,7 @@ class Scheduler:
                 "launches",
                 "graph_runs",
                 "graph_nodes",
+                "backpressure_waits",
             ),
             0,
         )
@@ -528,6 +534,7 @@ class Scheduler:
             launches=launches,
             requests_per_launch_mean=self._served / launches if launches else 0.0,
             requests_per_launch_max=self._per_launch_max,
+            backpressure_waits=c["backpressure_waits"] + self._thread_waits,
             graph_runs=c["graph_runs"],
             graph_nodes=c["graph_nodes"],
             streams=tuple(s.statistics() for s in self.device.streams),
@@ -600,8 +607,8 @@ class Scheduler:
         self._pool.empty_cache()
         if self._wake is not None:
             self._wake.set()
-        if self._space is not None:
-            self._space.set()
+        while self._space_waiters:  # they raise SchedulerClosedError
+            self._space_waiters.popleft().set()
 
     def _fail_queued(self) -> None:
         for request in self._queue.drain():
@@ -622,18 +629,33 @@ class Scheduler:
         deadline: float | None,
         timeout: float | None,
     ) -> Request:
-        """Try the nowait path; park while the queue is full.
+        """Queue a request, parking while the queue is full (backpressure).
 
-        A caller whose cancel scope is already cancelled queues the request and is then
-        cancelled at its first wait, which withdraws it (counted as cancelled).
+        The request is checked once. Parked callers wait in FIFO order, each on its own
+        event, and as many are woken as there are free slots: no thundering herd of
+        re-checks. A cancelled waiter passes its wake-up on.
         """
-        while True:
+        checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
+        if len(self._queue) >= self.config.max_queued_requests:
+            self._counts["backpressure_waits"] += 1
+        while len(self._queue) >= self.config.max_queued_requests:
+            if self._state is not SchedulerState.OPEN:
+                msg = f"the scheduler is {self._state.value}; it accepts no new requests"
+                raise SchedulerClosedError(msg)
+            event = self._loop.new_event()
+            self._space_waiters.append(event)
             try:
-                return self._enqueue(op, tensors, scalars, priority, deadline, timeout)
-            except QueueFullError:
-                if self._space is None:
-                    self._space = self._loop.new_event()
-                await self._space.wait()
+                await event.wait()
+            except BaseException:
+                if event.is_set():
+                    self._wake_space()  # hand the free slot to the next waiter
+                else:
+                    self._space_waiters.remove(event)
+                raise
+        if self._state is not SchedulerState.OPEN:
+            msg = f"the scheduler is {self._state.value}; it accepts no new requests"
+            raise SchedulerClosedError(msg)
+        return self._admit(checked)
 
     def _submit_nowait(
         self,
@@ -660,13 +682,23 @@ class Scheduler:
         timeout: float | None,
     ) -> Request:
         """Check and queue a request; QueueFullError (uncounted) when there is no room."""
+        checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
+        if len(self._queue) >= self.config.max_queued_requests or self._space_waiters:
+            msg = f"{len(self._queue)} requests are queued (max_queued_requests)"
+            raise QueueFullError(msg)
+        return self._admit(checked)
+
+    def _checked_counted(self, *args: Any) -> _Checked:
+        """:meth:`_checked`, counting a refusal as rejected."""
         try:
-            request = self._make_request(op, tensors, scalars, priority, deadline, timeout)
-        except QueueFullError:
-            raise
+            return self._checked(*args)
         except BaseException:
             self._counts["rejected"] += 1
             raise
+
+    def _admit(self, checked: _Checked) -> Request:
+        """Queue a checked request (or finish it at once if it has nothing to compute)."""
+        request = self._request(checked)
         self._counts["submitted"] += 1
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self._finish_empty(request)
@@ -677,21 +709,6 @@ class Scheduler:
         else:
             self._schedule_dispatch()  # others are about to submit: let them, then fuse
         return request
-
-    def _make_request(
-        self,
-        op: Operator,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
-        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
-        if len(self._queue) >= self.config.max_queued_requests:
-            msg = f"{len(self._queue)} requests are queued (max_queued_requests)"
-            raise QueueFullError(msg)
-        return self._request(checked)
 
     def _checked(
         self,
@@ -787,6 +804,8 @@ class Scheduler:
         checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
         future: Future[np.ndarray] = Future()
         with self._inbox_room:
+            if len(self._inbox) + len(self._queue) >= self.config.max_queued_requests:
+                self._thread_waits += 1  # under the inbox lock; the loop counts its own
             while len(self._inbox) + len(self._queue) >= self.config.max_queued_requests:
                 if self._state is not SchedulerState.OPEN:
                     break
@@ -935,12 +954,14 @@ class Scheduler:
         self._wake_space()
 
     def _wake_space(self) -> None:
-        if len(self._queue) < self.config.max_queued_requests:
-            if self._space is not None:
-                self._space.set()
-                self._space = None
-            if self._inbox:
-                self._drain_inbox()
+        """Wake as many parked submitters as there are free slots (FIFO)."""
+        free = self.config.max_queued_requests - len(self._queue)
+        waiters = self._space_waiters
+        while free > 0 and waiters:
+            waiters.popleft().set()
+            free -= 1
+        if free > 0 and self._inbox:
+            self._drain_inbox()
 
     # ------------------------------------------------------------------------ dispatch
 
