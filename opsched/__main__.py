@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
             "stress",
             help="hammer a scheduler with a mixed, fault-injected workload and verify every "
             "request (exit 1 on any discrepancy)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
     return parser
@@ -68,7 +69,32 @@ def add_stress_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def stress_options(args: argparse.Namespace) -> StressOptions:
-    """StressOptions from parsed ``stress`` arguments."""
+    """StressOptions from parsed ``stress`` arguments.
+
+    Raises:
+        ValueError: a value out of range (the message names the option and the range).
+    """
+    rates = {name: getattr(args, name) for name in ("invalid", "cancel", "deadline", "fault")}
+    for name, rate in {**rates, "graphs": args.graphs}.items():
+        if not 0.0 <= rate <= 1.0:
+            msg = f"--{name}={rate} is out of range; expected a share in [0, 1]"
+            raise ValueError(msg)
+    if sum(rates.values()) > 1.0:
+        msg = f"--invalid, --cancel, --deadline and --fault add up to {sum(rates.values())}; > 1"
+        raise ValueError(msg)
+    for name in ("requests", "templates", "max_queued_requests", "workspace_limit_bytes"):
+        if getattr(args, name) < 1:
+            msg = f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
+            raise ValueError(msg)
+    if args.clients < 0 or args.sync_clients < 0 or args.clients + args.sync_clients < 1:
+        msg = (
+            f"--clients={args.clients} --sync-clients={args.sync_clients}: both >= 0, "
+            "and at least one client"
+        )
+        raise ValueError(msg)
+    if args.duration is not None and args.duration <= 0:
+        msg = f"--duration={args.duration} must be > 0 seconds"
+        raise ValueError(msg)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     return StressOptions(
         requests=args.requests,
@@ -101,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(sys.stdout)
     if args.command == "stress":
-        return run_stress(stress_options(args), sys.stdout)
+        try:
+            options = stress_options(args)
+        except ValueError as exc:
+            print(f"opsched stress: error: {exc}", file=sys.stderr)
+            return 2
+        return run_stress(options, sys.stdout)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -118,3 +118,20 @@ def test_command_line_with_report(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: PASS" in proc.stdout and "req" in proc.stderr  # tqdm drew its bar
     assert json.loads(report.read_text())["requests"] == 400
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--cancel", "1.5"], "--cancel=1.5 is out of range"),
+        (["--invalid", "0.6", "--fault", "0.6"], "add up to 1.2"),
+        (["--clients", "0", "--sync-clients", "0"], "at least one client"),
+        (["--requests", "0"], "--requests=0 must be >= 1"),
+    ],
+)
+def test_bad_options_are_clear_errors(args, words):
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsched", "stress", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
