@@ -161,7 +161,6 @@ class _Launch:
     batch: Batch
     op: Operator
     block: Block | None
-    started: float
 
 
 #: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
@@ -1059,7 +1058,7 @@ class Scheduler:
 
     def _launch(self, batch: Batch, block: Block | None, work: Callable[[], Any]) -> None:
         op = batch.requests[0].op
-        launch = _Launch(batch, op, block, time.perf_counter())
+        launch = _Launch(batch, op, block)
         self._inflight += 1
         self._launching[batch.stream] = launch
         self._counts["launches"] += 1
