@@ -45,6 +45,8 @@ class Block:
     last_event: Any = None
     #: Views the scheduler carved this block into, by layout (reused while the block lives).
     views: dict[Any, Any] = attrs.field(factory=dict)
+    #: False for an overflow block: outside the cap, dropped (not cached) on release.
+    pooled: bool = True
 
 
 @attrs.frozen
@@ -61,6 +63,8 @@ class PoolStatistics:
         misses: allocations that needed a new block.
         cached_blocks: free blocks held for reuse.
         limit: the cap on ``current``.
+        overflows: blocks handed out beyond the cap as a last resort (see
+            :meth:`WorkspacePool.allocate`).
     """
 
     current: int
@@ -72,6 +76,7 @@ class PoolStatistics:
     misses: int
     cached_blocks: int
     limit: int
+    overflows: int
 
 
 @attrs.define(eq=False)
@@ -88,16 +93,26 @@ class WorkspacePool:
     _hits: int = attrs.field(default=0, init=False)
     _misses: int = attrs.field(default=0, init=False)
     _cached: int = attrs.field(default=0, init=False)
+    _overflows: int = attrs.field(default=0, init=False)
 
-    def allocate(self, nbytes: int, stream: int) -> Block | None:
-        """Return a block of at least ``nbytes`` for ``stream``, or None at the cap."""
+    def allocate(self, nbytes: int, stream: int, *, overflow: bool = False) -> Block | None:
+        """Return a block of at least ``nbytes`` for ``stream``, or None at the cap.
+
+        With ``overflow``, a request that does not fit gets a block outside the cap instead
+        of None: the caller's last resort when nothing in flight will ever return memory.
+        Such a block is dropped, not cached, when released.
+        """
         cls = size_class(nbytes)
         block = self._take_cached(cls, stream)
         if block is not None:
             self._hits += 1
         else:
             if self._current + cls > self.limit and not self._evict(cls):
-                return None
+                if not overflow:
+                    return None
+                self._overflows += 1
+                self._in_use += cls
+                return Block(cls, np.empty(cls, np.uint8), stream, pooled=False)
             self._misses += 1
             block = Block(cls, np.empty(cls, np.uint8), stream)
             self._current += cls
@@ -112,6 +127,8 @@ class WorkspacePool:
         """Return ``block``; ``event`` completes when its last launch finishes."""
         block.last_event = event
         self._in_use -= block.nbytes
+        if not block.pooled:
+            return  # an overflow block: never held by the pool
         self._free.setdefault(block.stream, {}).setdefault(block.nbytes, []).append(block)
         self._cached += 1
 
@@ -150,6 +167,7 @@ class WorkspacePool:
             misses=self._misses,
             cached_blocks=self._cached,
             limit=self.limit,
+            overflows=self._overflows,
         )
 
     def memory_stats(self) -> dict[str, int]:

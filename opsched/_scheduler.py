@@ -241,6 +241,8 @@ class Scheduler:
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
     _signatures: dict[Hashable, tuple[Any, ...]] = attrs.field(factory=dict, init=False)
     _thread_waits: int = attrs.field(default=0, init=False)
+    #: Set while retrying a launch with workspace beyond the cap (see _out_of_memory).
+    _overflow: bool = attrs.field(default=False, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
 
@@ -484,6 +486,15 @@ class Scheduler:
         request.waits = waits or None
         self._counts["submitted"] += 1
         self._counts["graph_nodes"] += 1
+        if node.nbytes > self._pool.limit // 4:  # as for callers: alone over the cap fails
+            try:
+                self._check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
+            except ParamInvalidError as exc:
+                request.error = exc
+                request.state = RequestState.FAILED
+                self._counts["failed"] += 1
+                _settle(request)
+                return request
         if not request.nbytes:  # an empty tensor: done at once, without a launch
             run.launched(node_run, None)
             self._finish_empty(request)
@@ -1102,6 +1113,16 @@ class Scheduler:
                 self._queue.push(request)
             smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
             return self._start([smaller])
+        if self._inflight == 0 and not self._overflow:
+            # Still nothing in flight: the pool is held by graph intermediates that only
+            # this work would free. Waiting would never end; overflow the cap instead.
+            if enabled():
+                _log.info("workspace over the cap", requests=len(batch.requests))
+            self._overflow = True
+            try:
+                return self._start(group)
+            finally:
+                self._overflow = False
         self._requeue(group)
         self._memory_wait = True  # until a launch completes and returns its workspace
         return False
@@ -1121,7 +1142,7 @@ class Scheduler:
             executor.layout = _FusedLayout.of(geometry, executor.workspace_size)
             self._cache.put(cache_key, executor)
         layout: _FusedLayout = executor.layout
-        block = self._pool.allocate(layout.nbytes, batch.stream)
+        block = self._pool.allocate(layout.nbytes, batch.stream, overflow=self._overflow)
         if block is None:
             return None
         try:
@@ -1174,7 +1195,7 @@ class Scheduler:
         size = executor.workspace_size
         block: Block | None = None
         if size:
-            block = self._pool.allocate(size, batch.stream)
+            block = self._pool.allocate(size, batch.stream, overflow=self._overflow)
             if block is None:
                 return None
         workspace = block.array if block is not None else None

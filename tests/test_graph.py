@@ -355,3 +355,18 @@ def test_module_level_run_under_trio_and_sync_run():
         (out,) = sched.run(graph, outputs=[nodes[-1]])
     np.testing.assert_array_equal(out, want[-1])
     assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
+
+
+@pytest.mark.asyncio
+async def test_node_alone_over_the_workspace_cap_fails_its_run_clearly():
+    rng = np.random.default_rng(14)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (4, 8, 4096), F32)
+    g = Graph()
+    big = g.group_norm_grad(x, dy, gamma, mean, rstd, name="big")
+    after = g.glu_backward(big, rand(rng, (4, 8, 8192), F32), dim=-1, name="after")
+    async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(g, outputs=[after])
+    assert isinstance(info.value.failed["big"], ParamInvalidError)
+    assert "workspace_limit_bytes=65536" in str(info.value.failed["big"])
+    assert isinstance(info.value.failed["after"], UpstreamFailedError)

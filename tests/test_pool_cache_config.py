@@ -161,3 +161,17 @@ def test_config_from_toml_rejects_unknown_keys(tmp_path):
 def test_shipped_configs_load(name):
     cfg = SchedulerConfig.from_toml(ROOT / "configs" / f"{name}.toml")
     assert isinstance(cfg, SchedulerConfig)
+
+
+def test_overflow_block_beyond_the_cap_is_never_cached():
+    pool = WorkspacePool(1024)
+    held = pool.allocate(1024, 0)
+    assert pool.allocate(512, 0) is None  # at the cap
+    extra = pool.allocate(512, 0, overflow=True)
+    assert extra is not None and not extra.pooled
+    s = pool.statistics()
+    assert (s.overflows, s.in_use, s.current) == (1, 1024 + 512, 1024)
+    pool.release(extra)
+    pool.release(held)
+    s = pool.statistics()
+    assert (s.in_use, s.current, s.cached_blocks) == (0, 1024, 1)  # the overflow block is gone

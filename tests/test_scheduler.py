@@ -464,3 +464,19 @@ async def test_statistics_and_launch_log_events():
     stats = sched.statistics()
     assert stats.streams[0].launches == stats.launches and stats.streams[0].busy_seconds >= 0
     assert stats.queued_peak >= 1
+
+
+async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
+    """Memory held elsewhere (as graph intermediates can hold it) and nothing running that
+    would return any: the launch gets workspace beyond the cap rather than waiting forever."""
+    rng = np.random.default_rng(21)
+    g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
+    async with opsched.open_scheduler(streams=1, workspace_limit_bytes=1 << 20) as sched:
+        held = sched._pool.allocate(1 << 20, 0)  # the whole pool, held
+        out = await sched.glu_backward(g, x)
+        other = small_glu(rng)
+        np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
+        sched._pool.release(held)
+        stats = sched.statistics()
+    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
+    assert stats.pool.overflows >= 1 and stats.pool.in_use == 0
