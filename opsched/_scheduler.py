@@ -241,8 +241,6 @@ class Scheduler:
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
     _signatures: dict[Hashable, tuple[Any, ...]] = attrs.field(factory=dict, init=False)
     _thread_waits: int = attrs.field(default=0, init=False)
-    #: Set while retrying a launch with workspace beyond the cap (see _out_of_memory).
-    _overflow: bool = attrs.field(default=False, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
 
@@ -300,12 +298,13 @@ class Scheduler:
         """
         tensors = {"grad_out": grad_out, "self": self, "out": out}
         scalars = {"dim": dim}
-        try:  # the common case needs no extra coroutine: queue now, then wait
-            request = sched._enqueue(GLU_BACKWARD, tensors, scalars, priority, deadline, timeout)
-        except QueueFullError:
-            request = await sched._submit(
-                GLU_BACKWARD, tensors, scalars, priority, deadline, timeout
-            )
+        checked = sched._checked_counted(
+            GLU_BACKWARD, tensors, scalars, priority, deadline, timeout
+        )
+        if sched._has_room():  # the common case needs no extra coroutine
+            request = sched._admit(checked)
+        else:
+            request = await sched._admit_when_room(checked)
         return await sched._wait(request)
 
     def glu_backward_nowait(
@@ -350,10 +349,11 @@ class Scheduler:
         :func:`opsched.aclnn.group_norm_grad_get_workspace_size`.
         """
         tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}
-        try:
-            request = self._enqueue(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
-        except QueueFullError:
-            request = await self._submit(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        checked = self._checked_counted(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        if self._has_room():
+            request = self._admit(checked)
+        else:
+            request = await self._admit_when_room(checked)
         return await self._wait(request)
 
     def group_norm_grad_nowait(
@@ -630,22 +630,16 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- submission
 
-    async def _submit(
-        self,
-        op: Operator,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
-        """Queue a request, parking while the queue is full (backpressure).
+    def _has_room(self) -> bool:
+        """Whether a caller may queue now: below the cap, and nobody parked ahead of it."""
+        return len(self._queue) < self.config.max_queued_requests and not self._space_waiters
 
-        The request is checked once. Parked callers wait in FIFO order, each on its own
-        event, and as many are woken as there are free slots: no thundering herd of
-        re-checks. A cancelled waiter passes its wake-up on.
+    async def _admit_when_room(self, checked: _Checked) -> Request:
+        """Queue a checked request, parking while the queue is full (backpressure).
+
+        Parked callers wait in FIFO order, each on its own event, and as many are woken as
+        there are free slots: no thundering herd. A cancelled waiter passes its wake-up on.
         """
-        checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
         if len(self._queue) >= self.config.max_queued_requests:
             self._counts["backpressure_waits"] += 1
         while len(self._queue) >= self.config.max_queued_requests:
@@ -693,7 +687,7 @@ class Scheduler:
     ) -> Request:
         """Check and queue a request; QueueFullError (uncounted) when there is no room."""
         checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
-        if len(self._queue) >= self.config.max_queued_requests or self._space_waiters:
+        if not self._has_room():
             msg = f"{len(self._queue)} requests are queued (max_queued_requests)"
             raise QueueFullError(msg)
         return self._admit(checked)
@@ -706,14 +700,27 @@ class Scheduler:
             self._counts["rejected"] += 1
             raise
 
-    def _admit(self, checked: _Checked) -> Request:
-        """Queue a checked request (or finish it at once if it has nothing to compute)."""
+    def _admit(self, checked: _Checked, future: Future[np.ndarray] | None = None) -> Request:
+        """Queue a checked request (or finish it at once if it has nothing to compute).
+
+        ``future``: the request came from a thread, which holds that future; it gets a
+        deadline timer of its own (no coroutine waits for it) and the dispatch is deferred
+        to after the whole drained burst.
+        """
         request = self._request(checked)
+        request.future = future
         self._counts["submitted"] += 1
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self._finish_empty(request)
             return request
         self._queue.push(request)
+        if future is not None:
+            future.add_done_callback(self._future_done(request))
+            if request.deadline is not None:
+                delay = request.deadline - time.monotonic()
+                self._loop.call_later(delay, self._deadline_reached, request)
+            self._schedule_dispatch()
+            return request
         if self._loop.idle() and not self._dispatch_pending:
             self._dispatch()  # nobody else can join this batch: launch now, no loop hop
         else:
@@ -836,18 +843,7 @@ class Scheduler:
             if self._state is not SchedulerState.OPEN:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
-            request = self._request(checked)
-            request.future = future
-            self._counts["submitted"] += 1
-            if not request.nbytes:  # an empty tensor: done without a launch
-                self._finish_empty(request)
-                continue
-            self._queue.push(request)
-            future.add_done_callback(self._future_done(request))
-            if request.deadline is not None:
-                delay = request.deadline - time.monotonic()
-                self._loop.call_later(delay, self._deadline_reached, request)
-        self._schedule_dispatch()
+            self._admit(checked, future)
 
     def _future_done(self, request: Request) -> Callable[[Future[np.ndarray]], None]:
         def done(future: Future[np.ndarray]) -> None:
@@ -1032,16 +1028,18 @@ class Scheduler:
         for batch in group:
             bisect.insort(self._idle, batch.stream)
 
-    def _start(self, group: list[Batch]) -> bool:
+    def _start(self, group: list[Batch], *, overflow: bool = False) -> bool:
         """Start a fused batch, a solo request, or every part of a split request.
 
-        Returns False when the pool is at its cap: the group went back to the queue.
+        Returns False when the pool is at its cap: the group went back to the queue. With
+        ``overflow``, workspace may exceed the cap (the last resort of _out_of_memory).
         """
         prepared: list[tuple[Batch, Block | None, Callable[[], Any]]] = []
         try:
             for batch in group:
                 op = batch.requests[0].op
-                ready = (self._prepare_fused if batch.fused else self._prepare_solo)(op, batch)
+                prepare = self._prepare_fused if batch.fused else self._prepare_solo
+                ready = prepare(op, batch, overflow)
                 if ready is None:
                     for _, block, _ in prepared:
                         if block is not None:
@@ -1113,22 +1111,18 @@ class Scheduler:
                 self._queue.push(request)
             smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
             return self._start([smaller])
-        if self._inflight == 0 and not self._overflow:
+        if self._inflight == 0:
             # Still nothing in flight: the pool is held by graph intermediates that only
             # this work would free. Waiting would never end; overflow the cap instead.
             if enabled():
                 _log.info("workspace over the cap", requests=len(batch.requests))
-            self._overflow = True
-            try:
-                return self._start(group)
-            finally:
-                self._overflow = False
+            return self._start(group, overflow=True)
         self._requeue(group)
         self._memory_wait = True  # until a launch completes and returns its workspace
         return False
 
     def _prepare_fused(
-        self, op: Operator, batch: Batch
+        self, op: Operator, batch: Batch, overflow: bool
     ) -> tuple[Block | None, Callable[[], Any]] | None:
         requests = batch.requests
         capacity = _bucket(batch.units)
@@ -1142,7 +1136,7 @@ class Scheduler:
             executor.layout = _FusedLayout.of(geometry, executor.workspace_size)
             self._cache.put(cache_key, executor)
         layout: _FusedLayout = executor.layout
-        block = self._pool.allocate(layout.nbytes, batch.stream, overflow=self._overflow)
+        block = self._pool.allocate(layout.nbytes, batch.stream, overflow=overflow)
         if block is None:
             return None
         try:
@@ -1170,7 +1164,7 @@ class Scheduler:
         return block, work
 
     def _prepare_solo(
-        self, op: Operator, batch: Batch
+        self, op: Operator, batch: Batch, overflow: bool
     ) -> tuple[Block | None, Callable[[], Any]] | None:
         request = batch.requests[0]
         tensors, scalars = batch.part or (request.tensors, request.scalars)
@@ -1195,7 +1189,7 @@ class Scheduler:
         size = executor.workspace_size
         block: Block | None = None
         if size:
-            block = self._pool.allocate(size, batch.stream, overflow=self._overflow)
+            block = self._pool.allocate(size, batch.stream, overflow=overflow)
             if block is None:
                 return None
         workspace = block.array if block is not None else None
