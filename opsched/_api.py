@@ -24,6 +24,7 @@ from opsched._devices import make_device
 from opsched._graph import Graph, Node, Placeholder
 from opsched._loop import current_loop
 from opsched._scheduler import Scheduler, SchedulerState
+from opsched._trace import Tracer
 
 __all__ = [
     "current_scheduler",
@@ -59,9 +60,12 @@ def resolve_config(
     return base.evolve(overrides) if overrides else base
 
 
-def _new_scheduler(config: SchedulerConfig, device: str) -> Scheduler:
+def _new_scheduler(
+    config: SchedulerConfig, device: str, trace: str | os.PathLike[str] | None = None
+) -> Scheduler:
     dev = make_device(device, config.streams)
-    scheduler = Scheduler(config, dev, current_loop())
+    tracer = Tracer(trace, dev.name, len(dev.streams)) if trace is not None else None
+    scheduler = Scheduler(config, dev, current_loop(), tracer=tracer)
     scheduler._open()
     return scheduler
 
@@ -71,6 +75,7 @@ async def open_scheduler(
     config: SchedulerConfig | str | os.PathLike[str] | None = None,
     *,
     device: str = "cpu",
+    trace: str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Scheduler]:
     """Open a scheduler for the block; leaving it drains pending requests.
@@ -79,6 +84,8 @@ async def open_scheduler(
         config: a SchedulerConfig, a path to a TOML file, or None for the defaults.
         device: ``"cpu"`` (numpy kernels on worker-thread streams) or ``"reference"``
             (reference kernels, inline, deterministic: for tests).
+        trace: write a Chrome trace-event / Perfetto JSON timeline of the scheduler's
+            launches to this path when the scheduler closes (see ``docs/tracing.md``).
         **overrides: single config fields, e.g. ``streams=2``.
 
     Yields:
@@ -87,7 +94,7 @@ async def open_scheduler(
     Raises:
         ValueError, TypeError: a bad config value or an unknown setting or device.
     """
-    scheduler = _new_scheduler(resolve_config(config, overrides), device)
+    scheduler = _new_scheduler(resolve_config(config, overrides), device, trace)
     _start_service(scheduler, scheduler._serve)
     token = _current.set(scheduler)
     try:

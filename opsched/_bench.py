@@ -3,24 +3,60 @@
 Every figure is a ratio against a baseline measured in the same run, interleaved with it,
 and summarised by the median over repeats, because the machines we run on are shared and
 noisy. The baseline for a kernel is ``numpy.copyto`` moving the same number of bytes
-(read + written) as the kernel: the practical memory limit of one core.
+(read + written) as the kernel: the practical memory limit of one core. Where torch is
+installed, its own CPU operator (single-threaded, like our kernels) is the peer column.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+import attrs
 import ml_dtypes
 import numpy as np
 
-from opsched import aclnn
+import opsched
+from opsched import _torch_ops, aclnn
+from opsched._config import SchedulerConfig
 from opsched._executor import Executor
 
-__all__ = ["KERNEL_SIZES", "bench_kernels", "print_kernel_table"]
+__all__ = [
+    "KERNEL_SIZES",
+    "BenchTarget",
+    "bench_kernels",
+    "print_kernel_table",
+    "torch_peer",
+    "write_json",
+]
+
+
+@attrs.frozen
+class BenchTarget:
+    """Where the scheduler benchmarks run: the device, the config, an optional trace."""
+
+    device: str = "cpu"
+    config: SchedulerConfig | None = None
+
+    def open(self, trace: str | None = None, **overrides: Any) -> Any:
+        """``opsched.open_scheduler`` for this target (``overrides``: config fields)."""
+        return opsched.open_scheduler(self.config, device=self.device, trace=trace, **overrides)
+
+
+def torch_peer() -> Any:
+    """torch, set to one thread for a fair peer column, or None when not installed."""
+    if not _torch_ops.torch_available():
+        return None
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
 
 #: Element counts of ``self`` / ``x`` measured by default: 1K to 16M.
 KERNEL_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
@@ -38,13 +74,21 @@ def _repeats(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1)))
 
 
-def _glu_case(n: int, dtype: Any, rng: np.random.Generator) -> dict[str, Any]:
+def _glu_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
     cols = min(n, 1024)
     x = rng.standard_normal((n // cols, cols)).astype(dtype)
     g = rng.standard_normal((n // cols, cols // 2)).astype(dtype)
     out = np.empty_like(x)
     size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
+    peer = None
+    if torch is not None:
+        tg, tx = _torch_ops.to_torch(g), _torch_ops.to_torch(x)
+
+        def peer() -> None:
+            _torch_ops.glu_backward(tg, tx, -1)
+
     return {
+        "peer": peer,
         "op": "GluBackward",
         "shape": x.shape,
         "nbytes": x.nbytes + g.nbytes + out.nbytes,
@@ -55,7 +99,7 @@ def _glu_case(n: int, dtype: Any, rng: np.random.Generator) -> dict[str, Any]:
     }
 
 
-def _gn_case(n: int, dtype: Any, rng: np.random.Generator) -> dict[str, Any]:
+def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
     m = min(n, 1024)
     groups = min(32, n // m)
     shape = (n // (groups * m), groups, m)
@@ -64,7 +108,15 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator) -> dict[str, Any]:
     rstd = (rng.random(shape[:2]) + 0.5).astype(dtype)
     dx = np.empty_like(x)
     size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
+    peer = None
+    if torch is not None:
+        tensors = [_torch_ops.to_torch(a) for a in (x, dy, gamma, mean, rstd)]
+
+        def peer() -> None:
+            _torch_ops.group_norm_grad(*tensors)
+
     return {
+        "peer": peer,
         "op": "GroupNormalizationGrad",
         "shape": shape,
         "nbytes": 4 * x.nbytes + mean.nbytes + rstd.nbytes,
@@ -95,9 +147,20 @@ def _measure(case: dict[str, Any]) -> dict[str, Any]:
         copy.append(t_copy)
         ratios.append(t_copy / t_fast)
     ref = [_timed(case["reference"]) for _ in range(max(3, reps // 10))]
-    ex.destroy()
     t_fast = statistics.median(fast)
+    peer: dict[str, Any] = {}
+    if case["peer"] is not None:
+        case["peer"]()  # warm up
+        peer_times, peer_ratios = [], []
+        for _ in range(reps):  # interleaved with our kernel, like the copy
+            t_peer = _timed(case["peer"])
+            peer_times.append(t_peer)
+            peer_ratios.append(t_peer / _timed(lambda: launch(workspace, size, ex)))
+        peer = {"torch_gbps": nbytes / statistics.median(peer_times) / 1e9,
+                "speedup_vs_torch": statistics.median(peer_ratios)}  # fmt: skip
+    ex.destroy()
     return {
+        **peer,
         "op": case["op"],
         "shape": list(case["shape"]),
         "bytes": nbytes,
@@ -119,11 +182,12 @@ def bench_kernels(
     """Measure the fast kernels; return one row per (operator, dtype, size)."""
     rng = np.random.default_rng(seed)
     builders = {"glu": _glu_case, "gn": _gn_case}
+    torch = torch_peer()
     rows = []
     for op in ops:
         for name in dtypes:
             for n in sizes:
-                row = _measure(builders[op](n, _DTYPES[name], rng))
+                row = _measure(builders[op](n, _DTYPES[name], rng, torch))
                 row.update(dtype=name, elements=n)
                 rows.append(row)
     return rows
@@ -135,22 +199,49 @@ def _human(n: int) -> str:
 
 def print_kernel_table(rows: list[dict[str, Any]], out: TextIO) -> None:
     """Print the rows as a table."""
+    peer = bool(rows) and "speedup_vs_torch" in rows[0]
     head = (
         f"{'operator':<24}{'dtype':<10}{'elements':>9}{'median':>11}{'GB/s':>8}"
         f"{'copy GB/s':>11}{'vs copy':>9}{'vs ref':>8}"
-    )
+    ) + (f"{'torch GB/s':>12}{'vs torch':>10}" if peer else "")
     print(head, file=out)
     print("-" * len(head), file=out)
     for r in rows:
         print(
             f"{r['op']:<24}{r['dtype']:<10}{_human(r['elements']):>9}"
             f"{r['fast_median_s'] * 1e3:>9.3f}ms{r['fast_gbps']:>8.2f}{r['copy_gbps']:>11.2f}"
-            f"{r['ratio_to_copy']:>8.0%}{r['speedup_vs_reference']:>7.1f}x",
+            f"{r['ratio_to_copy']:>8.0%}{r['speedup_vs_reference']:>7.1f}x"
+            + (f"{r['torch_gbps']:>12.2f}{r['speedup_vs_torch']:>9.2f}x" if peer else ""),
             file=out,
         )
 
 
-def write_json(benchmark: str, result: Any, path: str) -> None:
-    """Write a benchmark's result, named, to ``path`` (JSON)."""
+#: Bumped when the layout of the result file changes.
+RESULT_SCHEMA_VERSION = 1
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+    if _torch_ops.torch_available():
+        import torch
+
+        info["torch"] = torch.__version__
+    return info
+
+
+def write_json(benchmark: str, results: dict[str, Any], path: str) -> None:
+    """Write benchmark results (benchmark name -> its result) to ``path`` as JSON."""
+    document = {
+        "schema": RESULT_SCHEMA_VERSION,
+        "benchmark": benchmark,
+        "machine": machine(),
+        "results": results,
+    }
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"benchmark": benchmark, "result": result}, f, indent=2)
+        json.dump(document, f, indent=2)

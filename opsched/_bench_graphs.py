@@ -20,6 +20,7 @@ import numpy as np
 
 import opsched
 from opsched import aclnn
+from opsched._bench import BenchTarget
 
 __all__ = ["bench_graphs", "print_graph_report"]
 
@@ -84,9 +85,13 @@ class _Chain:
 
 
 async def _concurrent(
-    chains: list[_Chain], repeats: int, way: Callable[..., Any]
+    target: BenchTarget,
+    chains: list[_Chain],
+    repeats: int,
+    way: Callable[..., Any],
+    trace: str | None = None,
 ) -> tuple[float, np.ndarray]:
-    async with opsched.open_scheduler() as sched:
+    async with target.open(trace) as sched:
 
         async def client(c: _Chain) -> np.ndarray:
             out: np.ndarray | None = None
@@ -102,9 +107,9 @@ async def _concurrent(
     return elapsed, outs[0]
 
 
-async def _idle(chain: _Chain, n: int) -> tuple[list[float], list[float]]:
+async def _idle(target: BenchTarget, chain: _Chain, n: int) -> tuple[list[float], list[float]]:
     graph_s, await_s = [], []
-    async with opsched.open_scheduler() as sched:
+    async with target.open() as sched:
         for _ in range(20):
             await chain.as_graph(sched)
             await chain.as_awaits(sched)
@@ -119,15 +124,24 @@ async def _idle(chain: _Chain, n: int) -> tuple[list[float], list[float]]:
     return graph_s, await_s
 
 
-def bench_graphs(rounds: int = 3, clients: int = 64, repeats: int = 20) -> dict[str, Any]:
-    """Run the benchmark; return its figures."""
+def bench_graphs(
+    rounds: int = 3,
+    clients: int = 64,
+    repeats: int = 20,
+    target: BenchTarget | None = None,
+    trace: str | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; return its figures (``trace``: the first graph round's timeline)."""
+    target = target or BenchTarget()
     rng = np.random.default_rng(0)
     chains = [_Chain(rng) for _ in range(clients)]
     runs = clients * repeats
     graph_t, await_t, direct_t, ratios = [], [], [], []
-    for _ in range(rounds):
-        t_graph, out_graph = asyncio.run(_concurrent(chains, repeats, _Chain.as_graph))
-        t_await, out_await = asyncio.run(_concurrent(chains, repeats, _Chain.as_awaits))
+    for i in range(rounds):
+        t_graph, out_graph = asyncio.run(
+            _concurrent(target, chains, repeats, _Chain.as_graph, trace if i == 0 else None)
+        )
+        t_await, out_await = asyncio.run(_concurrent(target, chains, repeats, _Chain.as_awaits))
         start = time.perf_counter()
         for _ in range(repeats):
             for c in chains:
@@ -140,7 +154,7 @@ def bench_graphs(rounds: int = 3, clients: int = 64, repeats: int = 20) -> dict[
         await_t.append(t_await)
         direct_t.append(t_direct)
         ratios.append(t_await / t_graph)
-    idle = [asyncio.run(_idle(chains[0], 300)) for _ in range(rounds)]
+    idle = [asyncio.run(_idle(target, chains[0], 300)) for _ in range(rounds)]
     return {
         "rounds": rounds,
         "chains": runs,

@@ -8,6 +8,13 @@
 4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1.
 5. Steady state: new workspace allocations and executor-cache hit rate in the measured
    round of (1), after two warm-up rounds of the same workload.
+6. Tracing overhead: the throughput of (1) for GLU with a timeline trace recorded, against
+   the same run without, interleaved.
+7. Sweeps (for the plot): throughput of (1) for GLU against the number of concurrent
+   clients, and against the fused batch size (``max_batch_requests``).
+
+Where torch is installed, (1) adds its CPU operator called once per request
+(single-threaded) as a peer.
 
 Medians over repeats; the machines we run on are shared and noisy.
 """
@@ -15,7 +22,9 @@ Medians over repeats; the machines we run on are shared and noisy.
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -23,7 +32,8 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
-from opsched import aclnn
+from opsched import _torch_ops, aclnn
+from opsched._bench import BenchTarget, torch_peer
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 
@@ -75,9 +85,15 @@ def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:
 
 
 async def _throughput_run(
-    op: str, inputs: list[tuple[np.ndarray, ...]], clients: int, per_client: int
+    target: BenchTarget,
+    op: str,
+    inputs: list[tuple[np.ndarray, ...]],
+    clients: int,
+    per_client: int,
+    trace: str | None = None,
+    **overrides: Any,
 ) -> tuple[float, opsched.SchedulerStatistics, opsched.SchedulerStatistics]:
-    async with opsched.open_scheduler() as sched:
+    async with target.open(trace, **overrides) as sched:
         call = _submit(sched, op)
 
         async def client(i: int) -> None:
@@ -94,15 +110,39 @@ async def _throughput_run(
     return elapsed, before, after
 
 
-def _throughput(op: str, repeats: int, clients: int, per_client: int) -> dict[str, Any]:
+def _torch_direct(op: str, inputs: list[tuple[np.ndarray, ...]]) -> Callable[[int], None]:
+    """Torch's CPU operator once per request, on tensors converted beforehand."""
+    tensors = [tuple(_torch_ops.to_torch(a) for a in args) for args in inputs]
+    if op == "glu":
+
+        def glu(k: int) -> None:
+            g, x = tensors[k % len(tensors)]
+            _torch_ops.glu_backward(g, x, -1)
+
+        return glu
+
+    def gn(k: int) -> None:
+        _torch_ops.group_norm_grad(*tensors[k % len(tensors)])
+
+    return gn
+
+
+def _throughput(
+    target: BenchTarget, op: str, repeats: int, clients: int, per_client: int,
+    trace: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     rng = np.random.default_rng(0)
     inputs = (_glu_inputs if op == "glu" else _gn_inputs)(rng, 4096)
     total = clients * per_client
     direct = _direct(op)
-    sched_times, direct_times, ratios = [], [], []
+    torch = torch_peer()
+    peer = _torch_direct(op, inputs) if torch is not None else None
+    sched_times, direct_times, ratios, torch_ratios = [], [], [], []
     steady: dict[str, Any] = {}
-    for _ in range(repeats):
-        elapsed, before, after = asyncio.run(_throughput_run(op, inputs, clients, per_client))
+    for i in range(repeats):
+        elapsed, before, after = asyncio.run(
+            _throughput_run(target, op, inputs, clients, per_client, trace if i == 0 else None)
+        )
         start = time.perf_counter()
         for k in range(total):
             direct(*inputs[k % len(inputs)])
@@ -110,6 +150,11 @@ def _throughput(op: str, repeats: int, clients: int, per_client: int) -> dict[st
         sched_times.append(elapsed)
         direct_times.append(t_direct)
         ratios.append(t_direct / elapsed)
+        if peer is not None:
+            start = time.perf_counter()
+            for k in range(total):
+                peer(k)
+            torch_ratios.append((time.perf_counter() - start) / elapsed)
         hits = after.executor_cache.hits - before.executor_cache.hits
         misses = after.executor_cache.misses - before.executor_cache.misses
         steady = {
@@ -119,22 +164,89 @@ def _throughput(op: str, repeats: int, clients: int, per_client: int) -> dict[st
             "requests_per_launch_mean": (after.completed - before.completed)
             / max(1, after.launches - before.launches),
         }
-    return {
+    result: dict[str, Any] = {
         "requests": total,
         "scheduler_rps": total / statistics.median(sched_times),
         "direct_rps": total / statistics.median(direct_times),
         "speedup": statistics.median(ratios),
         "steady_state": steady,
     }
+    if torch_ratios:
+        speedup = statistics.median(torch_ratios)
+        result["torch_rps"] = result["scheduler_rps"] / speedup
+        result["speedup_vs_torch"] = speedup
+    return result
 
 
-async def _latency_run(args: tuple[np.ndarray, ...], n: int) -> tuple[list[float], list[float]]:
+def _tracing(target: BenchTarget, repeats: int, clients: int, per_client: int) -> dict[str, Any]:
+    """GLU throughput with a trace recorded against without, interleaved."""
+    inputs = _glu_inputs(np.random.default_rng(0), 4096)
+    total = clients * per_client
+    off, on, ratios = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(pathlib.Path(tmp) / "bench.trace.json")
+        for _ in range(repeats):
+            t_off = asyncio.run(_throughput_run(target, "glu", inputs, clients, per_client))[0]
+            t_on = asyncio.run(_throughput_run(target, "glu", inputs, clients, per_client, path))[0]
+            off.append(t_off)
+            on.append(t_on)
+            ratios.append(t_on / t_off)
+    overhead = statistics.median(ratios) - 1.0
+    return {
+        "requests": total,
+        "untraced_rps": total / statistics.median(off),
+        "traced_rps": total / statistics.median(on),
+        "overhead": overhead,
+    }
+
+
+#: Concurrent clients and fused batch caps of the sweeps.
+SWEEP_CLIENTS = (1, 4, 16, 64, 256)
+SWEEP_BATCH = (1, 4, 16, 64, 256, 1024)
+
+
+def _sweeps(target: BenchTarget, repeats: int, requests: int) -> dict[str, Any]:
+    """GLU throughput against concurrency and against the fused batch cap."""
+    inputs = _glu_inputs(np.random.default_rng(0), 4096)
+
+    def rps(clients: int, **overrides: Any) -> tuple[float, float]:
+        per_client = max(1, requests // clients)
+        runs = [
+            asyncio.run(_throughput_run(target, "glu", inputs, clients, per_client, **overrides))
+            for _ in range(repeats)
+        ]
+        elapsed, before, after = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+        fused = (after.completed - before.completed) / max(1, after.launches - before.launches)
+        return clients * per_client / elapsed, fused
+
+    by_clients = []
+    for clients in SWEEP_CLIENTS:
+        r, fused = rps(clients)
+        by_clients.append({"clients": clients, "rps": r, "requests_per_launch": fused})
+    by_batch = []
+    for cap in SWEEP_BATCH:
+        r, fused = rps(256, max_batch_requests=cap)
+        by_batch.append({"max_batch_requests": cap, "rps": r, "requests_per_launch": fused})
+    direct = _direct("glu")
+    start = time.perf_counter()
+    for k in range(requests):
+        direct(*inputs[k % len(inputs)])
+    return {
+        "by_clients": by_clients,
+        "by_batch": by_batch,
+        "direct_rps": requests / (time.perf_counter() - start),
+    }
+
+
+async def _latency_run(
+    target: BenchTarget, args: tuple[np.ndarray, ...], n: int
+) -> tuple[list[float], list[float]]:
     """Alternate one scheduler request and one direct call, n times: drift in the
     machine's load hits both series alike."""
     direct = _direct("glu")
     g, x = args
     sched_s, direct_s = [], []
-    async with opsched.open_scheduler() as sched:
+    async with target.open() as sched:
         for _ in range(50):
             await sched.glu_backward(g, x)
             direct(g, x)
@@ -149,19 +261,19 @@ async def _latency_run(args: tuple[np.ndarray, ...], n: int) -> tuple[list[float
     return sched_s, direct_s
 
 
-def _latency(repeats: int, n: int = 2000) -> dict[str, Any]:
+def _latency(target: BenchTarget, repeats: int, n: int = 2000) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     args = _glu_inputs(rng, 1)[0]
     sched_med, direct_med = [], []
     for _ in range(repeats):
-        sched_s, direct_s = asyncio.run(_latency_run(args, n))
+        sched_s, direct_s = asyncio.run(_latency_run(target, args, n))
         sched_med.append(statistics.median(sched_s))
         direct_med.append(statistics.median(direct_s))
     s, d = statistics.median(sched_med), statistics.median(direct_med)
     return {"scheduler_median_us": s * 1e6, "direct_median_us": d * 1e6, "added_us": (s - d) * 1e6}
 
 
-async def _responsiveness_run(requests: int) -> dict[str, float]:
+async def _responsiveness_run(target: BenchTarget, requests: int) -> dict[str, float]:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((1024, 8192)).astype(F32)
     g = rng.standard_normal((1024, 4096)).astype(F32)
@@ -174,7 +286,7 @@ async def _responsiveness_run(requests: int) -> dict[str, float]:
             await asyncio.sleep(0.001)
             lags.append(time.perf_counter() - start - 0.001)
 
-    async with opsched.open_scheduler() as sched:
+    async with target.open() as sched:
         await sched.glu_backward(g, x)  # warm-up: executors and workspace
         tick = asyncio.ensure_future(ticker())
         start = time.perf_counter()
@@ -191,8 +303,8 @@ async def _responsiveness_run(requests: int) -> dict[str, float]:
     }
 
 
-def _responsiveness(repeats: int, requests: int = 32) -> dict[str, Any]:
-    runs = [asyncio.run(_responsiveness_run(requests)) for _ in range(repeats)]
+def _responsiveness(target: BenchTarget, repeats: int, requests: int = 32) -> dict[str, Any]:
+    runs = [asyncio.run(_responsiveness_run(target, requests)) for _ in range(repeats)]
     return {
         "requests": requests,
         "p99_lag_ms": statistics.median(r["p99_lag_ms"] for r in runs),
@@ -201,22 +313,22 @@ def _responsiveness(repeats: int, requests: int = 32) -> dict[str, Any]:
     }
 
 
-async def _scaling_run(streams: int, requests: int) -> float:
+async def _scaling_run(target: BenchTarget, streams: int, requests: int) -> float:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((256, 8192)).astype(F32)
     g = rng.standard_normal((256, 4096)).astype(F32)
-    async with opsched.open_scheduler(streams=streams) as sched:
+    async with target.open(streams=streams) as sched:
         await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(streams)))  # warm-up
         start = time.perf_counter()
         await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(requests)))
         return time.perf_counter() - start
 
 
-def _scaling(repeats: int, requests: int = 64) -> dict[str, Any]:
+def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str, Any]:
     ratios, one, two = [], [], []
     for _ in range(repeats):
-        t1 = asyncio.run(_scaling_run(1, requests))
-        t2 = asyncio.run(_scaling_run(2, requests))
+        t1 = asyncio.run(_scaling_run(target, 1, requests))
+        t2 = asyncio.run(_scaling_run(target, 2, requests))
         one.append(requests / t1)
         two.append(requests / t2)
         ratios.append(t1 / t2)
@@ -228,23 +340,41 @@ def _scaling(repeats: int, requests: int = 64) -> dict[str, Any]:
     }
 
 
+#: Every part, in the order they run.
+PARTS = ("throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps")
+
+
 def bench_scheduler(
     repeats: int = 3,
-    parts: tuple[str, ...] = ("throughput", "latency", "responsiveness", "scaling"),
+    parts: tuple[str, ...] = PARTS,
     clients: int = 256,
     per_client: int = 200,
+    target: BenchTarget | None = None,
+    trace: str | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen parts; return their figures (steady state rides on throughput)."""
-    result: dict[str, Any] = {"repeats": repeats}
+    """Run the chosen parts; return their figures (steady state rides on throughput).
+
+    ``trace``: record the first GLU throughput run's timeline to this path.
+    """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        msg = f"unknown scheduler benchmark part(s) {unknown}; valid: {list(PARTS)}"
+        raise ValueError(msg)
+    target = target or BenchTarget()
+    result: dict[str, Any] = {"repeats": repeats, "device": target.device}
     if "throughput" in parts:
-        result["throughput_glu"] = _throughput("glu", repeats, clients, per_client)
-        result["throughput_gn"] = _throughput("gn", repeats, clients, per_client)
+        result["throughput_glu"] = _throughput(target, "glu", repeats, clients, per_client, trace)
+        result["throughput_gn"] = _throughput(target, "gn", repeats, clients, per_client)
     if "latency" in parts:
-        result["latency"] = _latency(repeats)
+        result["latency"] = _latency(target, repeats)
     if "responsiveness" in parts:
-        result["responsiveness"] = _responsiveness(repeats)
+        result["responsiveness"] = _responsiveness(target, repeats)
     if "scaling" in parts:
-        result["scaling"] = _scaling(repeats)
+        result["scaling"] = _scaling(target, repeats)
+    if "tracing" in parts:
+        result["tracing"] = _tracing(target, repeats, clients, per_client)
+    if "sweeps" in parts:
+        result["sweeps"] = _sweeps(target, repeats, clients * per_client // 4)
     return result
 
 
@@ -268,6 +398,12 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
                 ">= 3x",
                 t["speedup"] >= 3,
             )
+            if "torch_rps" in t:
+                print(
+                    f"{'   peer: torch CPU operator per request':<44}"
+                    f"{t['torch_rps']:,.0f}/s; scheduler {t['speedup_vs_torch']:.1f}x",
+                    file=out,
+                )
     if "latency" in r:
         lat = r["latency"]
         line(
@@ -304,3 +440,18 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
                 "0, >= 99%",
                 st["new_workspace_allocations"] == 0 and st["executor_hit_rate"] >= 0.99,
             )
+    if "tracing" in r:
+        tr = r["tracing"]
+        line(
+            "6. tracing overhead, GLU throughput",
+            f"{tr['traced_rps']:,.0f}/s vs {tr['untraced_rps']:,.0f}/s = {tr['overhead']:+.1%}",
+            "<= 10%",
+            tr["overhead"] <= 0.10,
+        )
+    if "sweeps" in r:
+        sw = r["sweeps"]
+        clients = ", ".join(f"{p['clients']}: {p['rps']:,.0f}" for p in sw["by_clients"])
+        batch = ", ".join(f"{p['max_batch_requests']}: {p['rps']:,.0f}" for p in sw["by_batch"])
+        print(f"7. GLU req/s by concurrent clients   {clients}", file=out)
+        print(f"   GLU req/s by max_batch_requests   {batch}", file=out)
+        print(f"   (direct, one request at a time: {sw['direct_rps']:,.0f}/s)", file=out)

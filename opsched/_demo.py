@@ -2,11 +2,12 @@
 
 1. The seed documents' worked examples through the two-phase API.
 2. An async "training loop": many coroutines, each running a small backward step
-   (group-norm grad, then GLU backward on the result) for several iterations.
+   (group-norm grad, then GLU backward on the result) for several iterations, both as
+   awaited calls and as a two-node graph; its timeline is written as a trace.
 3. A sync batch script queueing thousands of requests through ``opsched.sync``.
 
 Every scheduler result is checked bit for bit against the same request run alone through
-the two-phase API; the demo exits 1 if any differs.
+the two-phase API; the demo exits 1 if any differs. A summary table ends the output.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import opsched
 import opsched.sync
 from opsched import aclnn
+from opsched._config import SchedulerConfig
 from opsched._seeds import glu_seed, group_norm_seed
 
 __all__ = ["run_demo"]
@@ -58,8 +60,16 @@ def _seeds(out: TextIO) -> None:
     print("     (every group is -31.75 / 128 * x: s1 = 64 cancels M * dy)", file=out)
 
 
-async def _training_loop(workers: int, steps: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Each worker: x -> group-norm grad -> GLU backward on that gradient, per step."""
+async def _training_loop(
+    workers: int,
+    steps: int,
+    rng: np.random.Generator,
+    config: SchedulerConfig,
+    device: str,
+    trace: str | None,
+) -> dict[str, Any]:
+    """Each worker, per step: x -> group-norm grad -> GLU backward on that gradient, as two
+    awaited calls and as a graph run."""
     shapes = [(4, 8, 32), (2, 8, 64), (8, 4, 16)]
     data = []
     for w in range(workers):
@@ -73,11 +83,14 @@ async def _training_loop(workers: int, steps: int, rng: np.random.Generator) -> 
 
     async def worker(w: int) -> None:
         x, dy, gamma, mean, rstd, gate = data[w]
+        graph = opsched.Graph()
+        step = graph.glu_backward(graph.group_norm_grad(x, dy, gamma, mean, rstd), gate, dim=-1)
         for _ in range(steps):
             dx = await opsched.group_norm_grad(x, dy, gamma, mean, rstd)
             results[w].append(await opsched.glu_backward(dx, gate, dim=-1))
+            results[w].extend(await opsched.run(graph, [step]))
 
-    async with opsched.open_scheduler(streams=2) as sched:
+    async with opsched.open_scheduler(config, device=device, trace=trace) as sched:
         start = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(workers)))
         elapsed = time.perf_counter() - start
@@ -89,13 +102,15 @@ async def _training_loop(workers: int, steps: int, rng: np.random.Generator) -> 
     return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
 
 
-def _batch_script(requests: int, rng: np.random.Generator) -> dict[str, Any]:
+def _batch_script(
+    requests: int, rng: np.random.Generator, config: SchedulerConfig, device: str
+) -> dict[str, Any]:
     inputs = [
         (rng.standard_normal((16, 32)).astype(np.float32),
          rng.standard_normal((16, 64)).astype(np.float32))
         for _ in range(64)
     ]  # fmt: skip
-    with opsched.sync.open_scheduler(streams=2) as sched:
+    with opsched.sync.open_scheduler(config, device=device) as sched:
         start = time.perf_counter()
         futures = [sched.submit_glu_backward(*inputs[i % 64]) for i in range(requests)]
         results = [f.result() for f in futures]
@@ -126,23 +141,57 @@ def _print_stats(stats: opsched.SchedulerStatistics, seconds: float, out: TextIO
     )
 
 
-def run_demo(out: TextIO) -> int:
-    """Run the demo, printing to ``out``; return the exit status (1 on a mismatch)."""
+def _summary_table(rows: list[tuple[str, dict[str, Any]]], out: TextIO) -> None:
+    head = (
+        f"{'workload':<22}{'requests':>9}{'launches':>10}{'per launch':>11}{'ms':>8}"
+        f"{'pool peak':>11}{'cache hits':>12}{'bit-identical':>15}"
+    )
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for name, r in rows:
+        st = r["stats"]
+        print(
+            f"{name:<22}{st.completed:>9}{st.launches:>10}{st.requests_per_launch_mean:>11.1f}"
+            f"{r['seconds'] * 1e3:>8.0f}{st.pool.peak / 1024:>8.0f} KiB"
+            f"{st.executor_cache.hits:>12}{'yes' if r['mismatches'] == 0 else 'NO':>15}",
+            file=out,
+        )
+
+
+def run_demo(
+    out: TextIO,
+    config: SchedulerConfig | None = None,
+    device: str = "cpu",
+    trace: str | None = None,
+) -> int:
+    """Run the demo, printing to ``out``; return the exit status (1 on a mismatch).
+
+    Args:
+        config: the scheduler config (default: the defaults with two streams).
+        device: the device both schedulers run on.
+        trace: write the training loop's timeline here (Chrome trace / Perfetto JSON).
+    """
+    config = config or SchedulerConfig(streams=2)
     rng = np.random.default_rng(0)
     _seeds(out)
 
     workers, steps = 64, 20
-    loop = asyncio.run(_training_loop(workers, steps, rng))
+    loop = asyncio.run(_training_loop(workers, steps, rng, config, device, trace))
     print(
         f"\n2. Async training loop: {workers} coroutines x {steps} steps of "
-        "group-norm grad -> GLU backward",
+        "group-norm grad -> GLU backward, awaited and as a graph",
         file=out,
     )
     _print_stats(loop["stats"], loop["seconds"], out)
     print(f"   results bit-identical to solo launches: {loop['mismatches'] == 0}", file=out)
+    if trace:
+        print(f"   timeline written to {trace} (open it in https://ui.perfetto.dev)", file=out)
 
-    batch = _batch_script(5000, rng)
+    batch = _batch_script(5000, rng, config, device)
     print("\n3. Sync batch script: 5000 GLU backward requests queued with opsched.sync", file=out)
     _print_stats(batch["stats"], batch["seconds"], out)
     print(f"   results bit-identical to solo launches: {batch['mismatches'] == 0}", file=out)
+
+    print("\nSummary", file=out)
+    _summary_table([("async training loop", loop), ("sync batch script", batch)], out)
     return 1 if loop["mismatches"] or batch["mismatches"] else 0

@@ -137,6 +137,11 @@ class WorkspacePool:
         """Bytes the pool holds now (in use or cached)."""
         return self._current
 
+    @property
+    def in_use(self) -> int:
+        """Bytes handed out to launches and not yet returned."""
+        return self._in_use
+
     def fits(self, nbytes: int) -> bool:
         """Whether one request of ``nbytes`` can ever be served under the cap."""
         return size_class(nbytes) <= self.limit

@@ -49,7 +49,9 @@ from opsched._graph import Graph, GraphRun, Node, Placeholder
 from opsched._log import enabled, get_logger
 from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
+from opsched._trace import Tracer
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops._base import DTYPE_NAMES
 
 __all__ = ["Pending", "Scheduler", "SchedulerState", "SchedulerStatistics"]
 
@@ -161,6 +163,7 @@ class _Launch:
     batch: Batch
     op: Operator
     block: Block | None
+    cache_hit: bool
 
 
 #: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
@@ -243,6 +246,8 @@ class Scheduler:
     _thread_waits: int = attrs.field(default=0, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
+    #: Records a timeline trace when set (``open_scheduler(trace=...)``).
+    _tracer: Tracer | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         self._pool = WorkspacePool(self.config.workspace_limit_bytes)
@@ -613,6 +618,8 @@ class Scheduler:
     def _shutdown(self) -> None:
         self._state = SchedulerState.CLOSED
         self.device.close()
+        if self._tracer is not None:
+            self._tracer.write()
         self._cache.clear()
         self._pool.empty_cache()
         if self._wake is not None:
@@ -981,6 +988,9 @@ class Scheduler:
         self._dispatch_pending = False
         if self._state is SchedulerState.CLOSED:
             return
+        tracer = self._tracer
+        if tracer is not None:
+            tracer.counters(len(self._queue), self._pool.in_use, self._pool.current)
         while self._idle and len(self._queue) and not self._memory_wait:
             taken: list[Request] = []
             self._queue.taken = taken
@@ -1007,6 +1017,8 @@ class Scheduler:
                         self._requeue(later)
                     break
         self._wake_space()  # launched requests left the queue: backpressured callers go on
+        if tracer is not None:
+            tracer.counters(len(self._queue), self._pool.in_use, self._pool.current)
         self._check_quiet()
 
     @property
@@ -1034,20 +1046,20 @@ class Scheduler:
         Returns False when the pool is at its cap: the group went back to the queue. With
         ``overflow``, workspace may exceed the cap (the last resort of _out_of_memory).
         """
-        prepared: list[tuple[Batch, Block | None, Callable[[], Any]]] = []
+        prepared: list[tuple[Batch, Block | None, Callable[[], Any], bool]] = []
         try:
             for batch in group:
                 op = batch.requests[0].op
                 prepare = self._prepare_fused if batch.fused else self._prepare_solo
                 ready = prepare(op, batch, overflow)
                 if ready is None:
-                    for _, block, _ in prepared:
+                    for _, block, _, _ in prepared:
                         if block is not None:
                             self._pool.release(block)
                     return self._out_of_memory(group)
                 prepared.append((batch, *ready))
         except Exception as exc:  # boundary: fail this group's requests, keep dispatching
-            for _, block, _ in prepared:
+            for _, block, _, _ in prepared:
                 if block is not None:
                     self._pool.release(block)
             self._idle.extend(b.stream for b in group)
@@ -1061,13 +1073,15 @@ class Scheduler:
             request.launched_at = now
             request.parts_left = len(group)
         self._running += len(requests)
-        for batch, block, work in prepared:
-            self._launch(batch, block, work)
+        for batch, block, work, hit in prepared:
+            self._launch(batch, block, work, hit)
         return True
 
-    def _launch(self, batch: Batch, block: Block | None, work: Callable[[], Any]) -> None:
+    def _launch(
+        self, batch: Batch, block: Block | None, work: Callable[[], Any], cache_hit: bool
+    ) -> None:
         op = batch.requests[0].op
-        launch = _Launch(batch, op, block)
+        launch = _Launch(batch, op, block, cache_hit)
         self._inflight += 1
         self._launching[batch.stream] = launch
         self._counts["launches"] += 1
@@ -1123,11 +1137,12 @@ class Scheduler:
 
     def _prepare_fused(
         self, op: Operator, batch: Batch, overflow: bool
-    ) -> tuple[Block | None, Callable[[], Any]] | None:
+    ) -> tuple[Block | None, Callable[[], Any], bool] | None:
         requests = batch.requests
         capacity = _bucket(batch.units)
         cache_key = (op.name, "fused", batch.key, capacity, self.device.name, batch.stream)
         executor = self._cache.get(cache_key)
+        hit = executor is not None
         if executor is None:
             geometry, scalars = op.fused_geometry(batch.key, capacity)
             plan = op.fused_plan(batch.key, capacity, DEFAULT_BLOCK)
@@ -1155,17 +1170,17 @@ class Scheduler:
         device = self.device
         plan = executor.plan
 
-        def work() -> tuple[dict[int, BaseException], float]:
+        def work() -> tuple[dict[int, BaseException], float, float]:
             start = time.perf_counter()
             errors: dict[int, BaseException] = {}
             _run_fused(device, op, plan, arrays, kernel_ws, requests, errors)
-            return errors, time.perf_counter() - start
+            return errors, start, time.perf_counter()
 
-        return block, work
+        return block, work, hit
 
     def _prepare_solo(
         self, op: Operator, batch: Batch, overflow: bool
-    ) -> tuple[Block | None, Callable[[], Any]] | None:
+    ) -> tuple[Block | None, Callable[[], Any], bool] | None:
         request = batch.requests[0]
         tensors, scalars = batch.part or (request.tensors, request.scalars)
         strides = tuple(tensors[n].strides for n in op.tensor_names)
@@ -1179,6 +1194,7 @@ class Scheduler:
         overlap = op.overlaps_any(tensors)
         cache_key = (geometry, strides, overlap, self.device.name, batch.stream)
         executor = self._cache.get(cache_key)
+        hit = executor is not None
         if executor is None:
             plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
             executor = Executor(op, dict(tensors), scalars, plan, op.workspace_size(plan))
@@ -1199,13 +1215,13 @@ class Scheduler:
         bound = dict(tensors)
         requests = batch.requests
 
-        def work() -> tuple[dict[int, BaseException], float]:
+        def work() -> tuple[dict[int, BaseException], float, float]:
             start = time.perf_counter()
             device.check_fault(requests)
             device.run_kernel(op, plan, bound, workspace)
-            return {}, time.perf_counter() - start
+            return {}, start, time.perf_counter()
 
-        return block, work
+        return block, work, hit
 
     # ---------------------------------------------------------------------- completion
 
@@ -1219,7 +1235,7 @@ class Scheduler:
         self._memory_wait = False
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
-        run_s = result[1] if error is None else 0.0
+        run_s = result[2] - result[1] if error is None else 0.0
         for request in batch.requests:
             cause = error if error is not None else errors.get(request.id)
             if cause is not None and request.error is None:
@@ -1242,10 +1258,42 @@ class Scheduler:
                 failed=sum(1 for r in batch.requests if r.error is not None),
                 nodes=[r.graph[1].node.name for r in batch.requests if r.graph is not None],
             )
+        if self._tracer is not None:
+            self._trace_launch(self._tracer, launch, result if error is None else None)
         if len(self._queue):
             self._schedule_dispatch()  # a stream and workspace came free for what waits
         else:
             self._check_quiet()
+
+    def _trace_launch(self, tracer: Tracer, launch: _Launch, result: Any) -> None:
+        batch, op = launch.batch, launch.op
+        requests = batch.requests
+        end = time.perf_counter()
+        start, end = (result[1], result[2]) if result is not None else (end, end)
+        dtype = DTYPE_NAMES.get(requests[0].tensors[op.tensor_names[0]].dtype, "?")
+        args: dict[str, Any] = {
+            "operator": op.name,
+            "dtype": dtype,
+            "requests": len(requests),
+            "fused": batch.fused,
+            "bytes": batch.nbytes,
+            "executor cache": "hit" if launch.cache_hit else "miss",
+            "queue wait us": round(min(r.launched_at - r.enqueued_at for r in requests) * 1e6, 1),
+            "failed": sum(1 for r in requests if r.error is not None),
+        }
+        if batch.part is not None:
+            args["split part"] = True
+        edges = []
+        for r in requests:
+            if r.graph is not None:
+                node_run = r.graph[1]
+                producers = [p.request.id for p in node_run.producers if p.request is not None]
+                edges.append((r.id, producers))
+        if edges:
+            args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]
+        name = f"{op.name} x{len(requests)}" if len(requests) > 1 else op.name
+        tracer.launch(batch.stream, start, end, name, args, edges)
+        tracer.counters(len(self._queue), self._pool.in_use, self._pool.current)
 
     def _resolve(self, request: Request) -> None:
         if request.abandoned:

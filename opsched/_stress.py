@@ -71,6 +71,8 @@ class StressOptions:
     #: Share of templates (so of requests) with large tensors (256K elements).
     large: float = 0.01
     report: str | None = None
+    #: Write the scheduler's timeline (Chrome trace / Perfetto JSON) here.
+    trace: str | None = None
     progress: bool = False
     replay: int | None = None
     #: Seconds a request may take before it counts as lost.
@@ -520,7 +522,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     bound = int(rss_start + 2 * config.workspace_limit_bytes + 4 * mean * outstanding + (256 << 20))
     progress = _Progress(opts, tally) if opts.progress else None
 
-    with opsched.sync.open_scheduler(config, device=opts.device) as facade:
+    with opsched.sync.open_scheduler(config, device=opts.device, trace=opts.trace) as facade:
         sched = facade.scheduler
         sched.device.inject_faults(harness.injector)
         threads = [

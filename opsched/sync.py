@@ -141,6 +141,7 @@ def open_scheduler(
     config: SchedulerConfig | str | os.PathLike[str] | None = None,
     *,
     device: str = "cpu",
+    trace: str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> Iterator[SyncScheduler]:
     """Open a scheduler on its own event-loop thread for the ``with`` block.
@@ -151,7 +152,7 @@ def open_scheduler(
     portal = _Portal(anyio.from_thread.start_blocking_portal())
     try:
         cm = portal.portal.wrap_async_context_manager(
-            _api.open_scheduler(config, device=device, **overrides)
+            _api.open_scheduler(config, device=device, trace=trace, **overrides)
         )
         with cm as scheduler:
             yield SyncScheduler(portal, scheduler)

@@ -51,4 +51,4 @@ def test_benchmark_script_writes_json(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(path.read_text())
-    assert data["benchmark"] == "kernels" and len(data["result"]) == 2
+    assert data["benchmark"] == "kernels" and len(data["results"]["kernels"]) == 2
