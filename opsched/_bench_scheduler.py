@@ -382,10 +382,10 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
     """Print every figure with its target and whether it was reached."""
 
     def line(name: str, figure: str, target: str, ok: bool) -> None:
-        print(f"{name:<44}{figure:<40}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
+        print(f"{name:<54}{figure:<48}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
 
     print(
-        f"{'figure':<44}{'measured (median of ' + str(r['repeats']) + ')':<40}{'target':<16}",
+        f"{'figure':<54}{'measured (median of ' + str(r['repeats']) + ')':<48}{'target':<16}",
         file=out,
     )
     for key, label in (("throughput_glu", "GLU 8x64"), ("throughput_gn", "group norm 4x8x64")):
@@ -400,7 +400,7 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             )
             if "torch_rps" in t:
                 print(
-                    f"{'   peer: torch CPU operator per request':<44}"
+                    f"{'   peer: torch CPU operator per request':<54}"
                     f"{t['torch_rps']:,.0f}/s; scheduler {t['speedup_vs_torch']:.1f}x",
                     file=out,
                 )

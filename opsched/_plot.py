@@ -84,7 +84,7 @@ def _kernel_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.set_ylabel("GB/s (bytes read + written)")
     ax.set_title("Kernel bandwidth, one core")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
 
 
 def _sweep_panel(ax: Any, sweeps: dict[str, Any], kind: str) -> None:
