@@ -5,7 +5,14 @@ The two-phase device-style API is the :mod:`opsched.aclnn` module.
 """
 
 from opsched import aclnn
-from opsched._api import current_scheduler, glu_backward, group_norm_grad, open_scheduler, run
+from opsched._api import (
+    current_scheduler,
+    glu_backward,
+    group_norm_backward,
+    group_norm_grad,
+    open_scheduler,
+    run,
+)
 from opsched._batching import RequestState
 from opsched._cache import CacheStatistics
 from opsched._config import SchedulerConfig
@@ -64,6 +71,7 @@ __all__ = [
     "aclnn",
     "current_scheduler",
     "glu_backward",
+    "group_norm_backward",
     "group_norm_grad",
     "open_scheduler",
     "run",

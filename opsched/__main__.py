@@ -109,7 +109,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("kernels")
     k.add_argument("--sizes", default=",".join(_human(n) for n in KERNEL_SIZES))
     k.add_argument("--dtypes", default="FLOAT,FLOAT16,BFLOAT16")
-    k.add_argument("--ops", default="glu,gn", help="glu, gn")
+    k.add_argument("--ops", default="glu,gn,gnb", help="glu, gn, gnb (GroupNormBackward)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--parts", default=",".join(PARTS), help="which parts")
     s.add_argument("--clients", type=int, default=256, help="concurrent coroutines")
@@ -269,8 +269,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("== kernels: fast kernels against a numpy copy of the same bytes", file=out)
         sizes = (1 << 10, 1 << 12) if quick else tuple(_size(t) for t in args.sizes.split(","))
         ops = tuple(args.ops.split(","))
-        if not set(ops) <= {"glu", "gn"}:
-            raise ValueError(f"--ops={args.ops!r}; expected a comma list of glu, gn")
+        if not set(ops) <= {"glu", "gn", "gnb"}:
+            raise ValueError(f"--ops={args.ops!r}; expected a comma list of glu, gn, gnb")
         dtypes = ("FLOAT",) if quick else tuple(args.dtypes.split(","))
         results["kernels"] = _bench.bench_kernels(sizes, dtypes, ops)
         _bench.print_kernel_table(results["kernels"], out)

@@ -30,6 +30,7 @@ __all__ = [
     "current_scheduler",
     "run",
     "glu_backward",
+    "group_norm_backward",
     "group_norm_grad",
     "open_scheduler",
     "resolve_config",
@@ -184,6 +185,27 @@ async def group_norm_grad(
     scheduler = await current_scheduler()
     return await scheduler.group_norm_grad(
         x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
+    )
+
+
+async def group_norm_backward(
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    N: int,
+    C: int,
+    HxW: int,
+    group: int,
+    output_mask: Sequence[bool] = (True, True, True),
+    **kw: Any,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """GroupNormBackward on the current scheduler; see :meth:`Scheduler.group_norm_backward`
+    (keywords ``out``, ``priority``, ``deadline``, ``timeout``)."""
+    scheduler = await current_scheduler()
+    return await scheduler.group_norm_backward(
+        grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, **kw
     )
 
 

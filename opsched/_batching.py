@@ -92,9 +92,9 @@ class Request:
     waits: list[Any] | None = None
 
     @property
-    def result(self) -> np.ndarray:
-        """The output array (valid once DONE)."""
-        return self.tensors[self.op.outputs[0]]
+    def result(self) -> Any:
+        """The output array, or the operator's tuple of outputs (valid once DONE)."""
+        return self.op.result(self.tensors)
 
 
 @attrs.define(eq=False, slots=True)

@@ -127,6 +127,40 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[s
     }
 
 
+def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
+    hxw = min(n, 1024)
+    c = 32 if n >= 32 * hxw else max(1, n // hxw)
+    group = min(8, c)
+    batch = max(1, n // (c * hxw))
+    x, dy = (rng.standard_normal((batch, c, hxw)).astype(dtype) for _ in range(2))
+    mean = rng.standard_normal((batch, group)).astype(dtype)
+    rstd = (rng.random((batch, group)) + 0.5).astype(dtype)
+    gamma = rng.standard_normal(c).astype(dtype)
+    dx, dgamma, dbeta = np.empty_like(x), np.empty(c, dtype), np.empty(c, dtype)
+    mask = (True, True, True)
+    args = (dy, x, mean, rstd, gamma, batch, c, hxw, group)
+    size, ex = aclnn.group_norm_backward_get_workspace_size(*args, mask, dx, dgamma, dbeta)
+    peer = None
+    if torch is not None:
+        t_dy, t_x, t_mean, t_rstd, t_gamma = (_torch_ops.to_torch(a) for a in args[:5])
+
+        def peer() -> None:
+            _torch_ops.group_norm_backward(
+                t_dy, t_x, t_mean, t_rstd, t_gamma, batch, c, hxw, group, mask
+            )
+
+    return {
+        "peer": peer,
+        "op": "GroupNormBackward",
+        "shape": x.shape,
+        "nbytes": 3 * x.nbytes,  # reads x and dy, writes dx
+        "executor": ex,
+        "size": size,
+        "launch": aclnn.group_norm_backward,
+        "reference": lambda: ex.op.reference(ex.tensors, ex.scalars),
+    }
+
+
 def _measure(case: dict[str, Any]) -> dict[str, Any]:
     ex: Executor = case["executor"]
     ex.set_repeatable()
@@ -176,12 +210,12 @@ def _measure(case: dict[str, Any]) -> dict[str, Any]:
 def bench_kernels(
     sizes: tuple[int, ...] = KERNEL_SIZES,
     dtypes: tuple[str, ...] = tuple(_DTYPES),
-    ops: tuple[str, ...] = ("glu", "gn"),
+    ops: tuple[str, ...] = ("glu", "gn", "gnb"),
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Measure the fast kernels; return one row per (operator, dtype, size)."""
     rng = np.random.default_rng(seed)
-    builders = {"glu": _glu_case, "gn": _gn_case}
+    builders = {"glu": _glu_case, "gn": _gn_case, "gnb": _gnb_case}
     torch = torch_peer()
     rows = []
     for op in ops:

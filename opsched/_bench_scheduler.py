@@ -57,7 +57,22 @@ def _gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]
     return out
 
 
-def _direct(op: str) -> Callable[..., np.ndarray]:
+def _gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """GroupNormBackward requests: N=4, C=8, HxW=64, group=4, every output."""
+    out: list[tuple[Any, ...]] = []
+    for _ in range(n):
+        x, dy = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(2))
+        mean = rng.standard_normal((4, 4)).astype(F32)
+        rstd = (rng.random((4, 4)) + 0.5).astype(F32)
+        gamma = rng.standard_normal(8).astype(F32)
+        out.append((dy, x, mean, rstd, gamma, 4, 8, 64, 4))
+    return out
+
+
+_INPUTS = {"glu": _glu_inputs, "gn": _gn_inputs, "gnb": _gnb_inputs}
+
+
+def _direct(op: str) -> Callable[..., Any]:
     """One request through the two-phase API: check, plan, workspace, launch."""
     if op == "glu":
 
@@ -68,6 +83,21 @@ def _direct(op: str) -> Callable[..., np.ndarray]:
             return out
 
         return glu
+
+    if op == "gnb":
+
+        def gnb(
+            dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+            gamma: np.ndarray, n: int, c: int, hxw: int, group: int,
+        ) -> tuple[np.ndarray, ...]:  # fmt: skip
+            outs = (np.empty_like(x), np.empty(c, x.dtype), np.empty(c, x.dtype))
+            size, ex = aclnn.group_norm_backward_get_workspace_size(
+                dy, x, mean, rstd, gamma, n, c, hxw, group, (True,) * 3, *outs
+            )
+            aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+            return outs
+
+        return gnb
 
     def gn(
         x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
@@ -81,7 +111,12 @@ def _direct(op: str) -> Callable[..., np.ndarray]:
 
 
 def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:
-    return sched.glu_backward if op == "glu" else sched.group_norm_grad
+    calls: dict[str, Callable[..., Any]] = {
+        "glu": sched.glu_backward,
+        "gn": sched.group_norm_grad,
+        "gnb": sched.group_norm_backward,
+    }
+    return calls[op]
 
 
 async def _throughput_run(
@@ -110,8 +145,17 @@ async def _throughput_run(
     return elapsed, before, after
 
 
-def _torch_direct(op: str, inputs: list[tuple[np.ndarray, ...]]) -> Callable[[int], None]:
+def _torch_direct(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], None]:
     """Torch's CPU operator once per request, on tensors converted beforehand."""
+    if op == "gnb":
+        converted = [[_torch_ops.to_torch(a) for a in args[:5]] for args in inputs]
+        n, c, hxw, group = inputs[0][5:9]
+
+        def gnb(k: int) -> None:
+            dy, x, mean, rstd, gamma = converted[k % len(converted)]
+            _torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
+
+        return gnb
     tensors = [tuple(_torch_ops.to_torch(a) for a in args) for args in inputs]
     if op == "glu":
 
@@ -132,7 +176,7 @@ def _throughput(
     trace: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     rng = np.random.default_rng(0)
-    inputs = (_glu_inputs if op == "glu" else _gn_inputs)(rng, 4096)
+    inputs = _INPUTS[op](rng, 4096)
     total = clients * per_client
     direct = _direct(op)
     torch = torch_peer()
@@ -365,6 +409,7 @@ def bench_scheduler(
     if "throughput" in parts:
         result["throughput_glu"] = _throughput(target, "glu", repeats, clients, per_client, trace)
         result["throughput_gn"] = _throughput(target, "gn", repeats, clients, per_client)
+        result["throughput_gnb"] = _throughput(target, "gnb", repeats, clients, per_client)
     if "latency" in parts:
         result["latency"] = _latency(target, repeats)
     if "responsiveness" in parts:
@@ -388,7 +433,11 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         f"{'figure':<54}{'measured (median of ' + str(r['repeats']) + ')':<48}{'target':<16}",
         file=out,
     )
-    for key, label in (("throughput_glu", "GLU 8x64"), ("throughput_gn", "group norm 4x8x64")):
+    for key, label in (
+        ("throughput_glu", "GLU 8x64"),
+        ("throughput_gn", "group norm 4x8x64"),
+        ("throughput_gnb", "GroupNormBackward 4x8x64"),
+    ):
         if key in r:
             t = r[key]
             line(
@@ -429,7 +478,7 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             ">= 1.5x",
             sc["speedup"] >= 1.5,
         )
-    for key in ("throughput_glu", "throughput_gn"):
+    for key in ("throughput_glu", "throughput_gn", "throughput_gnb"):
         if key in r:
             st = r[key]["steady_state"]
             line(

@@ -278,13 +278,7 @@ class ReferenceDevice(Device):
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
     ) -> None:
-        result = op.reference(tensors, _scalars_of(plan))
-        np.copyto(tensors[op.outputs[0]], result)
-
-
-def _scalars_of(plan: Any) -> dict[str, Any]:
-    dim = getattr(plan, "dim", None)
-    return {} if dim is None else {"dim": dim}
+        op.run_reference(plan, tensors)
 
 
 #: Device names :func:`make_device` accepts.

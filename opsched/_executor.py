@@ -38,9 +38,11 @@ class ExecutorState(enum.Enum):
     DESTROYED = "destroyed"
 
 
-def geometry_of(array: np.ndarray) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
-    """What an executor fixes about a bound array: shape, dtype and strides."""
-    return array.shape, array.dtype, array.strides
+def geometry_of(
+    array: np.ndarray | None,
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]] | None:
+    """What an executor fixes about a bound array: shape, dtype and strides (None: absent)."""
+    return None if array is None else (array.shape, array.dtype, array.strides)
 
 
 @attrs.define(eq=False)
@@ -118,6 +120,10 @@ class Executor:
                 msg = f"{op}.bind: {name} must be a numpy.ndarray, got {type(array).__qualname__}"
                 raise TypeError(msg)
             want, got = geometry_of(self.tensors[name]), geometry_of(array)
+            if want is None:
+                msg = f"{op}.bind: the executor was planned without {name}; it cannot bind one"
+                raise ParamInvalidError(msg)
+            assert got is not None
             if want != got:
                 msg = (
                     f"{op}.bind: {name} has shape {got[0]}, dtype {dtype_name(got[1])}, "

@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import AclnnError, GraphExecutionError, UpstreamFailedError
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 
 if TYPE_CHECKING:
     from opsched._batching import Request
@@ -49,7 +49,11 @@ class Placeholder:
 
 @attrs.define(eq=False, repr=False)
 class Node:
-    """One operator call in a graph; stands for its output array in later nodes."""
+    """One operator call in a graph; stands for its output array in later nodes.
+
+    An operator with several outputs (GroupNormBackward) stands for its first requested
+    output (``dx``) in later nodes; a run returns its whole tuple of outputs.
+    """
 
     graph: Graph
     index: int
@@ -70,6 +74,10 @@ class Node:
     #: ``(argument, kind, value)``: how a run binds each argument (kind: array, node index,
     #: placeholder), precomputed so binding is a plain loop.
     binding: tuple[tuple[str, object, Any], ...] = ()
+    #: The output argument the node stands for, and the operator's other requested outputs
+    #: ``(argument, shape, dtype)``, allocated fresh at each run.
+    output: str = ""
+    extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
@@ -125,6 +133,27 @@ class Graph:
         args = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
         return self._add(GROUP_NORM_GRAD, args, {}, name)
 
+    def group_norm_backward(
+        self,
+        grad_out: Any,
+        input: Any,
+        mean: Any,
+        rstd: Any,
+        gamma: Any,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        name: str | None = None,
+    ) -> Node:
+        """Add a GroupNormBackward node; it stands for ``dx`` in later nodes, and a run
+        returns its ``(dx, dgamma, dbeta)``. Checks as :meth:`glu_backward`."""
+        args = {"grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma}
+        scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
+        return self._add(GROUP_NORM_BACKWARD, args, scalars, name)
+
     def after(self, node: Node, *others: Node) -> None:
         """Make ``node`` run after each of ``others`` (an ordering-only edge).
 
@@ -150,6 +179,12 @@ class Graph:
         for arg, value in args.items():
             if isinstance(value, Node | Placeholder):
                 self._own(value, name)
+                if isinstance(value, Node) and value.output != value.op.outputs[0]:
+                    msg = (
+                        f"node {name!r}: {arg} is node {value.name!r}, whose "
+                        f"{value.op.outputs[0]} its output_mask leaves out"
+                    )
+                    raise ValueError(msg)
                 stand_ins[arg] = _stand_in(value.shape, value.dtype)
                 if isinstance(value, Node) and value not in deps:
                     deps.append(value)
@@ -161,11 +196,12 @@ class Graph:
             checked = op.check(stand_ins, scalars, allocate=True)
         except (AclnnError, TypeError) as err:
             raise type(err)(f"node {name!r}: {err.args[0]}") from err
-        (shape, dtype), *_ = op.output_spec(stand_ins, checked).values()
+        spec = op.output_spec(stand_ins, checked)
+        (output, (shape, dtype)), *extra = spec.items()
         node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
-        stand_ins.update(
-            {out: _stand_in(s, d) for out, (s, d) in op.output_spec(stand_ins, checked).items()}
-        )
+        node.output = output
+        node.extra_outputs = tuple((out, s, d) for out, (s, d) in extra)
+        stand_ins.update({out: _stand_in(s, d) for out, (s, d) in spec.items()})
         node.key, node.units = op.fusion(stand_ins, checked)
         node.nbytes = op.nbytes(stand_ins)
         node.signature = op.signature(stand_ins, scalars)
@@ -344,7 +380,9 @@ class GraphRun:
             nr.output = np.empty(node.shape, node.dtype)  # the caller's array
         else:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
-        tensors[node.op.outputs[0]] = nr.output
+        tensors[node.output] = nr.output
+        for out, shape, dtype in node.extra_outputs:
+            tensors[out] = np.empty(shape, dtype)
         nr.state = NodeState.QUEUED
         nr.request = self.submit(self, nr, tensors, waits)
 
@@ -437,15 +475,22 @@ class GraphRun:
             for nr in self.runs.values()
             if nr.state is NodeState.FAILED and nr.error is not None
         }
-        outs = [
-            self.runs[n.index].output
-            if self.runs[n.index].state in (NodeState.DONE, NodeState.FED)
-            else None
-            for n in self.outputs
-        ]
+        outs = [_output(n, self.runs[n.index]) for n in self.outputs]
         if failed:
             raise GraphExecutionError(failed, outs)
-        return outs  # type: ignore[return-value]
+        return outs
+
+
+def _output(node: Node, nr: _NodeRun) -> Any:
+    """What a run returns for a requested node: its output (the operator's tuple of outputs
+    for a multi-output node), None when it did not complete."""
+    if nr.state is NodeState.FED:
+        return nr.output
+    if nr.state is not NodeState.DONE:
+        return None
+    if node.extra_outputs and nr.request is not None:
+        return nr.request.result
+    return nr.output
 
 
 def _upstream_error(node: Node, failed: _NodeRun) -> BaseException:

@@ -50,7 +50,7 @@ from opsched._log import enabled, get_logger
 from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
 from opsched._trace import Tracer
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 from opsched.ops._base import DTYPE_NAMES
 
 __all__ = ["Pending", "Scheduler", "SchedulerState", "SchedulerStatistics"]
@@ -377,6 +377,71 @@ class Scheduler:
         """Queue a GroupNormalizationGrad without waiting (see :meth:`glu_backward_nowait`)."""
         tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}
         request = self._submit_nowait(GROUP_NORM_GRAD, tensors, {}, priority, deadline, timeout)
+        return Pending(self, request)
+
+    async def group_norm_backward(
+        self,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """GroupNormBackward through the scheduler; returns ``(dx, dgamma, dbeta)``, None
+        where ``output_mask`` is False.
+
+        ``out``: optional ``(dx, dgamma, dbeta)`` arrays to write into (None entries are
+        allocated). Arguments and errors as :meth:`glu_backward` and
+        :func:`opsched.aclnn.group_norm_backward_get_workspace_size`.
+        """
+        tensors, scalars = _gnb_args(
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, out
+        )
+        checked = self._checked_counted(
+            GROUP_NORM_BACKWARD, tensors, scalars, priority, deadline, timeout
+        )
+        if self._has_room():
+            request = self._admit(checked)
+        else:
+            request = await self._admit_when_room(checked)
+        result: Any = await self._wait(request)  # the operator's (dx, dgamma, dbeta)
+        return result
+
+    def group_norm_backward_nowait(
+        self,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GroupNormBackward without waiting (see :meth:`glu_backward_nowait`)."""
+        tensors, scalars = _gnb_args(
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, out
+        )
+        request = self._submit_nowait(
+            GROUP_NORM_BACKWARD, tensors, scalars, priority, deadline, timeout
+        )
         return Pending(self, request)
 
     async def run(
@@ -1183,7 +1248,7 @@ class Scheduler:
     ) -> tuple[Block | None, Callable[[], Any], bool] | None:
         request = batch.requests[0]
         tensors, scalars = batch.part or (request.tensors, request.scalars)
-        strides = tuple(tensors[n].strides for n in op.tensor_names)
+        strides = tuple(_strides(tensors[n]) for n in op.tensor_names)
         if batch.part is None and request.signature is not None:
             geometry: Hashable = request.signature  # shapes, dtypes, scalars: from the checks
         else:
@@ -1367,6 +1432,28 @@ def _run_fused(
         half = len(requests) // 2
         _run_fused(device, op, plan, arrays, workspace, requests[:half], errors)
         _run_fused(device, op, plan, arrays, workspace, requests[half:], errors)
+
+
+def _gnb_args(
+    grad_out: Any, input: Any, mean: Any, rstd: Any, gamma: Any, n: Any, c: Any, hxw: Any,
+    group: Any, output_mask: Any, out: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """GroupNormBackward's tensors and scalars from the scheduler's call arguments."""
+    if out is None:
+        out = (None, None, None)
+    elif not isinstance(out, tuple | list) or len(out) != 3:
+        msg = f"GroupNormBackward: out must be a (dx, dgamma, dbeta) tuple or None, got {out!r}"
+        raise TypeError(msg)
+    tensors = {
+        "grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma,
+        "dx": out[0], "dgamma": out[1], "dbeta": out[2],
+    }  # fmt: skip
+    scalars = {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": output_mask}
+    return tensors, scalars
+
+
+def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:
+    return None if array is None else array.strides
 
 
 def _missing_output(op: Operator, tensors: dict[str, Any]) -> bool:

@@ -90,10 +90,18 @@ class _Template:
     """One request shape with its data and its solo-oracle result."""
 
     index: int
-    kind: str  # "glu", "gn" or "graph"
+    kind: str  # "glu", "gn", "gnb" or "graph"
     args: tuple[Any, ...]
-    expected: np.ndarray
+    #: The solo oracle's result: an array, or (dx, dgamma, dbeta) with None where not asked.
+    expected: Any
     describe: str
+
+    @property
+    def expected_arrays(self) -> list[np.ndarray]:
+        """The expected output arrays (the tuple's entries that are not None)."""
+        if isinstance(self.expected, tuple):
+            return [e for e in self.expected if e is not None]
+        return [self.expected]
 
 
 def _array(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -125,6 +133,38 @@ def _solo_gn(*args: np.ndarray) -> np.ndarray:
     )
     aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
     return dx
+
+
+def _solo_gnb(*args: Any) -> tuple[np.ndarray | None, ...]:
+    x, gamma, c, mask = args[1], args[4], args[6], args[9]
+    stat_shape = gamma.shape if gamma is not None else (c,)
+    outs = [
+        np.empty(x.shape, x.dtype) if mask[0] else None,
+        np.empty(stat_shape, x.dtype) if mask[1] else None,
+        np.empty(stat_shape, x.dtype) if mask[2] else None,
+    ]
+    size, ex = aclnn.group_norm_backward_get_workspace_size(*args, *outs)
+    aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    return tuple(outs)
+
+
+#: output masks of the GroupNormBackward templates (dx alone, all, the statistics alone)
+_GNB_MASKS = ((True, True, True), (True, False, False), (False, True, True))
+
+
+def _gnb_args(rng: np.random.Generator, large: bool) -> tuple[Any, ...]:
+    dtype = _DTYPES[rng.integers(3)]
+    group = int(rng.integers(1, 4))
+    c = group * int(rng.integers(1, 4))
+    n = int(rng.integers(1, 5))
+    hxw = 4096 if large else int(rng.integers(1, 9))
+    spatial = (hxw,) if rng.random() < 0.5 else (1, hxw)  # (N, C, HxW) or (N, C, 1, HxW)
+    x, dy = (_array(rng, (n, c, *spatial), dtype) for _ in range(2))
+    mean = _array(rng, (n, group), dtype)
+    rstd = (np.abs(mean.astype(np.float32)) + 0.5).astype(dtype)
+    gamma = _array(rng, (c,), dtype) if rng.random() < 0.8 else None
+    mask = _GNB_MASKS[int(rng.integers(len(_GNB_MASKS)))]
+    return dy, x, mean, rstd, gamma, n, c, hxw, group, mask
 
 
 def _glu_args(rng: np.random.Generator, large: bool) -> tuple[Any, ...]:
@@ -174,7 +214,18 @@ def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
             expected,
             f"graph GN{x.shape}->GLU{gate_shape} {x.dtype}",
         )
-    if roll < opts.graphs + (1 - opts.graphs) / 2:
+    rest = (roll - opts.graphs) / (1 - opts.graphs)  # uniform in [0, 1): one op a third
+    if rest >= 2 / 3:
+        args = _gnb_args(rng, large)
+        return _Template(
+            index,
+            "gnb",
+            args,
+            _solo_gnb(*args),
+            f"gnb input{args[1].shape} N,C,HxW,group={args[5:9]} mask={args[9]} "
+            f"{args[1].dtype} gamma={'yes' if args[4] is not None else 'no'}",
+        )
+    if rest < 1 / 3:
         g, x, dim = _glu_args(rng, large)
         return _Template(
             index,
@@ -252,6 +303,15 @@ def _corrupt(t: _Template, how: int) -> tuple[str, tuple[Any, ...], dict[str, An
         if how == 2:
             return "glu", (g.astype(np.int32), x, dim), {}, 161002  # dtype outside the list
         return "glu", (g, x, dim), {"out": np.empty((*x.shape, 1), x.dtype)}, 161002
+    if t.kind == "gnb":
+        dy, x, mean, c, mask = t.args[0], t.args[1], t.args[2], t.args[6], t.args[9]
+        if how == 0:
+            return "gnb", (*t.args[:8], c + 1, mask), {}, 161002  # group not dividing C
+        if how == 1:
+            return "gnb", (dy, x, None, *t.args[3:]), {}, 161001  # missing mean
+        if how == 2:
+            return "gnb", (dy, x, mean.astype(np.float64), *t.args[3:]), {}, 161002  # dtype
+        return "gnb", (*t.args[:9], (True, True)), {}, 161002  # output_mask of 2
     x, dy, gamma, mean, rstd = t.args[:5]
     if how == 0:
         return "gn", (x, dy, gamma, mean[..., None], rstd), {}, 161002  # mean not 2-D
@@ -314,7 +374,7 @@ class _Harness:
         """Fault injector: fails launches with a fault case; notes launched expired ones."""
         fail = False
         for r in requests:
-            out = id(next(t for n, t in r.tensors.items() if n in r.op.outputs))
+            out = id(next(r.tensors[n] for n in r.op.outputs if r.tensors[n] is not None))
             if out in self.expiring:
                 self.tally.launched_expired += 1
             fail = fail or out in self.faulty
@@ -328,8 +388,9 @@ class _Harness:
             return op, args, broken, status
         kw: dict[str, Any] = {"priority": case.index % 3}
         if t.kind != "graph":
-            out = np.empty(t.expected.shape, t.expected.dtype)
-            kw["out"] = out
+            outs = [None if e is None else np.empty(e.shape, e.dtype) for e in _entries(t)]
+            kw["out"] = tuple(outs) if t.kind == "gnb" else outs[0]
+            out = next(o for o in outs if o is not None)  # the array the injector sees
             if case.fate == "fault":
                 self.faulty[id(out)] = out
             if case.fate == "deadline":
@@ -346,17 +407,19 @@ class _Harness:
         result: Any,
         error: BaseException | None,
         latency: float,
-        out: np.ndarray | None = None,
+        out: Any = None,
     ) -> None:
         """Compare what happened with what should have."""
         t = self.templates[case.template]
+        if isinstance(out, tuple):
+            out = next(o for o in out if o is not None)
         if out is not None:  # unmark: once checked, its id may be reused by a new array
             self.faulty.pop(id(out), None)
             self.expiring.pop(id(out), None)
         fate = case.fate
         if t.kind == "graph" and fate in ("invalid", "fault"):
             fate = "valid"  # graphs are not corrupted nor faulted: they run as valid work
-        if fate == "fault" and t.expected.size == 0:
+        if fate == "fault" and not any(e.size for e in t.expected_arrays):
             fate = "valid"  # an empty request launches nothing, so nothing can fault
         if fate == "invalid":
             if isinstance(error, AclnnError) and error.status == status:
@@ -392,16 +455,35 @@ class _Harness:
                 )
         elif error is not None:
             self.tally.record(case, "wrong", f"{t.describe}: raised {error!r}")
-        elif not _same_bits(result, t.expected):
+        elif not _same_result(result, t.expected):
             self.tally.record(case, "wrong", f"{t.describe}: result differs from the solo oracle")
         else:
-            if self.sample.random() < 0.01 and result.size:
+            if self.sample.random() < 0.01 and any(e.size for e in t.expected_arrays):
                 self._reference_check(case, t, result)
             self.tally.record(case, "completed", latency=latency)
 
-    def _reference_check(self, case: _Case, t: _Template, result: np.ndarray) -> None:
+    def _reference_check(self, case: _Case, t: _Template, result: Any) -> None:
         """A sample is also compared with the reference kernels, within SPEC tolerances."""
         if t.kind == "graph":
+            return
+        if t.kind == "gnb":
+            names = ("grad_out", "input", "mean", "rstd", "gamma")
+            scalars = dict(zip(("N", "C", "HxW", "group"), t.args[5:9], strict=True))
+            ref = opsched.ops.GROUP_NORM_BACKWARD.reference(
+                dict(zip(names, t.args[:5], strict=True)), scalars
+            )
+            for got, want in zip(result, ref, strict=True):
+                if got is None:
+                    continue
+                rtol, atol = _TOLERANCE[got.dtype]
+                scale = max(1.0, float(np.abs(want.astype(np.float64)).max(initial=0.0)))
+                if not np.allclose(
+                    got.astype(np.float64), want.reshape(got.shape).astype(np.float64),
+                    rtol, atol * scale, equal_nan=True,
+                ):  # fmt: skip
+                    self.tally._note(
+                        f"request {case.index}: outside SPEC tolerance of the reference"
+                    )
             return
         op = opsched.ops.GLU_BACKWARD if t.kind == "glu" else opsched.ops.GROUP_NORM_GRAD
         if t.kind == "glu":
@@ -419,6 +501,22 @@ class _Harness:
             self.tally._note(f"request {case.index}: outside SPEC tolerance of the reference")
 
 
+def _entries(t: _Template) -> list[np.ndarray | None]:
+    return list(t.expected) if isinstance(t.expected, tuple) else [t.expected]
+
+
+def _same_result(result: Any, expected: Any) -> bool:
+    """Bit-identical results: an array, or a tuple of arrays and Nones."""
+    if isinstance(expected, tuple):
+        if not isinstance(result, tuple) or len(result) != len(expected):
+            return False
+        return all(
+            (r is None and e is None) or (r is not None and e is not None and _same_bits(r, e))
+            for r, e in zip(result, expected, strict=True)
+        )
+    return isinstance(result, np.ndarray) and _same_bits(result, expected)
+
+
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bit-identical: same dtype and shape, every element's bits equal (NaNs included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -431,11 +529,13 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 async def _submit_async(
     sched: opsched.Scheduler, kind: str, args: tuple[Any, ...], kw: dict[str, Any]
-) -> np.ndarray:
+) -> Any:
     if kind == "glu":
         return await sched.glu_backward(*args, **kw)
     if kind == "gn":
         return await sched.group_norm_grad(*args, **kw)
+    if kind == "gnb":
+        return await sched.group_norm_backward(*args, **kw)
     g = opsched.Graph()
     x, dy, gamma, mean, rstd, gate = args
     a = g.group_norm_grad(x, dy, gamma, mean, rstd)
@@ -452,6 +552,8 @@ def _submit_sync(
         return sched.submit_glu_backward(*args, **kw)
     if kind == "gn":
         return sched.submit_group_norm_grad(*args, **kw)
+    if kind == "gnb":
+        return sched.submit_group_norm_backward(*args, **kw)
     return None  # graphs go through the async clients
 
 
@@ -515,7 +617,8 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     # sync thread a burst of 256; each request's arrays (inputs, output, the oracle's copy)
     # are counted four times over; plus two pools' worth of workspace and 256 MiB of slack.
     mean = sum(
-        sum(a.nbytes for a in t.args if isinstance(a, np.ndarray)) + t.expected.nbytes
+        sum(a.nbytes for a in t.args if isinstance(a, np.ndarray))
+        + sum(e.nbytes for e in t.expected_arrays)
         for t in templates
     ) / len(templates)
     outstanding = opts.clients + 256 * opts.sync_clients

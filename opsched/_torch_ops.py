@@ -20,6 +20,7 @@ import numpy as np
 __all__ = [
     "from_torch",
     "glu_backward",
+    "group_norm_backward",
     "group_norm_grad",
     "require_torch",
     "to_torch",
@@ -69,6 +70,18 @@ def glu_backward(grad_out: Any, x: Any, dim: int) -> Any:
     import torch
 
     return torch.ops.aten.glu_backward(grad_out, x, dim)
+
+
+def group_norm_backward(
+    grad_out: Any, x: Any, mean: Any, rstd: Any, gamma: Any, n: int, c: int, hxw: int,
+    group: int, mask: Any,
+) -> Any:  # fmt: skip
+    """GroupNormBackward through aten (``aclnnGroupNormBackward`` on torch_npu)."""
+    import torch
+
+    return torch.ops.aten.native_group_norm_backward(
+        grad_out, x, mean, rstd, gamma, n, c, hxw, group, list(mask)
+    )
 
 
 def group_norm_grad(x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any) -> Any:

@@ -12,18 +12,21 @@ launch; step two runs it. ``stream=None`` runs in the calling thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kernels._common import DEFAULT_BLOCK
 from opsched._executor import Executor, null_executor
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 
 __all__ = [
     "Executor",
     "glu_backward",
     "glu_backward_get_workspace_size",
+    "group_norm_backward",
+    "group_norm_backward_get_workspace_size",
     "group_norm_grad",
     "group_norm_grad_get_workspace_size",
 ]
@@ -128,3 +131,60 @@ def group_norm_grad(
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
     _launch(GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
+
+
+def group_norm_backward_get_workspace_size(
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    N: int,
+    C: int,
+    HxW: int,
+    group: int,
+    output_mask: Sequence[bool],
+    dx: np.ndarray | None,
+    dgamma: np.ndarray | None,
+    dbeta: np.ndarray | None,
+) -> tuple[int, Executor]:
+    """Check a GroupNormBackward call and plan it (``aclnnGroupNormBackwardGetWorkspaceSize``).
+
+    Args:
+        grad_out, input: ``N * C * HxW`` elements (any shape with that count, e.g.
+            ``(N, C, H, W)``), FLOAT, FLOAT16 or BFLOAT16.
+        mean, rstd: ``N * group`` elements, laid out as ``(N, group)``.
+        gamma: ``C`` elements, or None (ones).
+        N, C, HxW, group: the geometry; ``group`` divides ``C``.
+        output_mask: three bools: compute dx, dgamma, dbeta.
+        dx, dgamma, dbeta: the outputs (``input``'s shape; ``gamma``'s shape, or ``(C,)``
+            without gamma); None where ``output_mask`` is False. One dtype throughout.
+
+    Returns:
+        ``(workspace_size, executor)``.
+
+    Raises:
+        ParamNullptrError: ``grad_out``, ``input``, ``mean`` or ``rstd`` is None (161001).
+        ParamInvalidError: a bad output_mask, a requested output missing, a dtype, group,
+            rank, element count or output shape (161002), in that order.
+        TypeError: an argument is not a numpy array, an integer or a bool.
+    """
+    tensors = {
+        "grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma,
+        "dx": dx, "dgamma": dgamma, "dbeta": dbeta,
+    }  # fmt: skip
+    scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
+    return _get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars)
+
+
+def group_norm_backward(
+    workspace: np.ndarray | None, workspace_size: int, executor: Executor, stream: Any = None
+) -> None:
+    """Launch a planned GroupNormBackward (``aclnnGroupNormBackward``).
+
+    Raises:
+        ParamInvalidError: executor misuse or a too-small workspace (161002).
+        InnerError: ``executor`` is None (561103).
+        RuntimeLaunchError: the kernel failed (361001), its exception chained.
+    """
+    _launch(GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)

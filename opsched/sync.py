@@ -31,10 +31,17 @@ import numpy as np
 from opsched import _api
 from opsched._config import SchedulerConfig
 from opsched._graph import Graph, Node
-from opsched._scheduler import Scheduler, SchedulerStatistics
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
+from opsched._scheduler import Scheduler, SchedulerStatistics, _gnb_args
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 
-__all__ = ["SyncScheduler", "glu_backward", "group_norm_grad", "open_scheduler", "run"]
+__all__ = [
+    "SyncScheduler",
+    "glu_backward",
+    "group_norm_backward",
+    "group_norm_grad",
+    "open_scheduler",
+    "run",
+]
 
 
 class _Portal:
@@ -123,6 +130,31 @@ class SyncScheduler:
         tensors["dx"] = kw.pop("out", None)
         return self._scheduler.submit_threadsafe(GROUP_NORM_GRAD, tensors, {}, **kw)
 
+    def group_norm_backward(self, *args: Any, **kw: Any) -> Any:
+        """Blocking :meth:`Scheduler.group_norm_backward`: ``(dx, dgamma, dbeta)``."""
+        return self.submit_group_norm_backward(*args, **kw).result()
+
+    def submit_group_norm_backward(
+        self,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        **kw: Any,
+    ) -> Future[Any]:
+        """Queue a GroupNormBackward; the future resolves with ``(dx, dgamma, dbeta)``."""
+        self._portal.check_thread()
+        tensors, scalars = _gnb_args(
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, kw.pop("out", None)
+        )
+        return self._scheduler.submit_threadsafe(GROUP_NORM_BACKWARD, tensors, scalars, **kw)
+
     def run(self, graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
         """Blocking :meth:`Scheduler.run` of a graph (same arguments and errors)."""
         result: list[np.ndarray] = self._portal.call(
@@ -186,6 +218,12 @@ def group_norm_grad(
 ) -> np.ndarray:
     """Blocking GroupNormalizationGrad on the process-wide default scheduler."""
     return _default_scheduler().group_norm_grad(x, dy, gamma, mean, rstd, **kw)
+
+
+def group_norm_backward(*args: Any, **kw: Any) -> Any:
+    """Blocking GroupNormBackward on the process-wide default scheduler:
+    ``(dx, dgamma, dbeta)`` (arguments as :meth:`Scheduler.group_norm_backward`)."""
+    return _default_scheduler().group_norm_backward(*args, **kw)
 
 
 def run(graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:

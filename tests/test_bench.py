@@ -17,11 +17,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_kernel_benchmark_reports_every_row():
     rows = bench_kernels(sizes=(1024, 4096), dtypes=("FLOAT", "BFLOAT16"))
-    assert len(rows) == 2 * 2 * 2
+    assert len(rows) == 3 * 2 * 2
     assert all(r["ratio_to_copy"] > 0 and r["speedup_vs_reference"] > 0 for r in rows)
     out = io.StringIO()
     print_kernel_table(rows, out)
     assert "GroupNormalizationGrad" in out.getvalue() and "BFLOAT16" in out.getvalue()
+    assert "GroupNormBackward" in out.getvalue()
 
 
 def test_scheduler_benchmark_small():
@@ -51,4 +52,4 @@ def test_benchmark_script_writes_json(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(path.read_text())
-    assert data["benchmark"] == "kernels" and len(data["results"]["kernels"]) == 2
+    assert data["benchmark"] == "kernels" and len(data["results"]["kernels"]) == 3

@@ -166,8 +166,22 @@ class Operator(abc.ABC):
         """Run the fast kernel for ``plan`` on ``tensors``."""
 
     @abc.abstractmethod
-    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
-        """Return the reference kernel's result (a new array) for a checked request."""
+    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
+        """Return the reference kernel's result (a new array; a tuple for several outputs)
+        for a checked request."""
+
+    def run_reference(self, plan: Any, tensors: dict[str, Any]) -> None:
+        """Run the reference kernel for ``plan`` into the output arrays of ``tensors``
+        (the reference device's launch; also on a fused launch's arrays)."""
+        np.copyto(tensors[self.outputs[0]], self.reference(tensors, self.plan_scalars(plan)))
+
+    def plan_scalars(self, plan: Any) -> dict[str, Any]:
+        """The scalar arguments a plan was made for (none by default)."""
+        return {}
+
+    def result(self, tensors: Mapping[str, Any]) -> Any:
+        """What a caller gets back: the output array (a tuple for several outputs)."""
+        return tensors[self.outputs[0]]
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
         """What the checks depend on: each tensor's shape and dtype (None when absent) and

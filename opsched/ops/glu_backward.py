@@ -132,6 +132,9 @@ class GluBackward(Operator):
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])
 
+    def plan_scalars(self, plan: GluPlan) -> dict[str, Any]:
+        return {"dim": plan.dim}
+
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every
     # request's ``a`` half, row 1 its ``b`` half.

@@ -1,0 +1,310 @@
+"""GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient, three outputs.
+
+``(dx, dgamma, dbeta) = group_norm_backward(grad_out, input, mean, rstd, gamma, N, C, HxW,
+group, output_mask)``; each output is None where its ``output_mask`` entry is False. The
+formula and its determinism are in :mod:`kernels.group_norm_backward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from kernels.group_norm_backward import (
+    GnbPlan,
+    group_norm_backward_fast,
+    group_norm_backward_reference,
+    group_norm_backward_rows_reference,
+    make_gnb_plan,
+    plan_group_norm_backward,
+    reduce_over_samples,
+)
+from opsched._errors import ParamInvalidError
+from opsched.ops._base import (
+    FusedGeometry,
+    Operator,
+    Tensors,
+    check_dtype,
+    check_present,
+    check_types,
+    index_value,
+)
+
+__all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
+
+MAX_DIMS = 8
+F32 = np.dtype(np.float32)
+
+_INPUTS = ("grad_out", "input", "mean", "rstd", "gamma")
+_OUTPUTS = ("dx", "dgamma", "dbeta")
+
+
+class GroupNormBackward(Operator):
+    """See the module docstring and the README's "Which group-norm operator"."""
+
+    name: ClassVar[str] = "GroupNormBackward"
+    tensor_names: ClassVar[tuple[str, ...]] = _INPUTS + _OUTPUTS
+    outputs: ClassVar[tuple[str, ...]] = _OUTPUTS
+    overlap_inputs: ClassVar[tuple[str, ...]] = ("grad_out", "input")
+    dtypes: ClassVar[tuple[np.dtype, ...]] = tuple(
+        np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)
+    )
+
+    def check(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+    ) -> dict[str, Any]:
+        op = self.name
+        t = tensors
+        # 1. the required inputs.
+        check_present(op, **{k: t[k] for k in ("grad_out", "input", "mean", "rstd")})
+        check_types(op, **{k: t[k] for k in self.tensor_names})
+        # 2. output_mask, and the outputs it asks for.
+        mask = _mask(op, scalars["output_mask"])
+        if not allocate:
+            for name, wanted in zip(_OUTPUTS, mask, strict=True):
+                if wanted and t[name] is None:
+                    msg = (
+                        f"{op}: {name} is None but output_mask asks for it "
+                        f"(output_mask={list(mask)}); pass an array or set its entry False"
+                    )
+                    raise ParamInvalidError(msg)
+        # 3. dtypes: grad_out's in the list; every other tensor equal to it.
+        others = {k: t[k] for k in self.tensor_names if k != "grad_out"}
+        check_dtype(op, self.dtypes, ("grad_out", t["grad_out"]), **others)
+        # 4. group.
+        n, c, hxw, group = (index_value(op, k, scalars[k]) for k in ("N", "C", "HxW", "group"))
+        for name, value in (("N", n), ("C", c), ("HxW", hxw)):
+            if value < 0:
+                msg = f"{op}: {name}={value} is negative"
+                raise ParamInvalidError(msg)
+        if group <= 0 or c % group:
+            msg = f"{op}: group={group} must be > 0 and divide C={c}"
+            raise ParamInvalidError(msg)
+        # 5. ranks.
+        for name in self.tensor_names:
+            if t[name] is not None and t[name].ndim > MAX_DIMS:
+                msg = f"{op}: {name} has {t[name].ndim} dims; at most {MAX_DIMS} are supported"
+                raise ParamInvalidError(msg)
+        # 6. element counts.
+        counts = {
+            "input": (n * c * hxw, "N*C*HxW"),
+            "grad_out": (n * c * hxw, "N*C*HxW"),
+            "mean": (n * group, "N*group"),
+            "rstd": (n * group, "N*group"),
+            "gamma": (c, "C"),
+        }
+        for name, (want, formula) in counts.items():
+            if t[name] is not None and t[name].size != want:
+                msg = (
+                    f"{op}: {name} has {t[name].size} elements (shape {t[name].shape}); "
+                    f"expected {formula} = {want} (N={n}, C={c}, HxW={hxw}, group={group})"
+                )
+                raise ParamInvalidError(msg)
+        # 7. output shapes.
+        stat_shape = t["gamma"].shape if t["gamma"] is not None else (c,)
+        shapes = {"dx": t["input"].shape, "dgamma": stat_shape, "dbeta": stat_shape}
+        for name, want_shape in shapes.items():
+            if t[name] is not None and t[name].shape != want_shape:
+                what = "input's shape" if name == "dx" else (
+                    "gamma's shape" if t["gamma"] is not None else "(C,) without gamma"
+                )  # fmt: skip
+                msg = f"{op}: {name}.shape is {t[name].shape}; expected {want_shape} ({what})"
+                raise ParamInvalidError(msg)
+        return {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
+
+    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
+        mask = scalars.get("output_mask")
+        if isinstance(mask, list):
+            scalars = {**scalars, "output_mask": tuple(mask)}
+        return super().signature(tensors, scalars)
+
+    def output_spec(
+        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        x, gamma = tensors["input"], tensors["gamma"]
+        mask = scalars["output_mask"]
+        stat_shape = gamma.shape if gamma is not None else (scalars["C"],)
+        spec = {"dx": (x.shape, x.dtype), "dgamma": (stat_shape, x.dtype)}
+        spec["dbeta"] = (stat_shape, x.dtype)
+        return {name: s for (name, s), wanted in zip(spec.items(), mask, strict=True) if wanted}
+
+    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return {
+            name: np.empty(shape, dtype)
+            for name, (shape, dtype) in self.output_spec(tensors, scalars).items()
+            if tensors[name] is None
+        }
+
+    def result(self, tensors: Mapping[str, Any]) -> Any:
+        """``(dx, dgamma, dbeta)``, None where not asked for."""
+        return tensors["dx"], tensors["dgamma"], tensors["dbeta"]
+
+    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
+        s = scalars
+        return plan_group_norm_backward(
+            tensors["grad_out"], tensors["input"], tensors["dx"] if s["output_mask"][0] else None,
+            s["N"], s["C"], s["HxW"], s["group"], s["output_mask"],
+            tensors["gamma"] is not None, block=block,
+        )  # fmt: skip
+
+    def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
+        t = tensors
+        group_norm_backward_fast(
+            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t.get("gamma"),
+            t.get("dx"), t.get("dgamma"), t.get("dbeta"), workspace,
+            ds_out=t.get("ds"), db_out=t.get("db"),
+        )  # fmt: skip
+
+    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
+        """``(dx, dgamma, dbeta)`` from the reference kernel (all three, new arrays)."""
+        t, s = tensors, scalars
+        return group_norm_backward_reference(
+            t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"],
+            s["N"], s["C"], s["HxW"], s["group"],
+        )  # fmt: skip
+
+    def run_reference(self, plan: GnbPlan, tensors: dict[str, Any]) -> None:
+        t = tensors
+        if plan.stats_out:  # a fused launch: per-row gamma, stats to the caller
+            rows, cpg = t["mean"].size, plan.cpg
+            gamma = t.get("gamma")
+            dx, ds, db = group_norm_backward_rows_reference(
+                t["grad_out"], t["input"], t["mean"], t["rstd"], gamma, rows, cpg, plan.hxw
+            )
+            np.copyto(t["ds"], ds)
+            np.copyto(t["db"], db)
+            if plan.want_dx:
+                np.copyto(t["dx"], dx.reshape(t["dx"].shape))
+            return
+        scalars = {
+            "N": plan.n, "C": plan.c, "HxW": plan.hxw, "group": plan.group,
+            "output_mask": (plan.want_dx, plan.want_dgamma, plan.want_dbeta),
+        }  # fmt: skip
+        for name, value in zip(_OUTPUTS, self.reference(t, scalars), strict=True):
+            if t.get(name) is not None:
+                np.copyto(t[name], value.reshape(t[name].shape))
+
+    def overlaps_any(self, tensors: Tensors) -> bool:
+        dx = tensors["dx"]
+        return dx is not None and any(
+            np.may_share_memory(dx, tensors[i]) for i in self.overlap_inputs
+        )
+
+    def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
+        return not plan.stage_dx and self.overlaps_any(tensors)
+
+    def nbytes(self, tensors: Tensors) -> int:
+        return sum(tensors[n].nbytes for n in self.tensor_names if tensors[n] is not None)
+
+    # Fusion: a request is N * group rows of cpg channels of HxW elements; requests fuse when
+    # dtype, cpg, HxW, output_mask and whether gamma is given match. The fused launch has
+    # N' = rows, group' = 1, C' = cpg, gamma given per row, and writes each channel row's
+    # ds / db, which the scatter reduces per request over its own samples.
+
+    def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
+        s = scalars
+        cpg = s["C"] // s["group"]
+        key = (
+            self.name, tensors["grad_out"].dtype, cpg, s["HxW"], s["output_mask"],
+            tensors["gamma"] is not None,
+        )  # fmt: skip
+        return key, s["N"] * s["group"]
+
+    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
+        dtype, cpg, hxw, mask, has_gamma = _unkey(key)
+        rows = ((capacity * cpg, hxw), dtype)
+        stats = ((capacity,), dtype)
+        arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            "grad_out": rows, "input": rows, "mean": stats, "rstd": stats,
+        }  # fmt: skip
+        if has_gamma:
+            arrays["gamma"] = ((capacity, cpg), dtype)
+        if mask[0]:
+            arrays["dx"] = rows
+        arrays["ds"] = ((capacity * cpg,), F32)
+        arrays["db"] = ((capacity * cpg,), F32)
+        return arrays, {"N": capacity, "C": cpg, "HxW": hxw, "group": 1, "output_mask": mask}
+
+    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
+        out = {}
+        for name, array in fused.items():
+            per_unit = cpg if name in ("grad_out", "input", "dx", "ds", "db") else 1
+            out[name] = array[: units * per_unit]
+        return out
+
+    def fused_plan(self, key: Hashable, capacity: int, block: int) -> GnbPlan:
+        dtype, cpg, hxw, mask, has_gamma = _unkey(key)
+        return make_gnb_plan(
+            capacity, cpg, hxw, 1, dtype, mask, has_gamma=has_gamma, row_gamma=True,
+            stats_out=True, block=block,
+        )  # fmt: skip
+
+    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+        offsets, offset = [], 0
+        for r in requests:
+            offsets.append(offset)
+            offset += r.units
+        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
+        hxw = fused["grad_out"].shape[1]
+        for name in ("grad_out", "input"):
+            parts = [r.tensors[name].reshape(-1, hxw) for r in requests]
+            np.concatenate(parts, axis=0, out=fused[name][: offset * cpg])
+        for name in ("mean", "rstd"):
+            parts = [r.tensors[name].reshape(-1) for r in requests]
+            np.concatenate(parts, axis=0, out=fused[name][:offset])
+        if "gamma" in fused:
+            rows_gamma = fused["gamma"]
+            for r, start in zip(requests, offsets, strict=True):
+                n, group = r.scalars["N"], r.scalars["group"]
+                target = rows_gamma[start : start + r.units].reshape(n, group, cpg)
+                np.copyto(target, r.tensors["gamma"].reshape(1, group, cpg))
+        return offsets
+
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
+        for r, start in zip(requests, offsets, strict=True):
+            lo, hi = start * cpg, (start + r.units) * cpg
+            t, n, c = r.tensors, r.scalars["N"], r.scalars["C"]
+            if t["dx"] is not None and "dx" in fused:
+                np.copyto(t["dx"], fused["dx"][lo:hi].reshape(t["dx"].shape))
+            if t["dgamma"] is not None:
+                reduce_over_samples(fused["db"][lo:hi], n, c, t["dgamma"])
+            if t["dbeta"] is not None:
+                reduce_over_samples(fused["ds"][lo:hi], n, c, t["dbeta"])
+
+    def split(
+        self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
+    ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]] | None:
+        return None  # dgamma / dbeta reduce over every sample: a request runs whole
+
+
+def _unkey(key: Hashable) -> tuple[np.dtype, int, int, tuple[bool, bool, bool], bool]:
+    """The parts of a fusion key: dtype, cpg, HxW, output_mask, has gamma."""
+    parts: tuple[Any, ...] = key  # type: ignore[assignment]
+    return parts[1], parts[2], parts[3], parts[4], parts[5]
+
+
+def _mask(op: str, value: object) -> tuple[bool, bool, bool]:
+    """``output_mask`` as a tuple of three bools (161002 when not of length 3)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        msg = f"{op}: output_mask must be a sequence of 3 bools, got {type(value).__qualname__}"
+        raise TypeError(msg)
+    if len(value) != 3:
+        msg = (
+            f"{op}: output_mask has {len(value)} entries ({list(value)}); expected 3 "
+            "(dx, dgamma, dbeta)"
+        )
+        raise ParamInvalidError(msg)
+    for v in value:
+        if not isinstance(v, bool | np.bool_):
+            msg = f"{op}: output_mask entries must be bools, got {type(v).__qualname__} {v!r}"
+            raise TypeError(msg)
+    return bool(value[0]), bool(value[1]), bool(value[2])
+
+
+#: The GroupNormBackward descriptor.
+GROUP_NORM_BACKWARD = GroupNormBackward()
