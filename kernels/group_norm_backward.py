@@ -114,7 +114,8 @@ def group_norm_backward_reference(
     dx, ds, db = group_norm_backward_rows_reference(
         grad_out, x, mean, rstd, rows_gamma, n * group, cpg, hxw
     )
-    dgamma, dbeta = np.empty(c, grad_out.dtype), np.empty(c, grad_out.dtype)
+    stat_dtype = np.asarray(mean).dtype  # grad_out's, or FLOAT statistics
+    dgamma, dbeta = np.empty(c, stat_dtype), np.empty(c, stat_dtype)
     reduce_over_samples(db, n, c, dgamma)
     reduce_over_samples(ds, n, c, dbeta)
     return dx.reshape(x.shape), dgamma, dbeta

@@ -10,6 +10,8 @@ from opsched import _plot
 from opsched._bench import KERNEL_SIZES
 from opsched._bench_scheduler import PARTS
 from opsched._config import SchedulerConfig
+from opsched._errors import AclnnError
+from opsched._products import table_rows
 from opsched._stress import StressOptions, run_stress
 from opsched._trace import load_trace, summarize
 
@@ -26,6 +28,11 @@ def _common() -> argparse.ArgumentParser:
     group.add_argument("--config", metavar="PATH", help="scheduler TOML profile (configs/)")
     group.add_argument(
         "--device", default="cpu", help="cpu (numpy on worker threads) or reference (inline)"
+    )
+    group.add_argument(
+        "--product",
+        help="check every request against this Ascend product's support table "
+        "(see opsched products; default: the config's, generic)",
     )
     group.add_argument(
         "--trace",
@@ -81,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
             "request (exit 1 on any discrepancy)",
             formatter_class=fmt,
         )
+    )
+    sub.add_parser(
+        "products",
+        help="list the Ascend product profiles: operators and dtypes each supports",
+        description="The product profiles --product / SchedulerConfig.product / product= "
+        "check requests against.",
     )
     trace = sub.add_parser(
         "trace",
@@ -192,6 +205,7 @@ def stress_options(args: argparse.Namespace) -> StressOptions:
         seed=args.seed,
         device=args.device,
         config=args.config,
+        product=args.product,
         trace=args.trace,
         invalid=args.invalid,
         cancel=args.cancel,
@@ -248,10 +262,28 @@ def configure_logging(fmt: str, verbosity: int) -> None:
     )
 
 
+def _config(args: argparse.Namespace, default: SchedulerConfig | None) -> SchedulerConfig | None:
+    """The config of ``--config`` (else ``default``), with ``--product`` applied."""
+    config = SchedulerConfig.from_toml(args.config) if args.config else default
+    if args.product is not None:
+        config = (config or SchedulerConfig()).evolve({"product": args.product})
+    return config
+
+
+def _run_products() -> int:
+    head = ("product", "GluBackward", "GroupNormalizationGrad", "GroupNormBackward")
+    rows = [(r[0], r[2], r[3], r[4]) for r in table_rows()]
+    widths = [max(len(str(row[i])) for row in [head, *rows]) + 2 for i in range(4)]
+    for row in [head, *rows]:
+        print("".join(f"{cell:<{w}}" for cell, w in zip(row, widths, strict=True)).rstrip())
+    print("\n".join(f"  {r[0]}: {r[1]}" for r in table_rows()))
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from opsched import _bench, _bench_graphs, _bench_scheduler
 
-    config = SchedulerConfig.from_toml(args.config) if args.config else None
+    config = _config(args, None)
     target = _bench.BenchTarget(args.device, config)
     which = ("kernels", "scheduler", "graphs") if args.which == "all" else (args.which,)
     if args.trace and which == ("kernels",):
@@ -337,17 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "trace":
             return _run_trace(args)
+        if command == "products":
+            return _run_products()
         configure_logging(args.log_format, args.verbose)
         if command == "demo":
             from opsched._demo import run_demo
 
-            config = SchedulerConfig.from_toml(args.config) if args.config else None
+            config = _config(args, SchedulerConfig(streams=2))
             return run_demo(sys.stdout, config, args.device, args.trace or DEMO_TRACE)
         if command == "bench":
             return _run_bench(args)
         if command == "stress":
             return run_stress(stress_options(args), sys.stdout)
-    except (ValueError, TypeError, OSError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError, AclnnError) as exc:
         print(f"opsched {command}: error: {exc}", file=sys.stderr)
         return 2
     raise AssertionError(command)  # argparse rejects unknown commands

@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from opsched._products import product_named
+
 __all__ = ["SchedulerConfig"]
 
 
@@ -39,6 +41,13 @@ def _float_min(lo: float) -> Any:
             raise ValueError(msg)
 
     return check
+
+
+def _product(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    try:
+        product_named(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"SchedulerConfig.{attribute.name}: {exc}") from None
 
 
 def _default_streams() -> int:
@@ -71,6 +80,10 @@ class SchedulerConfig:
             request that alone needs more fails (default 1 GiB).
         executor_cache_limit: repeatable executors kept, least recently used evicted
             (default 10000, the device runtime's ACLNN_CACHE_LIMIT).
+        product: the Ascend product whose support table every request is checked against
+            (default ``"generic"``: every operator, every dtype of SPEC); see
+            ``opsched products``. Set it to the product you will run on, to learn before
+            you get hardware time that a request would fail there.
     """
 
     streams: int = attrs.field(factory=_default_streams, validator=_int_range(1, 256))
@@ -83,6 +96,7 @@ class SchedulerConfig:
     max_queued_requests: int = attrs.field(default=65536, validator=_int_range(1))
     workspace_limit_bytes: int = attrs.field(default=1 << 30, validator=_int_range(1))
     executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1))
+    product: str = attrs.field(default="generic", validator=_product)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> SchedulerConfig:

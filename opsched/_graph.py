@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import AclnnError, GraphExecutionError, UpstreamFailedError
+from opsched._products import Product
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class Node:
     #: ``(argument, shape, dtype)``, allocated fresh at each run.
     output: str = ""
     extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
+    #: Zero-byte stand-ins of its arguments, to check it again for a product.
+    stand_ins: dict[str, Any] = attrs.field(factory=dict)
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
@@ -106,6 +109,25 @@ class Graph:
     nodes: list[Node] = attrs.field(factory=list, init=False)
     placeholders: list[Placeholder] = attrs.field(factory=list, init=False)
     _plans: dict[tuple[Any, ...], _RunPlan] = attrs.field(factory=dict, init=False)
+    #: Products every node passed the checks of (cleared when nodes are added).
+    _products_checked: set[str] = attrs.field(factory=set, init=False)
+
+    def check_on(self, product: Product) -> None:
+        """Check every node as ``product``'s runtime would (see :mod:`opsched._products`).
+
+        Raises:
+            InnerError: a node's operator is not available on the product (561003).
+            ParamInvalidError: a node's dtype is not in the product's list (161002).
+            Both name the node.
+        """
+        if product.name in self._products_checked:
+            return
+        for node in self.nodes:
+            try:
+                node.op.check_on(product, node.stand_ins, node.scalars, allocate=True)
+            except AclnnError as err:
+                raise type(err)(f"node {node.name!r}: {err.args[0]}", status=err.status) from err
+        self._products_checked.add(product.name)
 
     def input(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> Placeholder:
         """A placeholder for an array of ``shape`` and ``dtype`` given at each run."""
@@ -169,6 +191,7 @@ class Graph:
             if other not in node.deps:
                 node.deps.append(other)
         self._plans.clear()
+        self._products_checked.clear()
 
     def _add(
         self, op: Operator, args: dict[str, Any], scalars: dict[str, Any], name: str | None
@@ -197,8 +220,10 @@ class Graph:
         except (AclnnError, TypeError) as err:
             raise type(err)(f"node {name!r}: {err.args[0]}") from err
         spec = op.output_spec(stand_ins, checked)
+        kept = dict(stand_ins)  # the arguments as checked, outputs None
         (output, (shape, dtype)), *extra = spec.items()
         node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
+        node.stand_ins = kept
         node.output = output
         node.extra_outputs = tuple((out, s, d) for out, (s, d) in extra)
         stand_ins.update({out: _stand_in(s, d) for out, (s, d) in spec.items()})
@@ -213,6 +238,7 @@ class Graph:
         )  # fmt: skip
         self.nodes.append(node)
         self._plans.clear()
+        self._products_checked.clear()
         return node
 
     def _plan(self, outputs: tuple[int, ...], fed: frozenset[int]) -> _RunPlan:
@@ -380,6 +406,8 @@ class GraphRun:
             nr.output = np.empty(node.shape, node.dtype)  # the caller's array
         else:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
+        for out in node.op.outputs:  # outputs not asked for stay None
+            tensors[out] = None
         tensors[node.output] = nr.output
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = np.empty(shape, dtype)
@@ -488,7 +516,7 @@ def _output(node: Node, nr: _NodeRun) -> Any:
         return nr.output
     if nr.state is not NodeState.DONE:
         return None
-    if node.extra_outputs and nr.request is not None:
+    if len(node.op.outputs) > 1 and nr.request is not None:
         return nr.request.result
     return nr.output
 

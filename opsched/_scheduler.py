@@ -49,6 +49,7 @@ from opsched._graph import Graph, GraphRun, Node, Placeholder
 from opsched._log import enabled, get_logger
 from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
+from opsched._products import Product, product_named
 from opsched._trace import Tracer
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 from opsched.ops._base import DTYPE_NAMES
@@ -246,10 +247,12 @@ class Scheduler:
     _thread_waits: int = attrs.field(default=0, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
+    _product: Product = attrs.field(init=False)
     #: Records a timeline trace when set (``open_scheduler(trace=...)``).
     _tracer: Tracer | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        self._product = product_named(self.config.product)
         self._pool = WorkspacePool(self.config.workspace_limit_bytes)
         self._cache = ExecutorCache(self.config.executor_cache_limit)
         self._idle = list(range(len(self.device.streams)))
@@ -516,6 +519,7 @@ class Scheduler:
             if not isinstance(node, Node) or node.graph is not graph:
                 msg = f"run: output {node!r} is not a node of this graph"
                 raise ValueError(msg)
+        graph.check_on(self._product)
         given = _check_graph_inputs(graph, outputs, dict(inputs or {}))
         run = GraphRun(
             graph,
@@ -828,7 +832,7 @@ class Scheduler:
         signature = op.signature(tensors, scalars)
         known = self._signatures.get(signature) if signature is not None else None
         if known is None:
-            scalars = op.check(tensors, scalars, allocate=True)
+            scalars = op.check_on(self._product, tensors, scalars, allocate=True)
             if _missing_output(op, tensors):
                 tensors.update(op.allocate(tensors, scalars))
             key, units = op.fusion(tensors, scalars)

@@ -37,6 +37,8 @@ import opsched
 import opsched.sync
 from opsched import aclnn
 from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
+from opsched._products import Product, product_named
+from opsched.ops._base import DTYPE_NAMES
 
 __all__ = ["StressOptions", "run_stress"]
 
@@ -62,6 +64,9 @@ class StressOptions:
     seed: int = 0
     device: str = "cpu"
     config: str | None = None
+    #: Check requests against this product's table (None: the config's); requests it does
+    #: not support must fail with exactly its status (561003 or 161002).
+    product: str | None = None
     invalid: float = 0.05
     cancel: float = 0.02
     deadline: float = 0.02
@@ -360,9 +365,13 @@ class _Tally:
 class _Harness:
     """Submits the cases and checks each outcome."""
 
-    def __init__(self, opts: StressOptions, templates: list[_Template], tally: _Tally) -> None:
+    def __init__(
+        self, opts: StressOptions, templates: list[_Template], tally: _Tally, product: Product
+    ) -> None:
         self.opts = opts
         self.templates = templates
+        #: per template: the status the product answers it with (None: supported)
+        self.unsupported = [_product_verdict(product, t) for t in templates]
         self.tally = tally
         # The out arrays of fault and deadline cases, by id(), kept alive until checked:
         # an id is only unique while its array lives.
@@ -381,10 +390,16 @@ class _Harness:
         return fail
 
     def prepare(self, case: _Case) -> tuple[str, tuple[Any, ...], dict[str, Any], Any]:
-        """The call for ``case``: (op, args, kwargs, what to expect)."""
+        """The call for ``case``: (op, args, kwargs, what to expect: a status for a request
+        that must be rejected, else None)."""
         t = self.templates[case.template]
+        unsupported = self.unsupported[case.template]
         if case.fate == "invalid" and t.kind != "graph":
             op, args, broken, status = _corrupt(t, case.corruption)
+            # The product's verdict comes first: a missing operator before any check, an
+            # unsupported dtype before everything but a missing tensor.
+            if unsupported == 561003 or (unsupported == 161002 and status != 161001):
+                status = unsupported
             return op, args, broken, status
         kw: dict[str, Any] = {"priority": case.index % 3}
         if t.kind != "graph":
@@ -398,7 +413,7 @@ class _Harness:
                 kw["deadline"] = time.monotonic() - 1.0  # already passed: must never launch
         elif case.fate == "deadline":
             kw["deadline"] = time.monotonic() - 1.0
-        return t.kind, t.args, kw, None
+        return t.kind, t.args, kw, unsupported
 
     def check(
         self,
@@ -419,11 +434,13 @@ class _Harness:
         fate = case.fate
         if t.kind == "graph" and fate in ("invalid", "fault"):
             fate = "valid"  # graphs are not corrupted nor faulted: they run as valid work
+        if status is not None and fate != "invalid":
+            fate = "unsupported"  # the product rejects it at submit, whatever its fate
         if fate == "fault" and not any(e.size for e in t.expected_arrays):
             fate = "valid"  # an empty request launches nothing, so nothing can fault
-        if fate == "invalid":
+        if fate in ("invalid", "unsupported"):
             if isinstance(error, AclnnError) and error.status == status:
-                self.tally.record(case, "invalid")
+                self.tally.record(case, fate if fate == "invalid" else f"unsupported {status}")
             else:
                 self.tally.record(case, "wrong", f"expected status {status}, got {error!r}")
         elif fate == "cancel":
@@ -503,6 +520,29 @@ class _Harness:
 
 def _entries(t: _Template) -> list[np.ndarray | None]:
     return list(t.expected) if isinstance(t.expected, tuple) else [t.expected]
+
+
+#: The operators each kind of template calls, in the order a graph's nodes are checked.
+_KIND_OPS = {
+    "glu": ("GluBackward",),
+    "gn": ("GroupNormalizationGrad",),
+    "gnb": ("GroupNormBackward",),
+    "graph": ("GroupNormalizationGrad", "GluBackward"),
+}
+
+
+def _product_verdict(product: Product, t: _Template) -> int | None:
+    """What ``product`` answers the template's requests with, from its table alone: 561003
+    for an operator it lacks, 161002 for a dtype outside its list, None when supported."""
+    x = t.args[1] if t.kind in ("glu", "gnb") else t.args[0]
+    dtype = DTYPE_NAMES[x.dtype]
+    for op in _KIND_OPS[t.kind]:
+        support = product.ops.get(op)
+        if support is None:
+            return 561003
+        if dtype not in support.dtypes:
+            return 161002
+    return None
 
 
 def _same_result(result: Any, expected: Any) -> bool:
@@ -605,13 +645,15 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     started = time.perf_counter()
     templates = [make_template(opts.seed, i, opts) for i in range(opts.templates)]
     tally = _Tally()
-    harness = _Harness(opts, templates, tally)
     clock = _Clock(opts)
-    overrides = {
+    overrides: dict[str, Any] = {
         "max_queued_requests": opts.max_queued_requests,
         "workspace_limit_bytes": opts.workspace_limit_bytes,
     }
+    if opts.product is not None:
+        overrides["product"] = opts.product
     config = opsched._api.resolve_config(opts.config, overrides)
+    harness = _Harness(opts, templates, tally, product_named(config.product))
     rss_start = _rss_bytes()
     # Memory bound: what can be alive at once. Each async client holds one request, each
     # sync thread a burst of 256; each request's arrays (inputs, output, the oracle's copy)
@@ -647,6 +689,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
 
     checks = _final_checks(stats, tally, clock, bound)
     report = _report(opts, stats, tally, clock, elapsed, checks, bound, started)
+    report["product"] = config.product
     _print_summary(report, out)
     if opts.report:
         with open(opts.report, "w", encoding="utf-8") as f:
@@ -712,7 +755,7 @@ def _sync_client(
             kind, args, kw, expect = harness.prepare(case)
             start = time.perf_counter()
             if kind == "graph":
-                _sync_graph(facade, harness, case, args, kw, start)
+                _sync_graph(facade, harness, case, args, kw, start, expect)
                 continue
             try:
                 future = _submit_sync(facade, kind, args, kw)
@@ -750,6 +793,7 @@ def _sync_graph(
     args: tuple[Any, ...],
     kw: dict[str, Any],
     start: float,
+    expect: int | None,
 ) -> None:
     g = opsched.Graph()
     x, dy, gamma, mean, rstd, gate = args
@@ -761,7 +805,7 @@ def _sync_graph(
         error = exc
     if case.fate == "cancel":
         case = attrs.evolve(case, fate="valid")
-    harness.check(case, None, result, error, time.perf_counter() - start)
+    harness.check(case, expect, result, error, time.perf_counter() - start)
 
 
 class _Progress:
@@ -884,7 +928,8 @@ def _print_summary(r: dict[str, Any], out: TextIO) -> None:
     o = r["options"]
     print(
         f"opsched stress: {r['requests']} requests, {o['clients']} async clients + "
-        f"{o['sync_clients']} sync threads, seed {o['seed']}, device {o['device']}",
+        f"{o['sync_clients']} sync threads, seed {o['seed']}, device {o['device']}, "
+        f"product {r['product']}",
         file=out,
     )
     print(

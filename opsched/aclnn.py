@@ -7,7 +7,9 @@ Each operator is called in two steps, as on the device::
     aclnn.glu_backward(workspace, size, executor)
 
 Step one runs every SPEC check in order (raising the first failing status) and plans the
-launch; step two runs it. ``stream=None`` runs in the calling thread.
+launch; step two runs it. ``stream=None`` runs in the calling thread. ``product=`` checks
+the call against an Ascend product's support table (``opsched products``): an operator it
+lacks is 561003, a dtype outside its list 161002.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from kernels._common import DEFAULT_BLOCK
 from opsched._executor import Executor, null_executor
+from opsched._products import product_named
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 
 __all__ = [
@@ -33,9 +36,9 @@ __all__ = [
 
 
 def _get_workspace_size(
-    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any]
+    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str = "generic"
 ) -> tuple[int, Executor]:
-    scalars = op.check(tensors, scalars, allocate=False)
+    scalars = op.check_on(product_named(product), tensors, scalars, allocate=False)
     plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
     size = op.workspace_size(plan)
     return size, Executor(op, tensors, scalars, plan, size)
@@ -57,7 +60,7 @@ def _launch(
 
 
 def glu_backward_get_workspace_size(
-    grad_out: np.ndarray, self: np.ndarray, dim: int, out: np.ndarray
+    grad_out: np.ndarray, self: np.ndarray, dim: int, out: np.ndarray, *, product: str = "generic"
 ) -> tuple[int, Executor]:
     """Check a GluBackward call and plan it (``aclnnGluBackwardGetWorkspaceSize``).
 
@@ -71,12 +74,13 @@ def glu_backward_get_workspace_size(
         ``(workspace_size, executor)``; the size is 0 for an empty ``self``.
 
     Raises:
+        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
         ParamNullptrError: a tensor is None (161001).
         ParamInvalidError: a dtype, rank, dim or shape is wrong (161002), in SPEC order.
         TypeError: an argument is not a numpy array, or ``dim`` is not an integer.
     """
     tensors = {"grad_out": grad_out, "self": self, "out": out}
-    return _get_workspace_size(GLU_BACKWARD, tensors, {"dim": dim})
+    return _get_workspace_size(GLU_BACKWARD, tensors, {"dim": dim}, product)
 
 
 def glu_backward(
@@ -99,6 +103,8 @@ def group_norm_grad_get_workspace_size(
     mean: np.ndarray,
     rstd: np.ndarray,
     dx: np.ndarray,
+    *,
+    product: str = "generic",
 ) -> tuple[int, Executor]:
     """Check a GroupNormalizationGrad call and plan it.
 
@@ -112,12 +118,13 @@ def group_norm_grad_get_workspace_size(
         ``(workspace_size, executor)``; the size is 0 for an empty ``x``.
 
     Raises:
+        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
         ParamNullptrError: a tensor is None (161001).
         ParamInvalidError: a dtype, rank or shape is wrong (161002), in SPEC order.
         TypeError: an argument is not a numpy array.
     """
     tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
-    return _get_workspace_size(GROUP_NORM_GRAD, tensors, {})
+    return _get_workspace_size(GROUP_NORM_GRAD, tensors, {}, product)
 
 
 def group_norm_grad(
@@ -147,6 +154,8 @@ def group_norm_backward_get_workspace_size(
     dx: np.ndarray | None,
     dgamma: np.ndarray | None,
     dbeta: np.ndarray | None,
+    *,
+    product: str = "generic",
 ) -> tuple[int, Executor]:
     """Check a GroupNormBackward call and plan it (``aclnnGroupNormBackwardGetWorkspaceSize``).
 
@@ -164,6 +173,7 @@ def group_norm_backward_get_workspace_size(
         ``(workspace_size, executor)``.
 
     Raises:
+        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
         ParamNullptrError: ``grad_out``, ``input``, ``mean`` or ``rstd`` is None (161001).
         ParamInvalidError: a bad output_mask, a requested output missing, a dtype, group,
             rank, element count or output shape (161002), in that order.
@@ -174,7 +184,7 @@ def group_norm_backward_get_workspace_size(
         "dx": dx, "dgamma": dgamma, "dbeta": dbeta,
     }  # fmt: skip
     scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-    return _get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars)
+    return _get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars, product)
 
 
 def group_norm_backward(

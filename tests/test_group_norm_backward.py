@@ -404,3 +404,20 @@ def test_graph_refuses_to_consume_a_node_without_dx():
         graph.glu_backward(node, rand(np.random.default_rng(0), (4,), F32))
     with pytest.raises(ParamInvalidError, match="node 'bad'.*group=3"):
         graph.group_norm_backward(*args[:8], 3, name="bad")
+
+
+def test_graph_node_with_dx_only_feeds_its_consumer():
+    rng = np.random.default_rng(15)
+    args = case(rng, 2, 4, 8, 2)
+    gate = rand(rng, (2, 4, 16), F32)
+    graph = opsched.Graph()
+    node = graph.group_norm_backward(*args, (True, False, False))
+    glu = graph.glu_backward(node, gate)
+
+    async def main():
+        return await opsched.run(graph, [node, glu])
+
+    (dx, dgamma, dbeta), out = asyncio.run(main())
+    assert dgamma is None and dbeta is None
+    np.testing.assert_array_equal(dx, solo(args, (True, False, False))[0])
+    assert out.shape == gate.shape

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from opsched._errors import ParamInvalidError, ParamNullptrError
+from opsched._products import OpSupport, Product, check_product
 
 __all__ = [
     "DTYPE_NAMES",
@@ -71,17 +72,29 @@ def check_types(op: str, **tensors: object) -> None:
 
 
 def check_dtype(
-    op: str, allowed: tuple[np.dtype, ...], reference: tuple[str, np.ndarray], **tensors: Any
+    op: str,
+    allowed: tuple[np.dtype, ...],
+    reference: tuple[str, np.ndarray],
+    *,
+    product: str = "generic",
+    **tensors: Any,
 ) -> None:
     """Raise ParamInvalidError (161002) for a dtype outside ``allowed`` or unlike the
-    reference tensor's, checking the reference first and then ``tensors`` in order."""
+    reference tensor's, checking the reference first and then ``tensors`` in order.
+    ``product``: whose list ``allowed`` is (named in the message unless generic)."""
     ref_name, ref = reference
     for name, value in {ref_name: ref, **tensors}.items():
         if value is None:
             continue
         if value.dtype not in allowed:
             names = ", ".join(dtype_name(d) for d in allowed)
-            msg = f"{op}: {name}.dtype is {dtype_name(value.dtype)}; expected one of {names}"
+            if product == "generic":
+                msg = f"{op}: {name}.dtype is {dtype_name(value.dtype)}; expected one of {names}"
+            else:
+                msg = (
+                    f"{op}: {name}.dtype is {dtype_name(value.dtype)}; on {product} {op} "
+                    f"takes {names}"
+                )
             raise ParamInvalidError(msg)
         if value.dtype != ref.dtype:
             msg = (
@@ -89,6 +102,10 @@ def check_dtype(
                 f"{dtype_name(ref.dtype)}; they must be equal"
             )
             raise ParamInvalidError(msg)
+
+
+#: numpy dtypes by aclnn name.
+DTYPES_BY_NAME: dict[str, np.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def index_value(op: str, name: str, value: object) -> int:
@@ -122,18 +139,25 @@ class Operator(abc.ABC):
     tensor_names: ClassVar[tuple[str, ...]]
     #: Output tensor argument names.
     outputs: ClassVar[tuple[str, ...]]
+    #: The dtypes SPEC lists for it.
+    dtypes: ClassVar[tuple[np.dtype, ...]]
     #: Inputs the kernel still reads while it writes outputs: an output overlapping one of
     #: them must be staged through the workspace.
     overlap_inputs: ClassVar[tuple[str, ...]]
 
     @abc.abstractmethod
     def check(
-        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+        self,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        *,
+        allocate: bool,
+        support: OpSupport | None = None,
     ) -> dict[str, Any]:
         """Run the SPEC checks in order; return the normalised scalars.
 
         With ``allocate`` the outputs may be None (they will be allocated) and are then not
-        checked.
+        checked. ``support``: a product's dtypes for this operator (default: SPEC's).
 
         Raises:
             ParamNullptrError, ParamInvalidError: as SPEC lists, the first failing check.
@@ -169,6 +193,25 @@ class Operator(abc.ABC):
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """Return the reference kernel's result (a new array; a tuple for several outputs)
         for a checked request."""
+
+    def check_on(
+        self,
+        product: Product,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        *,
+        allocate: bool,
+    ) -> dict[str, Any]:
+        """:meth:`check` as ``product``'s runtime would: 561003 when the product lacks the
+        operator, then the checks with the product's dtypes."""
+        support = check_product(product, self.name)
+        return self.check(tensors, scalars, allocate=allocate, support=support)
+
+    def allowed_dtypes(self, support: OpSupport | None) -> tuple[tuple[np.dtype, ...], str]:
+        """The dtypes a request may have, and the product whose list it is."""
+        if support is None or support.product == "generic":
+            return self.dtypes, "generic"
+        return tuple(DTYPES_BY_NAME[n] for n in support.dtypes), support.product
 
     def run_reference(self, plan: Any, tensors: dict[str, Any]) -> None:
         """Run the reference kernel for ``plan`` into the output arrays of ``tensors``

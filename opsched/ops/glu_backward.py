@@ -18,6 +18,7 @@ from kernels.glu import (
     plan_glu_backward,
 )
 from opsched._errors import ParamInvalidError
+from opsched._products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -46,7 +47,12 @@ class GluBackward(Operator):
     )
 
     def check(
-        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+        self,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        *,
+        allocate: bool,
+        support: OpSupport | None = None,
     ) -> dict[str, Any]:
         op = self.name
         grad_out, x, out = tensors["grad_out"], tensors["self"], tensors["out"]
@@ -57,7 +63,8 @@ class GluBackward(Operator):
         check_types(op, grad_out=grad_out, self=x, out=out)
         dim = index_value(op, "dim", scalars["dim"])
         # 2. dtypes: self's in the list; grad_out and out equal to it.
-        check_dtype(op, self.dtypes, ("self", x), grad_out=grad_out, out=out)
+        allowed, product = self.allowed_dtypes(support)
+        check_dtype(op, allowed, ("self", x), product=product, grad_out=grad_out, out=out)
         # 3. ranks.
         for name, t in (("self", x), ("grad_out", grad_out), ("out", out)):
             if t is not None and t.ndim > MAX_DIMS:

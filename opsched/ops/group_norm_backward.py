@@ -23,6 +23,7 @@ from kernels.group_norm_backward import (
     reduce_over_samples,
 )
 from opsched._errors import ParamInvalidError
+from opsched._products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -30,6 +31,7 @@ from opsched.ops._base import (
     check_dtype,
     check_present,
     check_types,
+    dtype_name,
     index_value,
 )
 
@@ -39,6 +41,7 @@ MAX_DIMS = 8
 F32 = np.dtype(np.float32)
 
 _INPUTS = ("grad_out", "input", "mean", "rstd", "gamma")
+_STATS = ("mean", "rstd", "gamma", "dgamma", "dbeta")
 _OUTPUTS = ("dx", "dgamma", "dbeta")
 
 
@@ -54,7 +57,12 @@ class GroupNormBackward(Operator):
     )
 
     def check(
-        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+        self,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        *,
+        allocate: bool,
+        support: OpSupport | None = None,
     ) -> dict[str, Any]:
         op = self.name
         t = tensors
@@ -71,9 +79,26 @@ class GroupNormBackward(Operator):
                         f"(output_mask={list(mask)}); pass an array or set its entry False"
                     )
                     raise ParamInvalidError(msg)
-        # 3. dtypes: grad_out's in the list; every other tensor equal to it.
-        others = {k: t[k] for k in self.tensor_names if k != "grad_out"}
-        check_dtype(op, self.dtypes, ("grad_out", t["grad_out"]), **others)
+        # 3. dtypes: grad_out's in the list; every other tensor equal to it (on a product
+        # with FLOAT statistics, those may instead all be FLOAT).
+        allowed, product = self.allowed_dtypes(support)
+        grad_out = t["grad_out"]
+        if support is not None and support.float_stats and grad_out.dtype != F32:
+            check_dtype(
+                op, allowed, ("grad_out", grad_out), product=product, input=t["input"], dx=t["dx"]
+            )
+            stats = {k: t[k] for k in _STATS}
+            if t["mean"].dtype not in (grad_out.dtype, F32):
+                msg = (
+                    f"{op}: mean.dtype is {dtype_name(t['mean'].dtype)}; on {product} the "
+                    f"statistics ({', '.join(_STATS)}) are FLOAT or grad_out's dtype "
+                    f"{dtype_name(grad_out.dtype)}"
+                )
+                raise ParamInvalidError(msg)
+            check_dtype(op, (t["mean"].dtype,), ("mean", t["mean"]), product=product, **stats)
+        else:
+            others = {k: t[k] for k in self.tensor_names if k != "grad_out"}
+            check_dtype(op, allowed, ("grad_out", grad_out), product=product, **others)
         # 4. group.
         n, c, hxw, group = (index_value(op, k, scalars[k]) for k in ("N", "C", "HxW", "group"))
         for name, value in (("N", n), ("C", c), ("HxW", hxw)):
@@ -127,8 +152,9 @@ class GroupNormBackward(Operator):
         x, gamma = tensors["input"], tensors["gamma"]
         mask = scalars["output_mask"]
         stat_shape = gamma.shape if gamma is not None else (scalars["C"],)
-        spec = {"dx": (x.shape, x.dtype), "dgamma": (stat_shape, x.dtype)}
-        spec["dbeta"] = (stat_shape, x.dtype)
+        stat_dtype = tensors["mean"].dtype  # the input's, or FLOAT statistics
+        spec = {"dx": (x.shape, x.dtype), "dgamma": (stat_shape, stat_dtype)}
+        spec["dbeta"] = (stat_shape, stat_dtype)
         return {name: s for (name, s), wanted in zip(spec.items(), mask, strict=True) if wanted}
 
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -209,19 +235,20 @@ class GroupNormBackward(Operator):
         cpg = s["C"] // s["group"]
         key = (
             self.name, tensors["grad_out"].dtype, cpg, s["HxW"], s["output_mask"],
-            tensors["gamma"] is not None,
+            tensors["gamma"] is not None, tensors["mean"].dtype,
         )  # fmt: skip
         return key, s["N"] * s["group"]
 
     def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
         dtype, cpg, hxw, mask, has_gamma = _unkey(key)
+        stat_dtype: np.dtype = key[6]  # type: ignore[index]
         rows = ((capacity * cpg, hxw), dtype)
-        stats = ((capacity,), dtype)
+        stats = ((capacity,), stat_dtype)
         arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
             "grad_out": rows, "input": rows, "mean": stats, "rstd": stats,
         }  # fmt: skip
         if has_gamma:
-            arrays["gamma"] = ((capacity, cpg), dtype)
+            arrays["gamma"] = ((capacity, cpg), stat_dtype)
         if mask[0]:
             arrays["dx"] = rows
         arrays["ds"] = ((capacity * cpg,), F32)

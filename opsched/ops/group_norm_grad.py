@@ -21,6 +21,7 @@ from kernels.group_norm import (
     plan_group_norm_grad,
 )
 from opsched._errors import ParamInvalidError
+from opsched._products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -48,7 +49,12 @@ class GroupNormalizationGrad(Operator):
     )
 
     def check(
-        self, tensors: Mapping[str, Any], scalars: Mapping[str, Any], *, allocate: bool
+        self,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        *,
+        allocate: bool,
+        support: OpSupport | None = None,
     ) -> dict[str, Any]:
         op = self.name
         x = tensors["x"]
@@ -57,7 +63,8 @@ class GroupNormalizationGrad(Operator):
         check_present(op, **required)
         check_types(op, **tensors)
         others = {n: tensors[n] for n in self.tensor_names[1:]}
-        check_dtype(op, self.dtypes, ("x", x), **others)
+        allowed, product = self.allowed_dtypes(support)
+        check_dtype(op, allowed, ("x", x), product=product, **others)
         for name in ("x", "dy", "gamma", "dx"):
             t = tensors[name]
             if t is not None and not MIN_DIMS <= t.ndim <= MAX_DIMS:
