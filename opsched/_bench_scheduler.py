@@ -427,10 +427,10 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
     """Print every figure with its target and whether it was reached."""
 
     def line(name: str, figure: str, target: str, ok: bool) -> None:
-        print(f"{name:<54}{figure:<48}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
+        print(f"{name:<58}{figure:<48}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
 
     print(
-        f"{'figure':<54}{'measured (median of ' + str(r['repeats']) + ')':<48}{'target':<16}",
+        f"{'figure':<58}{'measured (median of ' + str(r['repeats']) + ')':<48}{'target':<16}",
         file=out,
     )
     for key, label in (
@@ -449,7 +449,7 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             )
             if "torch_rps" in t:
                 print(
-                    f"{'   peer: torch CPU operator per request':<54}"
+                    f"{'   peer: torch CPU operator per request':<58}"
                     f"{t['torch_rps']:,.0f}/s; scheduler {t['speedup_vs_torch']:.1f}x",
                     file=out,
                 )
