@@ -284,6 +284,26 @@ def test_fast_kernels_allocate_nothing_beyond_the_workspace(dtype):
         assert peak < 16 * 1024, peak
 
 
+def test_group_norm_kernel_memory_does_not_grow_with_the_data():
+    """Tiles of many short rows broadcast the row statistics: numpy's iterator then takes one
+    transient 8192-element buffer per call, the same for any input size."""
+    rng = np.random.default_rng(1)
+    peaks = []
+    for n in (4, 64):
+        args = gn_inputs(rng, (n, 8, 4096), np.dtype(np.float32))
+        dx = np.empty(args[0].shape, np.float32)
+        plan = plan_group_norm_grad(args[0], args[1], args[2], dx)
+        ws = np.empty(plan.workspace_bytes, np.uint8)
+        group_norm_grad_fast(plan, *args, dx, ws)
+        tracemalloc.start()
+        try:
+            group_norm_grad_fast(plan, *args, dx, ws)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert max(peaks) < 64 * 1024, peaks  # 512 KiB and 8 MiB of x alike
+
+
 def test_kernel_uses_the_workspace_it_planned():
     """The kernel carves its buffers from the workspace: half of the planned size fails."""
     rng = np.random.default_rng(0)
