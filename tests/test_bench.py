@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from opsched._bench import bench_kernels, print_kernel_table
 from opsched._bench_graphs import bench_graphs, print_graph_report
 from opsched._bench_scheduler import bench_scheduler, print_scheduler_report
@@ -53,3 +55,16 @@ def test_benchmark_script_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(path.read_text())
     assert data["benchmark"] == "kernels" and len(data["results"]["kernels"]) == 3
+
+
+def test_torch_peer_columns_where_torch_is_installed():
+    pytest.importorskip("torch")
+    rows = bench_kernels(sizes=(4096,), dtypes=("FLOAT",))
+    assert all(r["torch_gbps"] > 0 and r["speedup_vs_torch"] > 0 for r in rows)
+    result = bench_scheduler(repeats=1, parts=("throughput",), clients=2, per_client=3)
+    for key in ("throughput_glu", "throughput_gn", "throughput_gnb"):
+        assert result[key]["torch_rps"] > 0
+    out = io.StringIO()
+    print_kernel_table(rows, out)
+    print_scheduler_report(result, out)
+    assert "vs torch" in out.getvalue() and "peer: torch CPU operator" in out.getvalue()
