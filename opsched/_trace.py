@@ -1,6 +1,7 @@
 """Timeline traces: what the scheduler did, as a Chrome trace-event / Perfetto JSON file.
 
-``open_scheduler(trace="run.json")`` records, and writes when the scheduler closes:
+``open_scheduler(trace="run.json")`` writes, as the scheduler works (buffered, in bounded
+memory; the file is complete once the scheduler closes):
 
 - one track (thread) per stream, a slice per launch: operator, dtype, requests fused, bytes,
   executor cache hit or miss, how long its first request waited in the queue;
@@ -20,10 +21,15 @@ import pathlib
 import time
 from typing import Any
 
-__all__ = ["TRACE_SCHEMA_VERSION", "Tracer"]
+__all__ = ["TRACE_SCHEMA_VERSION", "Tracer", "load_trace", "summarize"]
 
 #: Bumped when the layout of the file changes (``otherData.schema``).
 TRACE_SCHEMA_VERSION = 1
+
+#: Events buffered before a write to the file.
+FLUSH_EVENTS = 4096
+#: Graph launches remembered for the arrows to their consumers.
+KEPT_SLICES = 65536
 
 _PID = 1
 #: Counter and scheduler-wide events sit on this thread id; streams are 1..n.
@@ -31,10 +37,15 @@ _SCHEDULER_TID = 0
 
 
 class Tracer:
-    """Collects trace events in memory; :meth:`write` saves them as JSON.
+    """Writes trace events to a file as they happen, in bounded memory.
+
+    Events are buffered and written in chunks of :data:`FLUSH_EVENTS`; :meth:`write`
+    flushes the rest and closes the JSON document. Graph launches are remembered (the last
+    :data:`KEPT_SLICES`) to draw the arrows to their consumers, which usually complete right
+    after them.
 
     Args:
-        path: where the file is written.
+        path: where the file is written (opened now: a missing directory fails at once).
         device: the device's name (the process name shown in the viewer).
         streams: how many streams the device has (one track each).
     """
@@ -45,6 +56,9 @@ class Tracer:
         if not parent.is_dir():
             msg = f"trace={str(path)!r}: directory {str(parent)!r} does not exist"
             raise FileNotFoundError(msg)
+        self._file: Any = self.path.open("w", encoding="utf-8")
+        self._file.write('{"traceEvents":[\n')
+        self._first = True
         self._origin = time.perf_counter()
         self._events: list[dict[str, Any]] = [
             _meta("process_name", _SCHEDULER_TID, name=f"opsched scheduler ({device})"),
@@ -56,7 +70,10 @@ class Tracer:
             self._events.append(_meta("thread_sort_index", i + 1, sort_index=i))
         #: graph request id -> (tid, start, end) of its launch, for flow arrows
         self._slices: dict[int, tuple[int, float, float]] = {}
-        self._edges: list[tuple[int, int]] = []
+        #: arrows whose producer has not completed yet: producer id -> consumer ids
+        self._pending: dict[int, list[int]] = {}
+        self._arrows: set[tuple[tuple[int, float, float], tuple[int, float, float]]] = set()
+        self._flow_ids = 0
         self._last_counters: tuple[int, int, int] | None = None
         self.launches = 0
         self.written = False
@@ -81,14 +98,38 @@ class Tracer:
         tid = stream + 1
         ts = self._us(start)
         dur = max(round(self._us(end) - ts, 3), 0.001)
-        self._events.append(
+        self._append(
             {"name": name, "cat": "launch", "ph": "X", "pid": _PID, "tid": tid, "ts": ts,
              "dur": dur, "args": args}
         )  # fmt: skip
         self.launches += 1
         for request_id, producers in graph_edges:
-            self._slices[request_id] = (tid, ts, ts + dur)
-            self._edges.extend((p, request_id) for p in producers)
+            here = (tid, ts, ts + dur)
+            self._slices[request_id] = here
+            if len(self._slices) > KEPT_SLICES:
+                del self._slices[next(iter(self._slices))]  # the oldest
+            for consumer in self._pending.pop(request_id, ()):
+                self._arrow(here, self._slices.get(consumer))
+            for producer in producers:
+                src = self._slices.get(producer)
+                if src is not None:
+                    self._arrow(src, here)
+                elif len(self._pending) < KEPT_SLICES:  # it completes later (or was fed)
+                    self._pending.setdefault(producer, []).append(request_id)
+
+    def _arrow(self, src: tuple[int, float, float], dst: tuple[int, float, float] | None) -> None:
+        """A flow arrow from the producer's slice to the consumer's (one per pair)."""
+        if dst is None or (src, dst) in self._arrows:
+            return
+        self._arrows.add((src, dst))
+        if len(self._arrows) > KEPT_SLICES:
+            self._arrows.clear()  # only guards against duplicates among recent launches
+        self._flow_ids += 1
+        base = {"name": "graph edge", "cat": "graph", "pid": _PID, "id": self._flow_ids}
+        # The start binds to the producer's slice (a point inside it), the finish to the
+        # consumer slice that encloses its timestamp (``bp: e``).
+        self._append({**base, "ph": "s", "tid": src[0], "ts": (src[1] + src[2]) / 2})
+        self._append({**base, "ph": "f", "bp": "e", "tid": dst[0], "ts": dst[1]})
 
     def counters(self, queued: int, pool_in_use: int, pool_held: int) -> None:
         """Sample the counter tracks (skipped when nothing changed since the last sample)."""
@@ -97,42 +138,39 @@ class Tracer:
             return
         self._last_counters = sample
         ts = self._us(time.perf_counter())
-        self._events.append(
+        self._append(
             {"name": "queued requests", "ph": "C", "pid": _PID, "tid": _SCHEDULER_TID,
              "ts": ts, "args": {"requests": queued}}
         )  # fmt: skip
-        self._events.append(
+        self._append(
             {"name": "workspace pool bytes", "ph": "C", "pid": _PID, "tid": _SCHEDULER_TID,
              "ts": ts, "args": {"in use": pool_in_use, "held": pool_held}}
         )  # fmt: skip
 
-    def _flows(self) -> list[dict[str, Any]]:
-        flows: list[dict[str, Any]] = []
-        seen: set[tuple[tuple[int, float, float], tuple[int, float, float]]] = set()
-        for producer, consumer in self._edges:
-            src, dst = self._slices.get(producer), self._slices.get(consumer)
-            if src is None or dst is None or (src, dst) in seen:
-                continue  # a fed input, a launch that never ran, or an arrow drawn already
-            seen.add((src, dst))  # fused launches: one arrow per pair of launches
-            base = {"name": "graph edge", "cat": "graph", "pid": _PID, "id": len(seen)}
-            # The start binds to the producer's slice (a point inside it), the finish to
-            # the consumer slice that encloses its timestamp (``bp: e``).
-            flows.append({**base, "ph": "s", "tid": src[0], "ts": (src[1] + src[2]) / 2})
-            flows.append({**base, "ph": "f", "bp": "e", "tid": dst[0], "ts": dst[1]})
-        return flows
+    def _append(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        if len(self._events) >= FLUSH_EVENTS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._events:
+            return
+        text = ",\n".join(json.dumps(e, separators=(",", ":")) for e in self._events)
+        self._file.write(text if self._first else ",\n" + text)
+        self._first = False
+        self._events.clear()
 
     def write(self) -> None:
-        """Write the file (once; later calls do nothing)."""
+        """Flush what is buffered and close the file (once; later calls do nothing)."""
         if self.written:
             return
         self.written = True
-        document = {
-            "traceEvents": self._events + self._flows(),
-            "displayTimeUnit": "ms",
-            "otherData": {"generator": "opsched", "schema": TRACE_SCHEMA_VERSION},
-        }
-        with self.path.open("w", encoding="utf-8") as f:
-            json.dump(document, f, separators=(",", ":"))
+        try:
+            self._flush()
+            other = {"generator": "opsched", "schema": TRACE_SCHEMA_VERSION}
+            self._file.write('\n],"displayTimeUnit":"ms","otherData":' + json.dumps(other) + "}\n")
+        finally:
+            self._file.close()
 
 
 def _meta(kind: str, tid: int, **args: Any) -> dict[str, Any]:

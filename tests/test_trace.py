@@ -154,3 +154,23 @@ def test_load_trace_rejects_other_files(tmp_path):
     broken.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"event 0 \(X\) lacks \['tid', 'ts', 'dur', 'args'\]"):
         load_trace(broken)
+
+
+def test_a_long_run_streams_its_events_in_bounded_memory(tmp_path, monkeypatch):
+    from opsched import _trace
+
+    monkeypatch.setattr(_trace, "FLUSH_EVENTS", 16)
+    path = tmp_path / "long.json"
+    rng = np.random.default_rng(5)
+    seen = []
+
+    async def main():
+        async with opsched.open_scheduler(streams=2, trace=path) as sched:
+            for _ in range(20):
+                await _mixed_workload(sched, rng)
+                seen.append(len(sched._tracer._events))
+            return sched.statistics()
+
+    stats = asyncio.run(main())
+    assert max(seen) <= 16
+    assert len(_slices(load_trace(path))) == stats.launches
