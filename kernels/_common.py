@@ -10,6 +10,7 @@ what makes results bit-identical however requests are later batched.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -86,16 +87,28 @@ def blocks(rows: int, cols: int, block: int) -> Iterator[tuple[int, int, int, in
                 yield r, r + 1, c0, min(cols, c0 + block)
 
 
-def rows_view(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    """Return ``array`` reshaped to ``shape`` without copying, or None when that needs a copy."""
+def rows_view(array: Any, shape: tuple[int, ...]) -> Any:
+    """Return ``array`` reshaped to ``shape`` without copying, or None when that needs a copy.
+
+    Also for a torch tensor (a torch device splitting a request): its ``view``.
+    """
+    if not isinstance(array, np.ndarray):
+        try:
+            return array.view(shape)
+        except RuntimeError:
+            return None
     try:
         return np.reshape(array, shape, copy=False)
     except ValueError:
         return None
 
 
-def overlaps(out: np.ndarray, *inputs: np.ndarray) -> bool:
-    """True when ``out`` may share memory with one of ``inputs`` (a cheap bounds check)."""
+def overlaps(out: Any, *inputs: Any) -> bool:
+    """True when ``out`` may share memory with one of ``inputs`` (a cheap bounds check;
+    for torch tensors: the same storage)."""
+    if not isinstance(out, np.ndarray):
+        where = out.untyped_storage().data_ptr()
+        return any(x.untyped_storage().data_ptr() == where for x in inputs)
     return any(np.may_share_memory(out, x) for x in inputs)
 
 

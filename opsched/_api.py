@@ -65,8 +65,15 @@ def _new_scheduler(
     config: SchedulerConfig, device: str, trace: str | os.PathLike[str] | None = None
 ) -> Scheduler:
     dev = make_device(device, config.streams)
-    tracer = Tracer(trace, dev.name, len(dev.streams)) if trace is not None else None
-    scheduler = Scheduler(config, dev, current_loop(), tracer=tracer)
+    tracer = None
+    try:
+        tracer = Tracer(trace, dev.name, len(dev.streams)) if trace is not None else None
+        scheduler = Scheduler(config, dev, current_loop(), tracer=tracer)
+    except BaseException:  # a bad trace path or product: stop the streams already started
+        dev.close()
+        if tracer is not None:
+            tracer.write()
+        raise
     scheduler._open()
     return scheduler
 

@@ -90,6 +90,8 @@ class Request:
     graph: Any = None
     #: Stream events its launch must wait for (its producers' launches).
     waits: list[Any] | None = None
+    #: Turns the device's result into what the caller gets (torch devices, numpy inputs).
+    convert: Any = attrs.field(default=None, kw_only=True)
 
     @property
     def result(self) -> Any:

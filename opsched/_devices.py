@@ -7,6 +7,8 @@ never knows which device it has:
   numpy releases the GIL in its loops, so streams compute in parallel.
 - ``"reference"``: :class:`ReferenceDevice`, for tests: launches run inline, in submission
   order, with the reference kernels; fully deterministic.
+- ``"torch:cpu"``, ``"torch:cuda[:i]"``, ``"torch:npu[:i]"``: the framework's operators on
+  its own devices (:mod:`opsched._torch_device`; needs ``opsched[torch]``).
 
 Both accept a fault injector (:meth:`Device.inject_faults`): a predicate over the requests of
 a launch that makes chosen launches fail, so tests and the stress harness can exercise the
@@ -221,6 +223,8 @@ class Device(abc.ABC):
 
     #: Whether small launches may run inline on an idle stream (no thread hop).
     inline_capable: bool = attrs.field(default=True, kw_only=True)
+    #: The Ascend product the device says it is (an NPU's SoC name), else None.
+    reported_product: str | None = attrs.field(default=None, kw_only=True)
 
     def inject_faults(self, predicate: Callable[[Sequence[Any]], bool] | None) -> None:
         """Make launches fail when ``predicate(requests)`` is true (None: no faults).
@@ -281,8 +285,8 @@ class ReferenceDevice(Device):
         op.run_reference(plan, tensors)
 
 
-#: Device names :func:`make_device` accepts.
-DEVICES = ("cpu", "reference")
+#: Device names :func:`make_device` accepts (``torch:cuda:N`` / ``torch:npu:N`` too).
+DEVICES = ("cpu", "reference", "torch:cpu", "torch:cuda", "torch:npu")
 
 
 def make_device(name: str, streams: int) -> Device:
@@ -299,5 +303,9 @@ def make_device(name: str, streams: int) -> Device:
         return CpuDevice.create(streams)
     if name == "reference":
         return ReferenceDevice.create(streams)
+    if name.startswith("torch:"):
+        from opsched._torch_device import TorchDevice
+
+        return TorchDevice.create(name, streams)
     msg = f"unknown device {name!r}; expected one of {list(DEVICES)}"
     raise ValueError(msg)

@@ -25,6 +25,7 @@ import numpy as np
 
 from opsched._errors import AclnnError, GraphExecutionError, UpstreamFailedError
 from opsched._products import Product
+from opsched._torch_device import is_torch_tensor, stand_in
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 
 if TYPE_CHECKING:
@@ -200,7 +201,9 @@ class Graph:
         stand_ins: dict[str, Any] = {}
         deps: list[Node] = []
         for arg, value in args.items():
-            if isinstance(value, Node | Placeholder):
+            if is_torch_tensor(value):  # checked on its shape and dtype; bound at each run
+                stand_ins[arg] = stand_in(value)
+            elif isinstance(value, Node | Placeholder):
                 self._own(value, name)
                 if isinstance(value, Node) and value.output != value.op.outputs[0]:
                     msg = (
@@ -357,6 +360,8 @@ class GraphRun:
     release: Any
     done: Any
     drop: Any
+    #: allocates a requested output (the caller's array: numpy, or a torch device's tensor)
+    fresh: Any = attrs.field(default=np.empty, kw_only=True)
     runs: dict[int, _NodeRun] = attrs.field(factory=dict)
     left: int = 0
     cancelled: bool = False
@@ -403,14 +408,14 @@ class GraphRun:
                 tensors[arg] = placeholders[value]
         waits = [p.event for p in nr.producers if p.event is not None]
         if nr.wanted:
-            nr.output = np.empty(node.shape, node.dtype)  # the caller's array
+            nr.output = self.fresh(node.shape, node.dtype)  # the caller's array
         else:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
         for out in node.op.outputs:  # outputs not asked for stay None
             tensors[out] = None
         tensors[node.output] = nr.output
         for out, shape, dtype in node.extra_outputs:
-            tensors[out] = np.empty(shape, dtype)
+            tensors[out] = self.fresh(shape, dtype)
         nr.state = NodeState.QUEUED
         nr.request = self.submit(self, nr, tensors, waits)
 

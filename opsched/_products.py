@@ -27,6 +27,8 @@ __all__ = [
     "Product",
     "check_product",
     "product_named",
+    "product_of_device",
+    "resolve_product",
     "table_rows",
 ]
 
@@ -89,6 +91,44 @@ PRODUCTS: dict[str, Product] = {name: _product(name, row) for name, row in _TABL
 
 #: The default: every operator with every dtype of SPEC.
 GENERIC = PRODUCTS["generic"]
+
+
+#: The SoC names the framework reports (``torch.npu.get_device_name()``), by prefix, most
+#: specific first, and the product each belongs to.
+_SOC_PREFIXES = (
+    ("Ascend950", "ascend-950"),
+    ("Ascend910_93", "atlas-a3"),
+    ("Ascend910B", "atlas-a2"),
+    ("Ascend910", "atlas-training"),
+    ("Ascend310P", "atlas-inference"),
+    ("Ascend310B", "atlas-200i-500-a2"),
+)
+
+
+def product_of_device(device_name: str) -> str | None:
+    """The product of a device the framework names ``device_name`` (None: not known)."""
+    for prefix, product in _SOC_PREFIXES:
+        if device_name.startswith(prefix):
+            return product
+    return None
+
+
+def resolve_product(configured: str, reported: str | None, device: str) -> Product:
+    """The product a scheduler checks against: the configured one, or, when that is the
+    default ``generic``, the one its device reports.
+
+    Raises:
+        ValueError: the configured product contradicts the device's.
+    """
+    if reported is None or configured == reported:
+        return product_named(configured)
+    if configured == "generic":
+        return product_named(reported)
+    msg = (
+        f"product={configured!r} contradicts the device: {device} is a {reported} device; "
+        f"leave product unset (generic) to use it, or set product={reported!r}"
+    )
+    raise ValueError(msg)
 
 
 def product_named(name: object) -> Product:

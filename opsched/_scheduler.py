@@ -37,6 +37,7 @@ from opsched._config import SchedulerConfig
 from opsched._devices import Device, Event, StreamStatistics
 from opsched._errors import (
     DeadlineExceededError,
+    GraphExecutionError,
     InnerError,
     ParamInvalidError,
     ParamNullptrError,
@@ -49,7 +50,9 @@ from opsched._graph import Graph, GraphRun, Node, Placeholder
 from opsched._log import enabled, get_logger
 from opsched._loop import LoopEvent, LoopHandle
 from opsched._pool import Block, PoolStatistics, WorkspacePool
-from opsched._products import Product, product_named
+from opsched._products import Product, resolve_product
+from opsched._torch_device import is_torch_tensor, numpy_dtype, stand_in
+from opsched._torch_ops import from_torch
 from opsched._trace import Tracer
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
 from opsched.ops._base import DTYPE_NAMES
@@ -123,7 +126,7 @@ class _Checked(NamedTuple):
     """A request that passed its checks, not yet queued."""
 
     op: Operator
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, Any]
     scalars: dict[str, Any]
     key: Hashable
     units: int
@@ -131,6 +134,8 @@ class _Checked(NamedTuple):
     priority: int
     deadline: float | None
     signature: Hashable | None
+    #: Turns the device's result into what the caller gets (torch devices, numpy inputs).
+    convert: Callable[[Any], Any] | None = None
 
 
 @attrs.frozen
@@ -248,11 +253,19 @@ class Scheduler:
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
     _product: Product = attrs.field(init=False)
+    _torch: Any = attrs.field(default=None, init=False)
+    _batch_config: SchedulerConfig = attrs.field(init=False)
     #: Records a timeline trace when set (``open_scheduler(trace=...)``).
     _tracer: Tracer | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        self._product = product_named(self.config.product)
+        self._product = resolve_product(
+            self.config.product, self.device.reported_product, self.device.name
+        )
+        # A torch device holds the data: requests carry its tensors, and its launches run
+        # the framework's operators (no workspace pool: see _torch_device).
+        self._torch = self.device if getattr(self.device, "kind", "") == "torch" else None
+        self._batch_config = self.config
         self._pool = WorkspacePool(self.config.workspace_limit_bytes)
         self._cache = ExecutorCache(self.config.executor_cache_limit)
         self._idle = list(range(len(self.device.streams)))
@@ -493,6 +506,8 @@ class Scheduler:
                 if request.state is RequestState.QUEUED:
                     self._abandon(request)
             raise
+        if self._torch is not None and _all_numpy(graph, inputs):
+            return _graph_to_numpy(run)
         return run.result()
 
     def _start_graph(
@@ -520,7 +535,9 @@ class Scheduler:
                 msg = f"run: output {node!r} is not a node of this graph"
                 raise ValueError(msg)
         graph.check_on(self._product)
-        given = _check_graph_inputs(graph, outputs, dict(inputs or {}))
+        given = _check_graph_inputs(
+            graph, outputs, dict(inputs or {}), torch_inputs=self._torch is not None
+        )
         run = GraphRun(
             graph,
             outputs,
@@ -531,6 +548,7 @@ class Scheduler:
             self._pool.release,
             done,
             self._graph_drop,
+            fresh=self._graph_fresh,
         )
         self._counts["graph_runs"] += 1
         run.start(given)
@@ -542,6 +560,12 @@ class Scheduler:
         """Queue a graph node. Its checks ran when it was added; a run binds arrays of
         exactly the checked geometry, so nothing is checked again."""
         node = node_run.node
+        if self._torch is not None:  # bound numpy arrays and placeholders move to the device
+            device = self._torch
+            tensors = {
+                n: v if v is None or n in node.op.outputs else device.admit(node.name, n, v)
+                for n, v in tensors.items()
+            }
         request = Request(
             next(self._ids),
             node.op,
@@ -580,6 +604,8 @@ class Scheduler:
     def _graph_allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, Any]:
         """An intermediate output: from the pool while it is at most half full (the other
         half stays for launch workspaces), else a plain array."""
+        if self._torch is not None:
+            return self._torch.empty(shape, dtype), None
         nbytes = math.prod(shape) * dtype.itemsize
         pool = self._pool
         if nbytes and pool.current + nbytes <= pool.limit // 2:
@@ -591,6 +617,12 @@ class Scheduler:
                     block.views[(shape, dtype)] = view
                 return view, block
         return np.empty(shape, dtype), None
+
+    def _graph_fresh(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A requested graph output: the caller's array (a tensor on a torch device)."""
+        if self._torch is not None:
+            return self._torch.empty(shape, dtype)
+        return np.empty(shape, dtype)
 
     def _graph_drop(self, request: Request, error: BaseException) -> None:
         """Fail a queued graph request whose producer failed (it never launches)."""
@@ -622,7 +654,9 @@ class Scheduler:
             graph_runs=c["graph_runs"],
             graph_nodes=c["graph_nodes"],
             streams=tuple(s.statistics() for s in self.device.streams),
-            pool=self._pool.statistics(),
+            pool=self._pool.statistics()
+            if self._torch is None
+            else self._torch.memory_statistics(),
             executor_cache=self._cache.statistics(),
         )
 
@@ -829,6 +863,8 @@ class Scheduler:
         ):
             msg = f"priority must be an integer, got {type(priority).__qualname__} {priority!r}"
             raise TypeError(msg)
+        if self._torch is not None:
+            return self._checked_torch(op, tensors, scalars, int(priority), deadline)
         signature = op.signature(tensors, scalars)
         known = self._signatures.get(signature) if signature is not None else None
         if known is None:
@@ -851,6 +887,54 @@ class Scheduler:
             op, tensors, scalars, key, units, nbytes, int(priority), deadline, signature
         )
 
+    def _checked_torch(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+    ) -> _Checked:
+        """A request for a torch device: checked on numpy stand-ins, its arrays moved to the
+        device, its outputs allocated there; results return as the kind of its inputs."""
+        device = self._torch
+        stand_ins: dict[str, Any] = {}
+        numpy_in = True
+        for name, value in tensors.items():
+            if is_torch_tensor(value):
+                stand_ins[name] = stand_in(value)
+                numpy_in = False
+            else:
+                stand_ins[name] = value
+        # The stand-ins carry what the checks depend on: a signature seen before skips them.
+        signature = op.signature(stand_ins, scalars)
+        known = self._signatures.get(signature) if signature is not None else None
+        if known is None:
+            scalars = op.check_on(self._product, stand_ins, scalars, allocate=True)
+            spec = op.output_spec(stand_ins, scalars)
+            for name, (shape, dtype) in spec.items():
+                if stand_ins[name] is None:
+                    stand_ins[name] = np.broadcast_to(np.empty((), dtype), shape)
+            key, units = op.fusion(stand_ins, scalars)
+            known = (scalars, spec, key, units, op.nbytes(stand_ins))
+            if signature is not None:
+                if len(self._signatures) >= _SIGNATURES_KEPT:
+                    self._signatures.clear()
+                self._signatures[signature] = known
+        scalars, spec, key, units, nbytes = known
+        caller_out = {n: v for n, v in tensors.items() if n in spec and isinstance(v, np.ndarray)}
+        data = {
+            name: None if value is None else device.admit(op.name, name, value)
+            for name, value in tensors.items()
+        }
+        for name, (shape, dtype) in spec.items():
+            if data[name] is None:
+                data[name] = device.empty(shape, dtype)
+        convert = _to_numpy(op, caller_out) if numpy_in or caller_out else None
+        return _Checked(
+            op, data, scalars, key, units, nbytes, priority, deadline, None, convert
+        )  # fmt: skip
+
     def _request(self, c: _Checked) -> Request:
         return Request(
             next(self._ids),
@@ -865,6 +949,7 @@ class Scheduler:
             time.monotonic(),
             done=self._loop.new_event(),
             signature=c.signature,
+            convert=c.convert,
         )
 
     # ------------------------------------------------------------ submission from threads
@@ -976,7 +1061,7 @@ class Scheduler:
                     self._abandon(request)
                 raise
             if request.state is RequestState.DONE:
-                return request.result
+                return _result(request)
             assert request.error is not None
             raise request.error
         try:
@@ -1000,7 +1085,7 @@ class Scheduler:
                 self._abandon(request)
             raise
         if request.state is RequestState.DONE:
-            return request.result
+            return _result(request)
         assert request.error is not None
         raise request.error
 
@@ -1065,7 +1150,7 @@ class Scheduler:
             self._queue.taken = taken
             try:
                 batches, expired, wake_at = form_batches(
-                    self._queue, self._idle, self.config, time.monotonic()
+                    self._queue, self._idle, self._batch_config, time.monotonic()
                 )
             except Exception as exc:  # a bug in batch formation fails its requests only
                 self._fail_requests(taken, exc, "batch formation failed")
@@ -1120,6 +1205,8 @@ class Scheduler:
             for batch in group:
                 op = batch.requests[0].op
                 prepare = self._prepare_fused if batch.fused else self._prepare_solo
+                if self._torch is not None:
+                    prepare = self._prepare_torch
                 ready = prepare(op, batch, overflow)
                 if ready is None:
                     for _, block, _, _ in prepared:
@@ -1247,6 +1334,22 @@ class Scheduler:
 
         return block, work, hit
 
+    def _prepare_torch(
+        self, op: Operator, batch: Batch, overflow: bool
+    ) -> tuple[Block | None, Callable[[], Any], bool]:
+        device, stream = self._torch, batch.stream
+        requests: list[Any] = list(batch.requests)
+        if batch.part is not None:  # one part of a split request: its views, same id
+            r = requests[0]
+            requests = [_Part(r.id, r.op, batch.part[0], batch.part[1])]
+
+        def work() -> tuple[dict[int, BaseException], float, float]:
+            start = time.perf_counter()
+            errors = device.execute(op, requests, stream)
+            return errors, start, time.perf_counter()
+
+        return None, work, False
+
     def _prepare_solo(
         self, op: Operator, batch: Batch, overflow: bool
     ) -> tuple[Block | None, Callable[[], Any], bool] | None:
@@ -1339,7 +1442,8 @@ class Scheduler:
         requests = batch.requests
         end = time.perf_counter()
         start, end = (result[1], result[2]) if result is not None else (end, end)
-        dtype = DTYPE_NAMES.get(requests[0].tensors[op.tensor_names[0]].dtype, "?")
+        first = requests[0].tensors[op.tensor_names[0]]
+        dtype = DTYPE_NAMES.get(numpy_dtype(first) if is_torch_tensor(first) else first.dtype, "?")
         args: dict[str, Any] = {
             "operator": op.name,
             "dtype": dtype,
@@ -1456,6 +1560,68 @@ def _gnb_args(
     return tensors, scalars
 
 
+def _all_numpy(graph: Graph, inputs: Mapping[Any, Any] | None) -> bool:
+    """Whether no array given to a graph run is a torch tensor (its outputs are then numpy)."""
+    given = list((inputs or {}).values())
+    given += [v for node in graph.nodes for v in node.args.values()]
+    return not any(is_torch_tensor(v) for v in given)
+
+
+def _graph_to_numpy(run: GraphRun) -> list[Any]:
+    """A torch device's graph results as numpy (on its GraphExecutionError too)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return tuple(None if v is None else from_torch(v) for v in value)
+        return None if value is None or isinstance(value, np.ndarray) else from_torch(value)
+
+    try:
+        outs = run.result()
+    except GraphExecutionError as exc:
+        exc.outputs = [convert(v) for v in exc.outputs]
+        raise
+    return [convert(v) for v in outs]
+
+
+class _Part(NamedTuple):
+    """One part of a split request as a torch device runs it (its views of the tensors)."""
+
+    id: int
+    op: Operator
+    tensors: dict[str, Any]
+    scalars: dict[str, Any]
+
+
+def _result(request: Request) -> Any:
+    """What the caller of a completed request gets."""
+    convert = request.convert
+    return request.result if convert is None else convert(request.result)
+
+
+def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Callable[[Any], Any]:
+    """Converts a torch device's result to numpy: into the caller's ``out=`` arrays where it
+    gave them (on the CPU they already share the tensors' memory), else new arrays."""
+    names = op.outputs
+
+    def convert(result: Any) -> Any:
+        outs = result if len(names) > 1 else (result,)
+        arrays: list[Any] = []
+        for name, tensor in zip(names, outs, strict=True):
+            if tensor is None:
+                arrays.append(None)
+                continue
+            array = from_torch(tensor)
+            target = caller_out.get(name)
+            if target is not None:
+                if not np.shares_memory(target, array):
+                    np.copyto(target, array)
+                array = target
+            arrays.append(array)
+        return tuple(arrays) if len(names) > 1 else arrays[0]
+
+    return convert
+
+
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:
     return None if array is None else array.strides
 
@@ -1485,7 +1651,7 @@ def _settle(request: Request) -> None:
     future = request.future
     if future is not None and not future.done():
         if request.state is RequestState.DONE:
-            future.set_result(request.result)
+            future.set_result(_result(request))
         elif request.error is not None:
             future.set_exception(request.error)
         else:
@@ -1503,21 +1669,22 @@ def _launch_error(request: Request, cause: BaseException) -> BaseException:
 
 
 def _check_graph_inputs(
-    graph: Graph, outputs: list[Node], inputs: dict[Any, Any]
-) -> dict[Node | Placeholder, np.ndarray]:
-    """Check ``inputs`` against the graph: owners, geometry, every needed placeholder."""
+    graph: Graph, outputs: list[Node], inputs: dict[Any, Any], torch_inputs: bool = False
+) -> dict[Node | Placeholder, Any]:
+    """Check ``inputs`` against the graph: owners, geometry, every needed placeholder
+    (``torch_inputs``: a torch device, which also takes tensors)."""
     for key, array in inputs.items():
         if not isinstance(key, Node | Placeholder) or key.graph is not graph:
             msg = f"run: inputs key {key!r} is not a placeholder or node of this graph"
             raise ValueError(msg)
-        if not isinstance(array, np.ndarray):
-            msg = (
-                f"run: inputs[{key.name!r}] must be a numpy.ndarray, got {type(array).__qualname__}"
-            )
+        meta = stand_in(array) if torch_inputs and is_torch_tensor(array) else array
+        if not isinstance(meta, np.ndarray):
+            kinds = "a numpy.ndarray or a torch tensor" if torch_inputs else "a numpy.ndarray"
+            msg = f"run: inputs[{key.name!r}] must be {kinds}, got {type(array).__qualname__}"
             raise TypeError(msg)
-        if array.shape != key.shape or array.dtype != key.dtype:
+        if meta.shape != key.shape or meta.dtype != key.dtype:
             msg = (
-                f"run: inputs[{key.name!r}] has shape {array.shape} and dtype {array.dtype}; "
+                f"run: inputs[{key.name!r}] has shape {meta.shape} and dtype {meta.dtype}; "
                 f"expected {key.shape} and {key.dtype}"
             )
             raise ParamInvalidError(msg)

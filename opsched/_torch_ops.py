@@ -45,14 +45,22 @@ def require_torch(what: str) -> Any:
     return torch
 
 
-def to_torch(array: np.ndarray, device: Any = "cpu") -> Any:
-    """A torch tensor with ``array``'s values (bfloat16 through its bits; copied)."""
+def to_torch(array: np.ndarray, device: Any = "cpu", *, share: bool = False) -> Any:
+    """A torch tensor with ``array``'s values (bfloat16 through its bits).
+
+    A copy, unless ``share`` and the tensor can be a view of the array's memory on the CPU
+    (non-negative strides, writeable): then writes through the tensor reach the array.
+    """
     import torch
 
+    viewable = share and str(device) == "cpu" and array.flags.writeable
+    viewable = viewable and all(s >= 0 for s in array.strides)
+    source = array if viewable else np.ascontiguousarray(array)
     if array.dtype == ml_dtypes.bfloat16:
-        bits = torch.from_numpy(np.ascontiguousarray(array).view(np.int16))
-        return bits.view(torch.bfloat16).to(device, copy=True)
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, copy=True)
+        tensor = torch.from_numpy(source.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(source)
+    return tensor if viewable else tensor.to(device, copy=True)
 
 
 def from_torch(tensor: Any) -> np.ndarray:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
+import ml_dtypes
 import numpy as np
 
 from opsched import aclnn
@@ -56,7 +58,7 @@ class Gate:
 
     def launched_array(self, array: np.ndarray) -> bool:
         """Whether a launched request used ``array``."""
-        return id(array) in self.seen
+        return id(array) in self.seen or array.__array_interface__["data"][0] in self.seen
 
     def __init__(self, hold: np.ndarray | None = None) -> None:
         self.hold = hold
@@ -68,8 +70,9 @@ class Gate:
     def __call__(self, requests) -> bool:
         self.launched.append([r.id for r in requests])
         self.seen.update(id(t) for r in requests for t in r.tensors.values())
+        self.seen.update(_address(t) for r in requests for t in r.tensors.values())
         if self.hold is not None and any(
-            any(t is self.hold for t in r.tensors.values()) for r in requests
+            any(uses(t, self.hold) for t in r.tensors.values()) for r in requests
         ):
             self.entered.set()
             assert self.opened.wait(10), "gate never opened"
@@ -88,4 +91,51 @@ class FailWhen:
 
     def __call__(self, requests) -> bool:
         self.launches += 1
-        return any(any(t is a for a in self.arrays for t in r.tensors.values()) for r in requests)
+        return any(
+            any(uses(t, a) for a in self.arrays for t in r.tensors.values()) for r in requests
+        )
+
+
+def _address(t) -> int | None:
+    """Where a torch tensor's data starts (None for anything else)."""
+    return t.data_ptr() if hasattr(t, "data_ptr") else None
+
+
+def uses(t, array: np.ndarray) -> bool:
+    """Whether a request's tensor ``t`` is ``array``, or (torch:cpu) a view of its memory."""
+    if t is array:
+        return True
+    return _address(t) is not None and t.data_ptr() == array.__array_interface__["data"][0]
+
+
+_TORCH = ["torch:cpu"] if importlib.util.find_spec("torch") else []
+#: The devices the scheduler behaviour tests run on (torch:cpu where torch is installed).
+DEVICES = ["cpu", "reference", *_TORCH]
+#: Those with stream threads: a test may hold a launch at a gate without blocking the loop.
+THREADED_DEVICES = ["cpu", *_TORCH]
+
+#: (rtol, atol) of SPEC per dtype. A torch device's result and the numpy oracle are each
+#: within it of the exact value, so they are compared within twice it.
+_TORCH_TOL = {
+    np.dtype(np.float64): (1e-10, 1e-10),
+    np.dtype(np.float32): (1e-4, 1e-4),
+    np.dtype(np.float16): (1e-2, 1e-3),
+    BF16: (2e-2, 2e-3),
+}
+
+
+def assert_result(device: str, got, want) -> None:
+    """The numpy devices give the oracle's bits; a torch device (the framework's own
+    operators) gives its values within SPEC tolerance, as a numpy array for numpy inputs."""
+    if not device.startswith("torch"):
+        np.testing.assert_array_equal(got, want)
+        return
+    assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape
+    rtol, atol = _TORCH_TOL[want.dtype]
+    want64 = want.astype(np.float64)
+    # Values near zero from cancelling terms differ by an ulp of the terms, not of the value
+    # (the two compute their float32 sums in different orders): one output-dtype ulp at the
+    # output's largest magnitude more.
+    eps = float(ml_dtypes.finfo(want.dtype).eps)
+    ulp = eps * float(np.abs(want64).max(initial=0.0))
+    np.testing.assert_allclose(got.astype(np.float64), want64, 2 * rtol, 2 * atol + ulp)

@@ -23,10 +23,9 @@ from opsched import (
     UpstreamFailedError,
 )
 from tests.helpers import gn_inputs, rand
-from tests.sched_helpers import FailWhen, Gate, solo_glu, solo_gn
+from tests.sched_helpers import DEVICES, FailWhen, Gate, assert_result, solo_glu, solo_gn
 
 F32 = np.dtype(np.float32)
-DEVICES = ["cpu", "reference"]
 
 
 def chain(rng, length=8, n=2, g=4, m=8):
@@ -121,7 +120,7 @@ async def test_chain_bit_identical_to_calls_one_by_one(device):
         outs = await sched.run(graph, outputs=nodes)
         stats = sched.statistics()
     for got, want in zip(outs, oracle(), strict=True):
-        np.testing.assert_array_equal(got, want)
+        assert_result(device, got, want)
     assert stats.graph_runs == 1 and stats.graph_nodes == 8 and stats.completed == 8
 
 
@@ -142,9 +141,10 @@ async def test_diamond_fan_out_fan_in(device):
         stats = sched.statistics()
     t = solo_gn(x, dy, gamma, mean, rstd)
     want = solo_gn(solo_glu(t, gate1, -1), solo_glu(t, gate2, -1), gamma2, mean2, rstd2)
-    np.testing.assert_array_equal(out, want)
+    assert_result(device, out, want)
     assert stats.pool.in_use == 0  # intermediates went back to the pool
-    assert stats.pool.allocated > 0
+    # ...which holds them on the numpy devices (torch's allocator has them on torch:cpu)
+    assert stats.pool.allocated > 0 or device.startswith("torch")
 
 
 @pytest.mark.asyncio
@@ -281,8 +281,8 @@ async def test_failure_fails_downstream_and_independent_branches_complete(device
     assert err.failed["after_bad"].__cause__ is err.failed["bad"]
     assert err.outputs[0] is None
     t = solo_gn(x, dy, gamma, mean, rstd)
-    np.testing.assert_array_equal(err.outputs[1], solo_glu(t, ok_gate, -1))
-    np.testing.assert_array_equal(err.outputs[2], t)
+    assert_result(device, err.outputs[1], solo_glu(t, ok_gate, -1))
+    assert_result(device, err.outputs[2], t)
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.pool.in_use == 0
 

@@ -204,7 +204,7 @@ def test_stress_on_atlas_training_rejects_exactly_what_the_table_says():
 def test_stress_catches_a_scheduler_that_ignores_the_product(monkeypatch):
     from opsched import _scheduler
 
-    monkeypatch.setattr(_scheduler, "product_named", lambda name: opsched._products.GENERIC)
+    monkeypatch.setattr(_scheduler, "resolve_product", lambda *a: opsched._products.GENERIC)
     out = io.StringIO()
     status = run_stress(
         StressOptions(requests=1500, clients=8, sync_clients=1, product="atlas-training"), out
@@ -240,3 +240,59 @@ def test_demo_takes_a_product(tmp_path, product, code, text):
     )  # fmt: skip
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert text in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("soc", "product"),
+    [
+        ("Ascend910B2", "atlas-a2"),
+        ("Ascend910_9391", "atlas-a3"),
+        ("Ascend910A", "atlas-training"),
+        ("Ascend310P3", "atlas-inference"),
+        ("Ascend310B1", "atlas-200i-500-a2"),
+        ("Ascend950PR", "ascend-950"),
+        ("NVIDIA H200", None),
+    ],
+)
+def test_the_product_is_read_from_the_framework_device_name(soc, product):
+    from opsched._products import product_of_device
+
+    assert product_of_device(soc) == product
+
+
+def test_a_reporting_device_sets_the_product_and_a_contradiction_is_an_error():
+    from opsched import _devices
+    from opsched._api import _new_scheduler
+
+    def fake_npu(name, streams):
+        device = _devices.CpuDevice.create(streams)
+        device.reported_product = "atlas-training"  # as torch_npu would report it
+        return device
+
+    async def main():
+        import opsched._api as api
+
+        real = api.make_device
+        api.make_device = fake_npu
+        try:
+            sched = _new_scheduler(SchedulerConfig(streams=1), "cpu")
+            assert sched._product.name == "atlas-training"  # generic: the device decides
+            sched._close_now()
+            with pytest.raises(ValueError, match="product='atlas-a2' contradicts the device"):
+                _new_scheduler(SchedulerConfig(streams=1, product="atlas-a2"), "cpu")
+        finally:
+            api.make_device = real
+
+    asyncio.run(main())
+
+
+def test_a_refused_scheduler_leaves_no_thread_behind():
+    import threading
+
+    async def main():
+        async with opsched.open_scheduler(trace="/nonexistent-dir/t.json", streams=2):
+            pass
+
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(main())
+    assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]

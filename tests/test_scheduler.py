@@ -24,12 +24,21 @@ from opsched import (
     Status,
 )
 from tests.helpers import rand
-from tests.sched_helpers import FailWhen, Gate, random_glu, random_gn, solo_glu, solo_gn
+from tests.sched_helpers import (
+    DEVICES,
+    THREADED_DEVICES,
+    FailWhen,
+    Gate,
+    assert_result,
+    random_glu,
+    random_gn,
+    solo_glu,
+    solo_gn,
+)
 
 pytestmark = pytest.mark.asyncio
 
 F32 = np.dtype(np.float32)
-DEVICES = ["cpu", "reference"]
 
 
 def small_glu(rng, rows=4, cols=8):
@@ -61,9 +70,9 @@ async def test_random_batches_bit_identical_to_solo(device, seed):
         results = await asyncio.gather(*(calls[i] for i in order))
     by_call = dict(zip(order.tolist(), results, strict=True))
     for i, args in enumerate(glu):
-        np.testing.assert_array_equal(by_call[i], solo_glu(*args))
+        assert_result(device, by_call[i], solo_glu(*args))
     for j, args in enumerate(gn):
-        np.testing.assert_array_equal(by_call[len(glu) + j], solo_gn(*args))
+        assert_result(device, by_call[len(glu) + j], solo_gn(*args))
     stats = sched.statistics()
     assert_adds_up(stats)
     assert stats.completed == len(calls)
@@ -90,49 +99,54 @@ async def test_out_is_written_in_place_and_results_belong_to_the_caller(device):
             sched.glu_backward(g, x, out=out), sched.glu_backward(g, x)
         )
     assert got is out
-    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
-    assert fresh.flags.owndata and fresh is not out  # never a view into pooled memory
-    np.testing.assert_array_equal(fresh, out)
+    assert_result(device, out, solo_glu(g, x, -1))
+    assert fresh is not out and (device.startswith("torch") or fresh.flags.owndata)  # not pooled
+    assert_result(device, fresh, out)
 
 
-async def test_large_requests_split_across_streams_bit_identical():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_large_requests_split_across_streams_bit_identical(device):
     rng = np.random.default_rng(2)
     g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
     xg = rand(rng, (4, 8, 512), F32)
     gn_args = (xg, rand(rng, xg.shape, F32), rand(rng, xg.shape, F32),
                rand(rng, (4, 8), F32), (rng.random((4, 8)) + 0.5).astype(F32))  # fmt: skip
     cfg = {"streams": 3, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 14}
-    async with opsched.open_scheduler(**cfg) as sched:
+    async with opsched.open_scheduler(device=device, **cfg) as sched:
         out = await sched.glu_backward(g, x)
         dx = await sched.group_norm_grad(*gn_args)
         stats = sched.statistics()
-    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
-    np.testing.assert_array_equal(dx, solo_gn(*gn_args))
+    assert_result(device, out, solo_glu(g, x, -1))
+    assert_result(device, dx, solo_gn(*gn_args))
     assert stats.launches == 6  # each request in three parts, one per stream
     assert all(s.launches == 2 for s in stats.streams)
 
 
-async def test_large_unsplittable_request_runs_alone():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_large_unsplittable_request_runs_alone(device):
     rng = np.random.default_rng(3)
     # dim=1 of a (8, 8, 64) view whose last two axes are swapped in memory: the half
     # (axes 1 and 2 together) cannot be viewed as one row, so it cannot be split.
     x = rand(rng, (8, 64, 8), F32).transpose(0, 2, 1)
     g = rand(rng, (8, 4, 64), F32)
     cfg = {"streams": 2, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 13}
-    async with opsched.open_scheduler(**cfg) as sched:
+    async with opsched.open_scheduler(device=device, **cfg) as sched:
         out = await sched.glu_backward(g, x, 1)
-    np.testing.assert_array_equal(out, solo_glu(g, x, 1))
+    assert_result(device, out, solo_glu(g, x, 1))
     assert sched.statistics().launches == 1
 
 
 # --------------------------------------------------------------- priorities and queue
 
 
-async def test_priorities_then_fifo():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_priorities_then_fifo(device):
     rng = np.random.default_rng(4)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(streams=1, inline_max_bytes=0, max_batch_requests=1) as sched:
+    async with opsched.open_scheduler(
+        device=device, streams=1, inline_max_bytes=0, max_batch_requests=1
+    ) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
         await anyio.lowlevel.checkpoint()  # the dispatch ran: the only stream is now busy
@@ -147,12 +161,13 @@ async def test_priorities_then_fifo():
     assert launched_after == [3, 1, 4, 0, 2]  # 9, then 5s in order, then 0s in order
 
 
-async def test_queue_full_nowait_raises_and_await_waits():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_queue_full_nowait_raises_and_await_waits(device):
     rng = np.random.default_rng(5)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
     async with opsched.open_scheduler(
-        streams=1, inline_max_bytes=0, max_queued_requests=2
+        device=device, streams=1, inline_max_bytes=0, max_queued_requests=2
     ) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
@@ -178,18 +193,19 @@ async def test_queue_full_nowait_raises_and_await_waits():
         await first
         for q in queued:
             await q
-        np.testing.assert_array_equal(results[0], solo_glu(*waiter, -1))
+        assert_result(device, results[0], solo_glu(*waiter, -1))
         assert sched.statistics().rejected == 1
 
 
 # ----------------------------------------------------------- deadlines and cancellation
 
 
-async def test_deadline_expires_from_its_own_timer_and_never_launches():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_deadline_expires_from_its_own_timer_and_never_launches(device):
     rng = np.random.default_rng(6)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
         await anyio.lowlevel.checkpoint()
@@ -207,19 +223,21 @@ async def test_deadline_expires_from_its_own_timer_and_never_launches():
     assert_adds_up(stats)
 
 
-async def test_request_launched_before_its_deadline_completes():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_request_launched_before_its_deadline_completes(device):
     rng = np.random.default_rng(7)
     g, x = small_glu(rng)
-    async with opsched.open_scheduler() as sched:
+    async with opsched.open_scheduler(device=device) as sched:
         out = await sched.glu_backward(g, x, timeout=30)
-    np.testing.assert_array_equal(out, solo_glu(g, x, -1))
+    assert_result(device, out, solo_glu(g, x, -1))
 
 
-async def test_cancel_queued_request_leaves_queue():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_cancel_queued_request_leaves_queue(device):
     rng = np.random.default_rng(8)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
         await anyio.lowlevel.checkpoint()
@@ -234,16 +252,17 @@ async def test_cancel_queued_request_leaves_queue():
         pend = sched.glu_backward_nowait(*survivor)
         gate.open()
         await first
-        np.testing.assert_array_equal(await pend, solo_glu(*survivor, -1))
+        assert_result(device, await pend, solo_glu(*survivor, -1))
     assert not gate.launched_array(victim[1])
     assert_adds_up(sched.statistics())
 
 
-async def test_cancel_running_request_drops_result_and_others_complete():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_cancel_running_request_drops_result_and_others_complete(device):
     rng = np.random.default_rng(9)
     held = small_glu(rng)
     gate = Gate(hold=held[1])
-    async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+    async with opsched.open_scheduler(device=device, streams=2, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         task = asyncio.ensure_future(sched.glu_backward(*held))
         await asyncio.sleep(0)  # let it submit
@@ -252,7 +271,7 @@ async def test_cancel_running_request_drops_result_and_others_complete():
         with pytest.raises(asyncio.CancelledError):
             await task
         other = small_glu(rng)
-        np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
+        assert_result(device, await sched.glu_backward(*other), solo_glu(*other, -1))
         gate.open()
     stats = sched.statistics()
     assert stats.cancelled == 1 and stats.completed == 1
@@ -277,7 +296,7 @@ async def test_failing_request_is_isolated_in_its_fused_batch(device):
             assert isinstance(r, RuntimeLaunchError) and r.status == Status.ERR_RUNTIME_ERROR
             assert isinstance(r.__cause__, InjectedFault)
         else:
-            np.testing.assert_array_equal(r, solo_glu(g, x, -1))
+            assert_result(device, r, solo_glu(g, x, -1))
     stats = sched.statistics()
     assert stats.failed == 1 and stats.completed == 19
     assert_adds_up(stats)
@@ -351,18 +370,19 @@ async def test_leaving_the_block_drains_pending_requests(device):
         pending = [sched.glu_backward_nowait(g, x) for g, x in args]
     assert all(p.done() for p in pending)
     for p, (g, x) in zip(pending, args, strict=True):
-        np.testing.assert_array_equal(await p, solo_glu(g, x, -1))
+        assert_result(device, await p, solo_glu(g, x, -1))
     assert sched.state is opsched.SchedulerState.CLOSED
     with pytest.raises(SchedulerClosedError, match="closed"):
         await sched.glu_backward(*args[0])
     assert not stream_threads()
 
 
-async def test_aclose_cancel_pending_fails_queued_requests():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_aclose_cancel_pending_fails_queued_requests(device):
     rng = np.random.default_rng(15)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
         await anyio.lowlevel.checkpoint()
@@ -374,17 +394,18 @@ async def test_aclose_cancel_pending_fails_queued_requests():
                 with pytest.raises(SchedulerClosedError):
                     await q
             gate.open()  # the running launch still finishes
-        np.testing.assert_array_equal(await first, solo_glu(*blocker, -1))
+        assert_result(device, await first, solo_glu(*blocker, -1))
     stats = sched.statistics()
     assert stats.cancelled == 3 and stats.completed == 1
     assert_adds_up(stats)
     assert not stream_threads()
 
 
-async def test_exception_in_block_cancels_pending_and_closes():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_exception_in_block_cancels_pending_and_closes(device):
     rng = np.random.default_rng(16)
     with pytest.raises(ZeroDivisionError):
-        async with opsched.open_scheduler() as sched:
+        async with opsched.open_scheduler(device=device) as sched:
             sched.glu_backward_nowait(*small_glu(rng))
             1 / 0  # noqa: B018
     assert sched.state is opsched.SchedulerState.CLOSED

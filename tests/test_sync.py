@@ -12,7 +12,7 @@ import pytest
 import opsched
 import opsched.sync
 from tests.helpers import rand
-from tests.sched_helpers import FailWhen, Gate, solo_glu, solo_gn
+from tests.sched_helpers import DEVICES, FailWhen, Gate, assert_result, solo_glu, solo_gn
 
 F32 = np.dtype(np.float32)
 
@@ -21,38 +21,41 @@ def glu_args(rng, rows=4):
     return rand(rng, (rows, 4), F32), rand(rng, (rows, 8), F32)
 
 
-def test_blocking_calls_and_fused_futures():
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocking_calls_and_fused_futures(device):
     rng = np.random.default_rng(0)
     args = [glu_args(rng) for _ in range(500)]
-    with opsched.sync.open_scheduler(streams=2) as sched:
+    with opsched.sync.open_scheduler(device=device, streams=2) as sched:
         g, x = args[0]
-        np.testing.assert_array_equal(sched.glu_backward(g, x), solo_glu(g, x, -1))
+        assert_result(device, sched.glu_backward(g, x), solo_glu(g, x, -1))
         futures = [sched.submit_glu_backward(g, x) for g, x in args]
         for f, (g, x) in zip(futures, args, strict=True):
-            np.testing.assert_array_equal(f.result(timeout=30), solo_glu(g, x, -1))
+            assert_result(device, f.result(timeout=30), solo_glu(g, x, -1))
         stats = sched.statistics()
     assert stats.launches < 100  # thread submissions fuse too
     assert stats.completed == 501
     assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
 
 
-def test_group_norm_and_out():
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norm_and_out(device):
     rng = np.random.default_rng(1)
     x = rand(rng, (2, 3, 8), F32)
     gn = (x, rand(rng, x.shape, F32), rand(rng, x.shape, F32), rand(rng, (2, 3), F32),
           (rng.random((2, 3)) + 0.5).astype(F32))  # fmt: skip
     out = np.empty_like(x)
-    with opsched.sync.open_scheduler(device="reference") as sched:
+    with opsched.sync.open_scheduler(device=device) as sched:
         assert sched.group_norm_grad(*gn, out=out) is out
         fut = sched.submit_group_norm_grad(*gn)
-        np.testing.assert_array_equal(fut.result(timeout=30), solo_gn(*gn))
-    np.testing.assert_array_equal(out, solo_gn(*gn))
+        assert_result(device, fut.result(timeout=30), solo_gn(*gn))
+    assert_result(device, out, solo_gn(*gn))
 
 
-def test_errors_reach_the_caller():
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_reach_the_caller(device):
     rng = np.random.default_rng(2)
     g, x = glu_args(rng)
-    with opsched.sync.open_scheduler(streams=1) as sched:
+    with opsched.sync.open_scheduler(device=device, streams=1) as sched:
         with pytest.raises(opsched.ParamInvalidError, match="grad_out.shape"):
             sched.submit_glu_backward(g, x, 0)  # raised at submit, in this thread
         sched.scheduler.device.inject_faults(FailWhen(x))
@@ -103,13 +106,14 @@ def test_works_from_a_thread_running_its_own_asyncio_loop():
     np.testing.assert_array_equal(asyncio.run(notebook_cell()), solo_glu(g, x, -1))
 
 
-def test_many_submitting_threads():
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_submitting_threads(device):
     rng = np.random.default_rng(6)
     args = [glu_args(rng) for _ in range(400)]
     with (
-        opsched.sync.open_scheduler(streams=2) as sched,
+        opsched.sync.open_scheduler(device=device, streams=2) as sched,
         concurrent.futures.ThreadPoolExecutor(4) as pool,
     ):
         results = list(pool.map(lambda a: sched.glu_backward(*a), args))
     for (g, x), r in zip(args, results, strict=True):
-        np.testing.assert_array_equal(r, solo_glu(g, x, -1))
+        assert_result(device, r, solo_glu(g, x, -1))

@@ -1,0 +1,217 @@
+"""The torch devices: data in and out, the framework's operators, errors, streams.
+
+The scheduler's behaviour tests (test_scheduler, test_graph, test_sync) also run on
+torch:cpu; this module covers what only a torch device does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import opsched
+from opsched import InnerError, ParamInvalidError
+from tests.helpers import gn_inputs, rand
+from tests.sched_helpers import assert_result, solo_glu
+
+torch = pytest.importorskip("torch")
+
+F32 = np.dtype(np.float32)
+
+
+def test_results_come_back_as_the_kind_of_the_inputs():
+    rng = np.random.default_rng(0)
+    g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            as_numpy = await sched.glu_backward(g, x)
+            as_torch = await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x))
+            mixed = await sched.glu_backward(torch.from_numpy(g), x)  # a tensor: torch out
+            return as_numpy, as_torch, mixed
+
+    as_numpy, as_torch, mixed = asyncio.run(main())
+    assert isinstance(as_numpy, np.ndarray)
+    assert isinstance(as_torch, torch.Tensor) and isinstance(mixed, torch.Tensor)
+    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
+    assert torch.equal(as_torch, expected) and torch.equal(mixed, expected)
+    assert torch.equal(torch.from_numpy(as_numpy), expected)
+    assert_result("torch:cpu", as_numpy, solo_glu(g, x, -1))
+
+
+def test_numpy_out_is_written_and_returned():
+    rng = np.random.default_rng(1)
+    g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
+    out = np.zeros((4, 16), F32)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            return await sched.glu_backward(g, x, out=out)
+
+    assert asyncio.run(main()) is out
+    assert_result("torch:cpu", out, solo_glu(g, x, -1))
+
+
+def test_a_tensor_on_another_device_is_param_invalid():
+    g = torch.empty((4, 8), device="meta")
+    x = torch.empty((4, 16))
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            await sched.glu_backward(g, x)
+
+    with pytest.raises(ParamInvalidError, match=r"grad_out is on meta; the scheduler's device"):
+        asyncio.run(main())
+
+
+def test_product_checks_apply_on_torch_devices():
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", product="atlas-training") as s:
+            with pytest.raises(ParamInvalidError, match="on atlas-training GluBackward takes"):
+                await s.glu_backward(torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 4))
+            x = torch.zeros(2, 2, 4)
+            with pytest.raises(InnerError, match="GroupNormalizationGrad is not available"):
+                await s.group_norm_grad(x, x, x, torch.zeros(2, 2), torch.ones(2, 2))
+
+    asyncio.run(main())
+
+
+def test_group_norm_backward_runs_aten_and_fuses_into_one_launch():
+    rng = np.random.default_rng(2)
+    requests = []
+    for n in (1, 2, 3, 2):
+        dy, x = (torch.from_numpy(rand(rng, (n, 4, 5), F32)) for _ in range(2))
+        mean = torch.from_numpy(rand(rng, (n, 2), F32))
+        rstd = torch.from_numpy((rng.random((n, 2)) + 0.5).astype(F32))
+        requests.append((dy, x, mean, rstd, torch.from_numpy(rand(rng, (4,), F32)), n, 4, 5, 2))
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            outs = await asyncio.gather(*(sched.group_norm_backward(*r) for r in requests))
+            return outs, sched.statistics()
+
+    outs, stats = asyncio.run(main())
+    assert stats.launches < len(requests)  # one stream task served several requests
+    for r, got in zip(requests, outs, strict=True):
+        want = torch.ops.aten.native_group_norm_backward(*r, [True] * 3)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)  # the framework's own call, bit for bit
+
+
+def test_graph_with_tensor_constants_returns_tensors():
+    rng = np.random.default_rng(3)
+    x, dy, gamma, mean, rstd = (torch.from_numpy(a) for a in gn_inputs(rng, (2, 3, 8), F32))
+    gate = torch.from_numpy(rand(rng, (2, 3, 16), F32))
+    graph = opsched.Graph()
+    out = graph.glu_backward(graph.group_norm_grad(x, dy, gamma, mean, rstd), gate)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            return await sched.run(graph, [out])
+
+    (result,) = asyncio.run(main())
+    assert isinstance(result, torch.Tensor) and result.shape == (2, 3, 16)
+
+
+def test_one_thread_per_stream_whatever_the_launches():
+    rng = np.random.default_rng(4)
+    work = [(rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)) for _ in range(300)]
+
+    before = set(threading.enumerate())  # (another test's default scheduler may live on)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=2) as sched:
+            await asyncio.gather(*(sched.glu_backward(g, x) for g, x in work))
+            new = [t for t in threading.enumerate() if t not in before]
+            return [t.name for t in new], sched.statistics()
+
+    threads, stats = asyncio.run(main())
+    assert sorted(threads) == ["opsched-stream-0", "opsched-stream-1"]
+    assert stats.completed == 300 and stats.pool.current == 0  # torch's memory, not a pool
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        ("torch:gpu", ValueError, "expected torch:cpu, torch:cuda"),
+        ("torch:cpu:1", ValueError, "torch:cpu takes no index"),
+        ("torch:cuda:x", ValueError, "expected torch:cpu, torch:cuda"),
+    ],
+)
+def test_bad_torch_device_names(name, error, message):
+    async def main():
+        async with opsched.open_scheduler(device=name):
+            pass
+
+    with pytest.raises(error, match=message):
+        asyncio.run(main())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_cuda_device_is_a_clear_error():
+    async def main():
+        async with opsched.open_scheduler(device="torch:cuda"):
+            pass
+
+    with pytest.raises(ValueError, match=r"'torch:cuda': this machine has 0 cuda device\(s\)"):
+        asyncio.run(main())
+
+
+def test_without_torch_a_torch_device_says_how_to_install_it(tmp_path):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import asyncio, opsched\n"
+        "async def main():\n"
+        "    async with opsched.open_scheduler(device='torch:cpu'):\n"
+        "        pass\n"
+        "try:\n"
+        "    asyncio.run(main())\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+        "import numpy as np\n"  # and nothing else needed torch
+        "print(opsched.sync.glu_backward(np.ones((2, 2), 'f4'), np.ones((2, 4), 'f4')).shape)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", "import opsched.sync\n" + code],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "needs PyTorch, which is not installed; install it with pip install 'opsched[torch]'"
+        in (proc.stdout)
+    )
+    assert "(2, 4)" in proc.stdout
+
+
+def test_stress_refuses_torch_devices_with_a_reason(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsched", "stress", "--device", "torch:cpu", "--requests", "10"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "bit for bit against the numpy oracle" in proc.stderr
+
+
+def test_graph_placeholders_take_tensors_on_a_torch_device():
+    rng = np.random.default_rng(5)
+    gate = rand(rng, (2, 8), F32)
+    graph = opsched.Graph()
+    grad = graph.input((2, 4), F32, name="grad")
+    out = graph.glu_backward(grad, gate)
+    g = rand(rng, (2, 4), F32)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            (as_tensor,) = await sched.run(graph, [out], inputs={grad: torch.from_numpy(g)})
+            (as_array,) = await sched.run(graph, [out], inputs={grad: g})
+            with pytest.raises(ParamInvalidError, match="has shape"):
+                await sched.run(graph, [out], inputs={grad: torch.zeros(3, 4)})
+            return as_tensor, as_array
+
+    as_tensor, as_array = asyncio.run(main())
+    assert isinstance(as_tensor, torch.Tensor) and isinstance(as_array, np.ndarray)
+    assert torch.equal(as_tensor, torch.from_numpy(as_array))
