@@ -17,8 +17,9 @@ The same scheduler drives the framework's operators on its own devices:
   each request the bits of its own call (measured for ``glu_backward``); separate calls do.
   Large requests are split across idle streams as on the numpy devices (tensor views).
 - **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch has
-  no streams). On CUDA / NPU that thread issues the launch on its own framework stream, then
-  records a framework event and blocks on it: completion reaches the event loop from one
+  no streams). On CUDA / NPU that thread issues the launch on its own framework stream
+  (after the device's default stream, where the inputs were made), then records a
+  framework event and blocks on it: completion reaches the event loop from one
   thread per stream, never one per launch, and a launch's tensors (held by its requests) stay
   alive until that event has completed (no ``record_stream``).
 - **Memory** is the framework's caching allocator (CUDA / NPU); ``statistics().pool``
@@ -202,9 +203,11 @@ class TorchDevice(Device):
         framework = self.framework_streams[stream] if self.framework_streams else None
         context: Any = contextlib.nullcontext()
         if framework is not None:
-            import torch
-
-            context = getattr(torch, self.torch_device.type).stream(framework)
+            backend = getattr(self._torch, self.torch_device.type)
+            # Inputs were made on the device's default stream (the caller's work, numpy
+            # copied in): this stream starts after what is queued there now.
+            framework.wait_stream(backend.default_stream(self.torch_device))
+            context = backend.stream(framework)
         with context:
             for r in requests:
                 try:
