@@ -7,7 +7,8 @@
 3. A sync batch script queueing thousands of requests through ``opsched.sync``.
 
 Every scheduler result is checked bit for bit against the same request run alone through
-the two-phase API; the demo exits 1 if any differs. A summary table ends the output.
+the two-phase API (on a torch device: the framework's own call on that request); the demo
+exits 1 if any differs. A summary table ends the output.
 """
 
 from __future__ import annotations
@@ -59,6 +60,38 @@ def _solo_gnb_dx(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rstd: np.ndarr
     )
     aclnn.group_norm_backward(_workspace(size), size, executor)
     return dx
+
+
+class _Solo:
+    """The oracle: each request alone, through the two-phase API on the numpy devices, or as
+    the framework's own call on a torch device (whose results are the framework's)."""
+
+    def __init__(self, device: str) -> None:
+        self.torch = device.startswith("torch")
+
+    def glu(self, g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
+        if not self.torch:
+            return _solo_glu(g, x, dim)
+        from opsched import _torch_ops as t
+
+        return t.from_torch(t.glu_backward(t.to_torch(g), t.to_torch(x), dim))
+
+    def gn(self, *args: np.ndarray) -> np.ndarray:
+        if not self.torch:
+            return _solo_gn(*args)
+        from opsched import _torch_ops as t
+
+        return t.from_torch(t.group_norm_grad(*(t.to_torch(a) for a in args)))
+
+    def gnb_dx(self, x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> Any:
+        if not self.torch:
+            return _solo_gnb_dx(x, dy, mean, rstd)
+        from opsched import _torch_ops as t
+
+        n, g, m = x.shape
+        args = (t.to_torch(dy), t.to_torch(x), t.to_torch(mean), t.to_torch(rstd))
+        dx = t.group_norm_backward(*args, None, n, g, m, g, _DX_ONLY)[0]
+        return t.from_torch(dx.reshape(x.shape))
 
 
 def _seeds(out: TextIO) -> None:
@@ -126,8 +159,9 @@ async def _training_loop(
         stats = sched.statistics()
     mismatches = 0
     for (x, dy, gamma, mean, rstd, gate), outs in zip(data, results, strict=True):
-        dx = _solo_gnb_dx(x, dy, mean, rstd) if full else _solo_gn(x, dy, gamma, mean, rstd)
-        expected = _solo_glu(dx, gate, -1)
+        solo = _Solo(device)
+        dx = solo.gnb_dx(x, dy, mean, rstd) if full else solo.gn(x, dy, gamma, mean, rstd)
+        expected = solo.glu(dx, gate, -1)
         mismatches += sum(not np.array_equal(o, expected) for o in outs)
     return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
 
@@ -146,7 +180,7 @@ def _batch_script(
         results = [f.result() for f in futures]
         elapsed = time.perf_counter() - start
         stats = sched.statistics()
-    expected = [_solo_glu(g, x, -1) for g, x in inputs]
+    expected = [_Solo(device).glu(g, x, -1) for g, x in inputs]
     mismatches = sum(not np.array_equal(r, expected[i % 64]) for i, r in enumerate(results))
     return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
 
@@ -202,6 +236,10 @@ def run_demo(
         trace: write the training loop's timeline here (Chrome trace / Perfetto JSON).
     """
     config = config or SchedulerConfig(streams=2)
+    if device.startswith("torch"):
+        from opsched._torch_ops import require_torch
+
+        require_torch(f"device {device!r}")  # before any output
     product = product_named(config.product)
     if "GluBackward" not in product.ops or not {
         "GroupNormalizationGrad", "GroupNormBackward"

@@ -215,3 +215,12 @@ def test_graph_placeholders_take_tensors_on_a_torch_device():
     as_tensor, as_array = asyncio.run(main())
     assert isinstance(as_tensor, torch.Tensor) and isinstance(as_array, np.ndarray)
     assert torch.equal(as_tensor, torch.from_numpy(as_array))
+
+
+def test_demo_runs_on_torch_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsched", "demo", "--device", "torch:cpu"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("results bit-identical to solo launches: True") == 2
