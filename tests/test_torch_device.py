@@ -7,6 +7,7 @@ torch:cpu; this module covers what only a torch device does.
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import subprocess
 import sys
 import threading
@@ -224,3 +225,13 @@ def test_demo_runs_on_torch_cpu(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("results bit-identical to solo launches: True") == 2
+
+
+def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_torch_device.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "torch:cpu"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS") == 6 and "FAIL" not in proc.stdout

@@ -1,0 +1,133 @@
+"""Check a torch device end to end: the short script to run where an accelerator is lent.
+
+    python scripts/check_torch_device.py torch:cuda        # or torch:npu:0, torch:cpu
+
+For each operator it submits many requests at once (tensors on the device and numpy
+arrays), and checks each result bit for bit against the framework's own call on that request
+alone; then a graph, the sync facade, a split request, fault isolation, a tensor on the wrong
+device, and the allocator statistics. Prints one line per check and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import opsched
+import opsched.sync
+from opsched import _torch_ops as t
+
+
+def main(device: str) -> int:
+    torch = t.require_torch("this check")
+    results: list[tuple[str, bool, str]] = []
+
+    def check(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            detail = fn() or ""
+            results.append((name, True, str(detail)))
+        except Exception as exc:  # report every check, whatever fails
+            results.append((name, False, f"{type(exc).__name__}: {exc}"))
+
+    dev = opsched._devices.make_device(device, 1)
+    target = dev.torch_device  # type: ignore[attr-defined]
+    dev.close()
+    rng = np.random.default_rng(0)
+
+    def tensor(*shape: int) -> Any:
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(target)
+
+    async def ops() -> str:
+        glu = [(tensor(16, 32), tensor(16, 64)) for _ in range(64)]
+        gn = [(tensor(4, 8, 16), tensor(4, 8, 16), tensor(4, 8, 16), tensor(4, 8),
+               tensor(4, 8).abs() + 0.5) for _ in range(32)]  # fmt: skip
+        gnb = [(tensor(3, 8, 5), tensor(3, 8, 5), tensor(3, 4), tensor(3, 4).abs() + 0.5,
+                tensor(8), 3, 8, 5, 4) for _ in range(32)]  # fmt: skip
+        async with opsched.open_scheduler(device=device, streams=2) as sched:
+            a = await asyncio.gather(*(sched.glu_backward(g, x) for g, x in glu))
+            b = await asyncio.gather(*(sched.group_norm_grad(*r) for r in gn))
+            c = await asyncio.gather(*(sched.group_norm_backward(*r) for r in gnb))
+            stats = sched.statistics()
+        for (g, x), got in zip(glu, a, strict=True):
+            assert torch.equal(got, t.glu_backward(g, x, -1)), "GluBackward differs"
+        for r, got in zip(gn, b, strict=True):
+            assert torch.equal(got, t.group_norm_grad(*r)), "GroupNormalizationGrad differs"
+        for r, got in zip(gnb, c, strict=True):
+            want = t.group_norm_backward(*r, [True] * 3)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        return f"{stats.completed} requests in {stats.launches} launches; pool {stats.pool}"
+
+    check("three operators, fused, each = its own framework call", lambda: asyncio.run(ops()))
+
+    def numpy_in() -> str:
+        g = rng.standard_normal((4, 8)).astype(np.float32)
+        x = rng.standard_normal((4, 16)).astype(np.float32)
+        with opsched.sync.open_scheduler(device=device) as sched:
+            out = sched.glu_backward(g, x)
+        want = t.from_torch(t.glu_backward(torch.from_numpy(g).to(target),
+                                           torch.from_numpy(x).to(target), -1))  # fmt: skip
+        assert isinstance(out, np.ndarray) and np.array_equal(out, want)
+        return "numpy in, numpy out, sync facade"
+
+    check("numpy arrays through the sync facade", numpy_in)
+
+    async def graph() -> str:
+        x, dy, gamma = tensor(2, 4, 8), tensor(2, 4, 8), tensor(2, 4, 8)
+        mean, rstd = tensor(2, 4), tensor(2, 4).abs() + 0.5
+        gate = tensor(2, 4, 16)
+        g = opsched.Graph()
+        node = g.glu_backward(g.group_norm_grad(x, dy, gamma, mean, rstd), gate)
+        async with opsched.open_scheduler(device=device, streams=2) as sched:
+            (out,) = await sched.run(g, [node])
+        want = t.glu_backward(t.group_norm_grad(x, dy, gamma, mean, rstd), gate, -1)
+        assert torch.equal(out, want)
+        return "a two-node chain across streams"
+
+    check("graph", lambda: asyncio.run(graph()))
+
+    async def split() -> str:
+        g, x = tensor(256, 2048), tensor(256, 4096)
+        cfg = {"streams": 2, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 14}
+        async with opsched.open_scheduler(device=device, **cfg) as sched:
+            out = await sched.glu_backward(g, x)
+            launches = sched.statistics().launches
+        assert launches == 2 and torch.allclose(out, t.glu_backward(g, x, -1))
+        return f"{launches} parts"
+
+    check("a large request split across streams", lambda: asyncio.run(split()))
+
+    async def isolation() -> str:
+        work = [(tensor(4, 8), tensor(4, 16)) for _ in range(10)]
+        bad = work[3][1]
+        async with opsched.open_scheduler(device=device, streams=1) as sched:
+            sched.device.inject_faults(lambda rs: any(r.tensors["self"] is bad for r in rs))
+            out = await asyncio.gather(
+                *(sched.glu_backward(g, x) for g, x in work), return_exceptions=True
+            )
+        failed = [i for i, r in enumerate(out) if isinstance(r, Exception)]
+        assert failed == [3], failed
+        return "one injected fault fails its request only"
+
+    check("error isolation", lambda: asyncio.run(isolation()))
+
+    async def wrong_device() -> str:
+        async with opsched.open_scheduler(device=device) as sched:
+            try:
+                await sched.glu_backward(torch.zeros(2, 2, device="meta"), torch.zeros(2, 4))
+            except opsched.ParamInvalidError as exc:
+                return str(exc)
+        raise AssertionError("a tensor on another device was accepted")
+
+    check("a tensor on another device", lambda: asyncio.run(wrong_device()))
+
+    for name, ok, detail in results:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "torch:cuda"))
