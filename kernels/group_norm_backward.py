@@ -33,6 +33,7 @@ from kernels._common import (
     direct,
     overlaps,
     rows_view,
+    staged,
     store,
     workspace_bytes,
 )
@@ -272,8 +273,8 @@ def group_norm_backward_fast(
         return
     carve = Carver(workspace)
     shape2 = (channel_rows, hxw)
-    x2 = _staged(carve, x, plan.stage_x, shape2)
-    dy2 = _staged(carve, grad_out, plan.stage_dy, shape2)
+    x2 = staged(carve, x, plan.stage_x, shape2)
+    dy2 = staged(carve, grad_out, plan.stage_dy, shape2)
     dx_target = None
     if plan.want_dx and plan.stage_dx:
         dx_target = carve.take(channel_rows * hxw, plan.dtype)
@@ -401,14 +402,6 @@ def _load(
     xt = as_compute(x_buf[:size].reshape(shape), x2[k0:k1, h0:h1])
     dyt = as_compute(dy_buf[:size].reshape(shape), dy2[k0:k1, h0:h1])
     return xt, dyt
-
-
-def _staged(carve: Carver, array: np.ndarray, stage: bool, shape: tuple[int, ...]) -> np.ndarray:
-    if not stage:
-        return array.reshape(shape)
-    buf = carve.take(array.size, array.dtype)
-    np.copyto(buf.reshape(array.shape), array)
-    return buf.reshape(shape)
 
 
 def plan_group_norm_backward(

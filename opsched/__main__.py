@@ -286,12 +286,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     config = _config(args, None)
     target = _bench.BenchTarget(args.device, config)
     which = ("kernels", "scheduler", "graphs") if args.which == "all" else (args.which,)
+    problem = None
+    ops, dtypes = tuple(args.ops.split(",")), tuple(args.dtypes.split(","))
     if args.trace and which == ("kernels",):
-        raise ValueError(
-            "--trace: the kernel benchmark runs no scheduler; trace scheduler or graphs"
+        problem = "--trace: the kernel benchmark runs no scheduler; trace scheduler or graphs"
+    elif args.repeats < 1:
+        problem = f"--repeats={args.repeats} must be >= 1"
+    elif not set(ops) <= {"glu", "gn", "gnb"}:
+        problem = f"--ops={args.ops!r}; expected a comma list of glu, gn, gnb"
+    elif not set(dtypes) <= set(_bench.KERNEL_DTYPES):
+        problem = (
+            f"--dtypes={args.dtypes!r}; expected a comma list of {', '.join(_bench.KERNEL_DTYPES)}"
         )
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats} must be >= 1")
+    if problem is not None:  # said before minutes of measuring
+        raise ValueError(problem)
     if args.plot:
         _plot.require_matplotlib()  # say so before minutes of measuring
     quick = args.quick
@@ -300,10 +308,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if "kernels" in which:
         print("== kernels: fast kernels against a numpy copy of the same bytes", file=out)
         sizes = (1 << 10, 1 << 12) if quick else tuple(_size(t) for t in args.sizes.split(","))
-        ops = tuple(args.ops.split(","))
-        if not set(ops) <= {"glu", "gn", "gnb"}:
-            raise ValueError(f"--ops={args.ops!r}; expected a comma list of glu, gn, gnb")
-        dtypes = ("FLOAT",) if quick else tuple(args.dtypes.split(","))
+        dtypes = ("FLOAT",) if quick else dtypes
         results["kernels"] = _bench.bench_kernels(sizes, dtypes, ops)
         _bench.print_kernel_table(results["kernels"], out)
     traced = False

@@ -27,6 +27,7 @@ from opsched._config import SchedulerConfig
 from opsched._executor import Executor
 
 __all__ = [
+    "KERNEL_DTYPES",
     "KERNEL_SIZES",
     "BenchTarget",
     "bench_kernels",
@@ -61,6 +62,8 @@ def torch_peer() -> Any:
 #: Element counts of ``self`` / ``x`` measured by default: 1K to 16M.
 KERNEL_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 _DTYPES = {"FLOAT": np.float32, "FLOAT16": np.float16, "BFLOAT16": ml_dtypes.bfloat16}
+#: The dtype names the kernel benchmark takes.
+KERNEL_DTYPES = tuple(_DTYPES)
 
 
 def _timed(fn: Callable[[], object]) -> float:

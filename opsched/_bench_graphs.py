@@ -19,8 +19,8 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
-from opsched import aclnn
 from opsched._bench import BenchTarget
+from opsched._solo import solo_glu, solo_gn
 
 __all__ = ["bench_graphs", "print_graph_report"]
 
@@ -70,17 +70,9 @@ class _Chain:
         for i, (kind, args) in enumerate(self.steps):
             if kind == "gn":
                 x, dy, gamma, mean, rstd = args
-                dx = np.empty_like(x)
-                size, ex = aclnn.group_norm_grad_get_workspace_size(
-                    x, dy if i == 0 else value, gamma, mean, rstd, dx
-                )
-                aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
-                value = dx
+                value = solo_gn(x, dy if i == 0 else value, gamma, mean, rstd)
             else:
-                out = np.empty_like(args[0])
-                size, ex = aclnn.glu_backward_get_workspace_size(value, args[0], -1, out)
-                aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-                value = out
+                value = solo_glu(value, args[0], -1)
         return value
 
 

@@ -32,8 +32,9 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
-from opsched import _torch_ops, aclnn
+from opsched import _torch_ops
 from opsched._bench import BenchTarget, torch_peer
+from opsched._solo import solo_glu, solo_gn, solo_gnb
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 
@@ -75,39 +76,8 @@ _INPUTS = {"glu": _glu_inputs, "gn": _gn_inputs, "gnb": _gnb_inputs}
 def _direct(op: str) -> Callable[..., Any]:
     """One request through the two-phase API: check, plan, workspace, launch."""
     if op == "glu":
-
-        def glu(g: np.ndarray, x: np.ndarray) -> np.ndarray:
-            out = np.empty(x.shape, x.dtype)
-            size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
-            aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-            return out
-
-        return glu
-
-    if op == "gnb":
-
-        def gnb(
-            dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
-            gamma: np.ndarray, n: int, c: int, hxw: int, group: int,
-        ) -> tuple[np.ndarray, ...]:  # fmt: skip
-            outs = (np.empty_like(x), np.empty(c, x.dtype), np.empty(c, x.dtype))
-            size, ex = aclnn.group_norm_backward_get_workspace_size(
-                dy, x, mean, rstd, gamma, n, c, hxw, group, (True,) * 3, *outs
-            )
-            aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
-            return outs
-
-        return gnb
-
-    def gn(
-        x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
-    ) -> np.ndarray:
-        dx = np.empty(x.shape, x.dtype)
-        size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
-        aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
-        return dx
-
-    return gn
+        return lambda g, x: solo_glu(g, x, -1)
+    return solo_gn if op == "gn" else solo_gnb
 
 
 def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:

@@ -21,45 +21,15 @@ import numpy as np
 
 import opsched
 import opsched.sync
-from opsched import aclnn
 from opsched._config import SchedulerConfig
 from opsched._products import product_named
 from opsched._seeds import glu_seed, group_norm_seed
+from opsched._solo import solo_glu, solo_gn, solo_gnb
 
 __all__ = ["run_demo"]
 
 
-def _workspace(size: int) -> np.ndarray | None:
-    return np.empty(size, np.uint8) if size else None
-
-
-def _solo_glu(grad_out: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
-    out = np.empty_like(x)
-    size, executor = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, out)
-    aclnn.glu_backward(_workspace(size), size, executor)
-    return out
-
-
-def _solo_gn(
-    x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
-) -> np.ndarray:
-    dx = np.empty_like(x)
-    size, executor = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
-    aclnn.group_norm_grad(_workspace(size), size, executor)
-    return dx
-
-
 _DX_ONLY = (True, False, False)
-
-
-def _solo_gnb_dx(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> np.ndarray:
-    n, g, m = x.shape
-    dx = np.empty_like(x)
-    size, executor = aclnn.group_norm_backward_get_workspace_size(
-        dy, x, mean, rstd, None, n, g, m, g, _DX_ONLY, dx, None, None
-    )
-    aclnn.group_norm_backward(_workspace(size), size, executor)
-    return dx
 
 
 class _Solo:
@@ -71,21 +41,24 @@ class _Solo:
 
     def glu(self, g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
         if not self.torch:
-            return _solo_glu(g, x, dim)
+            return solo_glu(g, x, dim)
         from opsched import _torch_ops as t
 
         return t.from_torch(t.glu_backward(t.to_torch(g), t.to_torch(x), dim))
 
     def gn(self, *args: np.ndarray) -> np.ndarray:
         if not self.torch:
-            return _solo_gn(*args)
+            return solo_gn(*args)
         from opsched import _torch_ops as t
 
         return t.from_torch(t.group_norm_grad(*(t.to_torch(a) for a in args)))
 
     def gnb_dx(self, x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> Any:
         if not self.torch:
-            return _solo_gnb_dx(x, dy, mean, rstd)
+            n, g, m = x.shape
+            dx = solo_gnb(dy, x, mean, rstd, None, n, g, m, g, _DX_ONLY)[0]
+            assert dx is not None
+            return dx
         from opsched import _torch_ops as t
 
         n, g, m = x.shape
@@ -96,12 +69,12 @@ class _Solo:
 
 def _seeds(out: TextIO) -> None:
     grad_out, x, dim = glu_seed()
-    result = _solo_glu(grad_out, x, dim)
+    result = solo_glu(grad_out, x, dim)
     print("1. The seed examples through the two-phase API (aclnn)", file=out)
     print(f"   GluBackward, self {x.shape} FLOAT, grad_out = 1, dim = {dim}:", file=out)
     print(f"     out[0, 0] = {np.array2string(result[0, 0], precision=6)}", file=out)
     x, dy, gamma, mean, rstd = group_norm_seed()
-    dx = _solo_gn(x, dy, gamma, mean, rstd)
+    dx = solo_gn(x, dy, gamma, mean, rstd)
     print(f"   GroupNormalizationGrad, x {x.shape}, x[..., i] = i / 128, dy = 0.5:", file=out)
     print(f"     dx[1, 3, -3:] = {np.array2string(dx[1, 3, -3:], precision=6)}", file=out)
     print("     (every group is -31.75 / 128 * x: s1 = 64 cancels M * dy)", file=out)

@@ -236,6 +236,10 @@ class Device(abc.ABC):
         """
         self._faulty = predicate
 
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> Any:
+        """A new array of ``shape`` and ``dtype`` on this device (a caller's output)."""
+        return np.empty(tuple(shape), dtype)
+
     def check_fault(self, requests: Sequence[Any]) -> None:
         """Raise InjectedFault when the injector picks this launch."""
         faulty = self._faulty

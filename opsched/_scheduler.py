@@ -254,7 +254,6 @@ class Scheduler:
     _service: Any = attrs.field(default=None, init=False)
     _product: Product = attrs.field(init=False)
     _torch: Any = attrs.field(default=None, init=False)
-    _batch_config: SchedulerConfig = attrs.field(init=False)
     #: Records a timeline trace when set (``open_scheduler(trace=...)``).
     _tracer: Tracer | None = attrs.field(default=None, kw_only=True)
 
@@ -265,7 +264,6 @@ class Scheduler:
         # A torch device holds the data: requests carry its tensors, and its launches run
         # the framework's operators (no workspace pool: see _torch_device).
         self._torch = self.device if getattr(self.device, "kind", "") == "torch" else None
-        self._batch_config = self.config
         self._pool = WorkspacePool(self.config.workspace_limit_bytes)
         self._cache = ExecutorCache(self.config.executor_cache_limit)
         self._idle = list(range(len(self.device.streams)))
@@ -548,7 +546,7 @@ class Scheduler:
             self._pool.release,
             done,
             self._graph_drop,
-            fresh=self._graph_fresh,
+            fresh=self.device.empty,
         )
         self._counts["graph_runs"] += 1
         run.start(given)
@@ -617,12 +615,6 @@ class Scheduler:
                     block.views[(shape, dtype)] = view
                 return view, block
         return np.empty(shape, dtype), None
-
-    def _graph_fresh(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """A requested graph output: the caller's array (a tensor on a torch device)."""
-        if self._torch is not None:
-            return self._torch.empty(shape, dtype)
-        return np.empty(shape, dtype)
 
     def _graph_drop(self, request: Request, error: BaseException) -> None:
         """Fail a queued graph request whose producer failed (it never launches)."""
@@ -875,10 +867,7 @@ class Scheduler:
             nbytes = op.nbytes(tensors)
             if nbytes > self._pool.limit // 4:
                 self._check_fits(op, tensors, scalars, key, units, nbytes)
-            if signature is not None:
-                if len(self._signatures) >= _SIGNATURES_KEPT:
-                    self._signatures.clear()
-                self._signatures[signature] = (scalars, key, units, nbytes)
+            self._remember(signature, (scalars, key, units, nbytes))
         else:
             scalars, key, units, nbytes = known
             if _missing_output(op, tensors):
@@ -886,6 +875,13 @@ class Scheduler:
         return _Checked(
             op, tensors, scalars, key, units, nbytes, int(priority), deadline, signature
         )
+
+    def _remember(self, signature: Hashable | None, checked: tuple[Any, ...]) -> None:
+        """Keep what a signature's checks established (bounded: cleared when full)."""
+        if signature is not None:
+            if len(self._signatures) >= _SIGNATURES_KEPT:
+                self._signatures.clear()
+            self._signatures[signature] = checked
 
     def _checked_torch(
         self,
@@ -917,10 +913,7 @@ class Scheduler:
                     stand_ins[name] = np.broadcast_to(np.empty((), dtype), shape)
             key, units = op.fusion(stand_ins, scalars)
             known = (scalars, spec, key, units, op.nbytes(stand_ins))
-            if signature is not None:
-                if len(self._signatures) >= _SIGNATURES_KEPT:
-                    self._signatures.clear()
-                self._signatures[signature] = known
+            self._remember(signature, known)
         scalars, spec, key, units, nbytes = known
         caller_out = {n: v for n, v in tensors.items() if n in spec and isinstance(v, np.ndarray)}
         data = {
@@ -1150,7 +1143,7 @@ class Scheduler:
             self._queue.taken = taken
             try:
                 batches, expired, wake_at = form_batches(
-                    self._queue, self._idle, self._batch_config, time.monotonic()
+                    self._queue, self._idle, self.config, time.monotonic()
                 )
             except Exception as exc:  # a bug in batch formation fails its requests only
                 self._fail_requests(taken, exc, "batch formation failed")

@@ -35,9 +35,9 @@ import numpy as np
 
 import opsched
 import opsched.sync
-from opsched import aclnn
 from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
 from opsched._products import Product, product_named
+from opsched._solo import solo_glu, solo_gn, solo_gnb
 from opsched.ops._base import DTYPE_NAMES
 
 __all__ = ["StressOptions", "run_stress"]
@@ -102,11 +102,14 @@ class _Template:
     describe: str
 
     @property
+    def entries(self) -> list[np.ndarray | None]:
+        """The expected outputs, one per operator output (None where not asked for)."""
+        return list(self.expected) if isinstance(self.expected, tuple) else [self.expected]
+
+    @property
     def expected_arrays(self) -> list[np.ndarray]:
-        """The expected output arrays (the tuple's entries that are not None)."""
-        if isinstance(self.expected, tuple):
-            return [e for e in self.expected if e is not None]
-        return [self.expected]
+        """The expected output arrays (the entries that are not None)."""
+        return [e for e in self.entries if e is not None]
 
 
 def _array(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -121,36 +124,6 @@ def _array(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) ->
         view[...] = values
         return view
     return values
-
-
-def _solo_glu(g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
-    out = np.empty(x.shape, x.dtype)
-    size, ex = aclnn.glu_backward_get_workspace_size(g, x, dim, out)
-    aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-    return out
-
-
-def _solo_gn(*args: np.ndarray) -> np.ndarray:
-    x = args[0]
-    dx = np.empty(x.shape, x.dtype)
-    size, ex = aclnn.group_norm_grad_get_workspace_size(
-        args[0], args[1], args[2], args[3], args[4], dx
-    )
-    aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
-    return dx
-
-
-def _solo_gnb(*args: Any) -> tuple[np.ndarray | None, ...]:
-    x, gamma, c, mask = args[1], args[4], args[6], args[9]
-    stat_shape = gamma.shape if gamma is not None else (c,)
-    outs = [
-        np.empty(x.shape, x.dtype) if mask[0] else None,
-        np.empty(stat_shape, x.dtype) if mask[1] else None,
-        np.empty(stat_shape, x.dtype) if mask[2] else None,
-    ]
-    size, ex = aclnn.group_norm_backward_get_workspace_size(*args, *outs)
-    aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
-    return tuple(outs)
 
 
 #: output masks of the GroupNormBackward templates (dx alone, all, the statistics alone)
@@ -211,7 +184,7 @@ def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
         x, dy, gamma, mean, rstd = _gn_args(rng, False)
         gate_shape = (*x.shape[:-1], 2 * x.shape[-1])
         gate = _array(rng, gate_shape, x.dtype)
-        expected = _solo_glu(_solo_gn(x, dy, gamma, mean, rstd), gate, -1)
+        expected = solo_glu(solo_gn(x, dy, gamma, mean, rstd), gate, -1)
         return _Template(
             index,
             "graph",
@@ -226,7 +199,7 @@ def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
             index,
             "gnb",
             args,
-            _solo_gnb(*args),
+            solo_gnb(*args),
             f"gnb input{args[1].shape} N,C,HxW,group={args[5:9]} mask={args[9]} "
             f"{args[1].dtype} gamma={'yes' if args[4] is not None else 'no'}",
         )
@@ -236,7 +209,7 @@ def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
             index,
             "glu",
             (g, x, dim),
-            _solo_glu(g, x, dim),
+            solo_glu(g, x, dim),
             f"glu self{x.shape} dim={dim} {x.dtype} strides={x.strides}",
         )
     args = _gn_args(rng, large)
@@ -244,7 +217,7 @@ def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
         index,
         "gn",
         args,
-        _solo_gn(*args),
+        solo_gn(*args),
         f"gn x{args[0].shape} {args[0].dtype} strides={args[0].strides}",
     )
 
@@ -403,7 +376,7 @@ class _Harness:
             return op, args, broken, status
         kw: dict[str, Any] = {"priority": case.index % 3}
         if t.kind != "graph":
-            outs = [None if e is None else np.empty(e.shape, e.dtype) for e in _entries(t)]
+            outs = [None if e is None else np.empty(e.shape, e.dtype) for e in t.entries]
             kw["out"] = tuple(outs) if t.kind == "gnb" else outs[0]
             out = next(o for o in outs if o is not None)  # the array the injector sees
             if case.fate == "fault":
@@ -516,10 +489,6 @@ class _Harness:
             result.astype(np.float64), ref.astype(np.float64), rtol, atol, equal_nan=True
         ):
             self.tally._note(f"request {case.index}: outside SPEC tolerance of the reference")
-
-
-def _entries(t: _Template) -> list[np.ndarray | None]:
-    return list(t.expected) if isinstance(t.expected, tuple) else [t.expected]
 
 
 #: The operators each kind of template calls, in the order a graph's nodes are checked.

@@ -75,7 +75,6 @@ class Tracer:
         self._arrows: set[tuple[tuple[int, float, float], tuple[int, float, float]]] = set()
         self._flow_ids = 0
         self._last_counters: tuple[int, int, int] | None = None
-        self.launches = 0
         self.written = False
 
     def _us(self, t: float) -> float:
@@ -102,7 +101,6 @@ class Tracer:
             {"name": name, "cat": "launch", "ph": "X", "pid": _PID, "tid": tid, "ts": ts,
              "dur": dur, "args": args}
         )  # fmt: skip
-        self.launches += 1
         for request_id, producers in graph_edges:
             here = (tid, ts, ts + dur)
             self._slices[request_id] = here

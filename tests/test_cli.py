@@ -109,6 +109,7 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     [
         (["bench", "kernels", "--trace", "t.json"], "runs no scheduler"),
         (["bench", "kernels", "--sizes", "12Q"], "'12Q' is not a size"),
+        (["bench", "kernels", "--dtypes", "INT8"], "--dtypes='INT8'; expected a comma list"),
         (["bench", "scheduler", "--parts", "nope"], "unknown scheduler benchmark part"),
         (["demo", "--device", "gpu"], "gpu"),
         (["demo", "--config", "missing.toml"], "missing.toml"),
