@@ -1,1 +1,5 @@
-"""kernels."""
+"""Pure compute: the reference and fast numpy kernels of every operator.
+
+Installed as ``opsched.kernels`` (see pyproject's package-dir); it imports nothing of
+opsched's, only numpy, and knows nothing of scheduling, devices or asyncio.
+"""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kernels._common import (
+from ._common import (
     DEFAULT_BLOCK,
     Carver,
     as_compute,

@@ -1,11 +1,15 @@
 """opsched: an asyncio task-graph scheduler for batched NPU operators.
 
-The public surface is what ``__all__`` lists; everything else lives in private modules.
-The two-phase device-style API is the :mod:`opsched.aclnn` module.
+The public surface is what ``__all__`` lists; everything else lives in the rooms below it
+(``core``, ``devices``, ``ops``, ``cli``; see ``docs/architecture.md``). ``import opsched``
+is enough to reach the synchronous facade (:mod:`opsched.sync`) and the two-phase
+device-style API (:mod:`opsched.aclnn`).
 """
 
 from opsched import aclnn
 from opsched._api import (
+    Graph,
+    Scheduler,
     current_scheduler,
     glu_backward,
     group_norm_backward,
@@ -13,10 +17,6 @@ from opsched._api import (
     open_scheduler,
     run,
 )
-from opsched._batching import RequestState
-from opsched._cache import CacheStatistics
-from opsched._config import SchedulerConfig
-from opsched._devices import Event, InjectedFault, Stream, StreamStatistics
 from opsched._errors import (
     AclnnError,
     DeadlineExceededError,
@@ -30,10 +30,23 @@ from opsched._errors import (
     Status,
     UpstreamFailedError,
 )
-from opsched._executor import Executor, ExecutorState
-from opsched._graph import Graph, Node, NodeState, Placeholder
-from opsched._pool import PoolStatistics
-from opsched._scheduler import Pending, Scheduler, SchedulerState, SchedulerStatistics
+from opsched.core.config import SchedulerConfig
+from opsched.core.graph import Node, Placeholder
+from opsched.core.graph_run import NodeState
+from opsched.core.requests import Pending, RequestState
+from opsched.core.scheduler import SchedulerState
+from opsched.core.stats import SchedulerStatistics
+from opsched.devices import (
+    CacheStatistics,
+    Event,
+    InjectedFault,
+    PoolStatistics,
+    Stream,
+    StreamStatistics,
+)
+from opsched.ops.executor import Executor, ExecutorState
+
+from opsched import sync  # noqa: I001 - after the names it re-exports (it imports them)
 
 __version__ = "0.1.0"
 
@@ -75,4 +88,5 @@ __all__ = [
     "group_norm_grad",
     "open_scheduler",
     "run",
+    "sync",
 ]

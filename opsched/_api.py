@@ -1,4 +1,5 @@
-"""``open_scheduler`` and the module-level operator functions.
+"""The async faces: ``open_scheduler``, the public :class:`Scheduler` and :class:`Graph`,
+and the module-level operator functions.
 
 ``await opsched.glu_backward(...)`` uses the scheduler of the enclosing ``open_scheduler``
 block (a context variable, so it follows tasks), else the default scheduler of the running
@@ -6,6 +7,10 @@ event loop, created on first use. The default scheduler lives in a background ta
 loop (a plain task on asyncio, a system task on trio); when the loop ends, that task is
 cancelled and closes the scheduler: queued requests fail, stream threads are joined, nothing
 is left pending or running.
+
+The per-operator methods and functions are generated from the operator descriptions
+(``scripts/gen_entry_points.py``) over the core's generic ``submit`` / ``submit_nowait`` /
+``GraphBuilder.add``; only the regions between the markers are rewritten.
 """
 
 from __future__ import annotations
@@ -19,22 +24,301 @@ from typing import Any
 import anyio
 import numpy as np
 
-from opsched._config import SchedulerConfig
-from opsched._devices import make_device
-from opsched._graph import Graph, Node, Placeholder
-from opsched._loop import current_loop
-from opsched._scheduler import Scheduler, SchedulerState
-from opsched._trace import Tracer
+from opsched.core import scheduler as _core
+from opsched.core.config import SchedulerConfig
+from opsched.core.graph import GraphBuilder, Node, Placeholder
+from opsched.core.loop import current_loop
+from opsched.core.requests import Pending
+from opsched.core.scheduler import SchedulerState
+from opsched.core.trace import Tracer
+from opsched.devices import make_device
+
+# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
+# END GENERATED imports
 
 __all__ = [
+    "Graph",
+    "Scheduler",
     "current_scheduler",
-    "run",
     "glu_backward",
     "group_norm_backward",
     "group_norm_grad",
     "open_scheduler",
     "resolve_config",
+    "run",
 ]
+
+
+class Scheduler(_core.Scheduler):
+    """Fuses queued operator requests into launches on a device's streams.
+
+    Create one with :func:`opsched.open_scheduler`; the module-level functions use the
+    scheduler of the enclosing ``open_scheduler`` block or a default one per event loop.
+    Each operator has an awaitable method and a ``_nowait`` twin returning a
+    :class:`Pending`; both are :meth:`submit` / :meth:`submit_nowait` with named arguments.
+    """
+
+    # BEGIN GENERATED scheduler: scripts/gen_entry_points.py writes this; do not edit
+    async def glu_backward(
+        sched,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """GluBackward (``aclnnGluBackward``): the gradient of GLU; returns ``out``.
+
+        Args:
+            grad_out: the upstream gradient: self's shape, shape[dim] halved.
+            self: the GLU input, split in halves a, b along dim.
+            dim: the split dimension, in [-self.ndim, self.ndim - 1].
+            out: where to write the result (allocated when None).
+            priority: higher runs first; FIFO among equal priorities.
+            deadline: absolute ``time.monotonic()`` by which the request must have launched.
+            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+
+        Raises: as :meth:`submit`.
+        """
+        return await sched.submit(
+            GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+        )
+
+    def glu_backward_nowait(
+        sched,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GluBackward without waiting; ``await`` the returned :class:`Pending`.
+
+        Arguments as :meth:`glu_backward`; raises as :meth:`submit_nowait`.
+        """
+        return sched.submit_nowait(
+            GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+        )
+
+    async def group_norm_grad(
+        sched,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``, SPEC's formula); returns ``dx``.
+
+        Args:
+            x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
+            dy: the upstream gradient, x's shape and dtype.
+            gamma: already broadcast to x's shape.
+            mean: (N, G).
+            rstd: (N, G).
+            out: where to write the result (allocated when None).
+            priority: higher runs first; FIFO among equal priorities.
+            deadline: absolute ``time.monotonic()`` by which the request must have launched.
+            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+
+        Raises: as :meth:`submit`.
+        """
+        return await sched.submit(
+            GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+        )
+
+    def group_norm_grad_nowait(
+        sched,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GroupNormalizationGrad without waiting; ``await`` the returned :class:`Pending`.
+
+        Arguments as :meth:`group_norm_grad`; raises as :meth:`submit_nowait`.
+        """
+        return sched.submit_nowait(
+            GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+        )
+
+    async def group_norm_backward(
+        sched,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient; returns ``(dx, dgamma, dbeta)``, None where ``output_mask`` is False.
+
+        Args:
+            grad_out: N * C * HxW elements (e.g. (N, C, H, W)).
+            input: the forward input, grad_out's shape and dtype.
+            mean: N * group elements, laid out as (N, group).
+            rstd: N * group elements, laid out as (N, group).
+            gamma: C elements, or None (ones).
+            N: the batch size.
+            C: the channels.
+            HxW: the elements per channel.
+            group: the groups; it divides C.
+            output_mask: compute (dx, dgamma, dbeta).
+            out: where to write the result (allocated when None).
+            priority: higher runs first; FIFO among equal priorities.
+            deadline: absolute ``time.monotonic()`` by which the request must have launched.
+            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+
+        Raises: as :meth:`submit`.
+        """
+        return await sched.submit(
+            GROUP_NORM_BACKWARD,
+            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+            out,
+            priority,
+            deadline,
+            timeout,
+        )
+
+    def group_norm_backward_nowait(
+        sched,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Pending:
+        """Queue a GroupNormBackward without waiting; ``await`` the returned :class:`Pending`.
+
+        Arguments as :meth:`group_norm_backward`; raises as :meth:`submit_nowait`.
+        """
+        return sched.submit_nowait(
+            GROUP_NORM_BACKWARD,
+            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+            out,
+            priority,
+            deadline,
+            timeout,
+        )
+    # END GENERATED scheduler
+
+
+class Graph(GraphBuilder):
+    """A graph of operator calls, built once, checked at build time, run many times.
+
+    Example::
+
+        g = opsched.Graph()
+        a = g.group_norm_grad(x, dy, gamma, mean, rstd)
+        b = g.glu_backward(a, gate, dim=-1)
+        outs = await sched.run(g, outputs=[a, b])
+    """
+
+    # BEGIN GENERATED graph: scripts/gen_entry_points.py writes this; do not edit
+    def glu_backward(
+        graph,
+        grad_out: Any,
+        self: Any,
+        dim: int = -1,
+        *,
+        name: str | None = None,
+    ) -> Node:
+        """Add a GluBackward node (arguments as :meth:`Scheduler.glu_backward`; nodes and
+        placeholders may stand for arrays).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
+                naming the node.
+        """
+        args = {"grad_out": grad_out, "self": self}
+        scalars = {"dim": dim}
+        return graph.add(GLU_BACKWARD, args, scalars, name)
+
+    def group_norm_grad(
+        graph,
+        x: Any,
+        dy: Any,
+        gamma: Any,
+        mean: Any,
+        rstd: Any,
+        *,
+        name: str | None = None,
+    ) -> Node:
+        """Add a GroupNormalizationGrad node (arguments as :meth:`Scheduler.group_norm_grad`; nodes and
+        placeholders may stand for arrays).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
+                naming the node.
+        """
+        args = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
+        scalars = {}
+        return graph.add(GROUP_NORM_GRAD, args, scalars, name)
+
+    def group_norm_backward(
+        graph,
+        grad_out: Any,
+        input: Any,
+        mean: Any,
+        rstd: Any,
+        gamma: Any,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        name: str | None = None,
+    ) -> Node:
+        """Add a GroupNormBackward node (arguments as :meth:`Scheduler.group_norm_backward`; nodes and
+        placeholders may stand for arrays).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
+                naming the node.
+        """
+        args = {"grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma}
+        scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
+        return graph.add(GROUP_NORM_BACKWARD, args, scalars, name)
+    # END GENERATED graph
+
 
 _current: contextvars.ContextVar[Scheduler | None] = contextvars.ContextVar(
     "opsched_scheduler", default=None
@@ -64,7 +348,13 @@ def resolve_config(
 def _new_scheduler(
     config: SchedulerConfig, device: str, trace: str | os.PathLike[str] | None = None
 ) -> Scheduler:
-    dev = make_device(device, config.streams)
+    dev = make_device(
+        device,
+        config.streams,
+        workspace_limit_bytes=config.workspace_limit_bytes,
+        executor_cache_limit=config.executor_cache_limit,
+        fuse_max_bytes=config.fuse_max_bytes,
+    )
     tracer = None
     try:
         tracer = Tracer(trace, dev.name, len(dev.streams)) if trace is not None else None
@@ -90,8 +380,9 @@ async def open_scheduler(
 
     Args:
         config: a SchedulerConfig, a path to a TOML file, or None for the defaults.
-        device: ``"cpu"`` (numpy kernels on worker-thread streams) or ``"reference"``
-            (reference kernels, inline, deterministic: for tests).
+        device: ``"cpu"`` (numpy kernels on worker-thread streams), ``"reference"``
+            (reference kernels, inline, deterministic: for tests), or a torch device
+            (``"torch:cpu"``, ``"torch:cuda[:N]"``, ``"torch:npu[:N]"``).
         trace: write a Chrome trace-event / Perfetto JSON timeline of the scheduler's
             launches to this path when the scheduler closes (see ``docs/tracing.md``).
         **overrides: single config fields, e.g. ``streams=2``.
@@ -158,6 +449,23 @@ def _start_service(scheduler: Scheduler, serve: Callable[[], Coroutine[Any, Any,
         )
 
 
+async def run(
+    graph: GraphBuilder,
+    outputs: Sequence[Node],
+    *,
+    inputs: Mapping[Node | Placeholder, Any] | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Run a graph on the current scheduler; see :meth:`Scheduler.run`."""
+    scheduler = await current_scheduler()
+    return await scheduler.run(
+        graph, outputs, inputs=inputs, priority=priority, deadline=deadline, timeout=timeout
+    )
+
+
+# BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
 async def glu_backward(
     grad_out: np.ndarray,
     self: np.ndarray,
@@ -170,8 +478,8 @@ async def glu_backward(
 ) -> np.ndarray:
     """GluBackward on the current scheduler; see :meth:`Scheduler.glu_backward`."""
     scheduler = await current_scheduler()
-    return await scheduler.glu_backward(
-        grad_out, self, dim, out=out, priority=priority, deadline=deadline, timeout=timeout
+    return await scheduler.submit(
+        GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
     )
 
 
@@ -187,11 +495,10 @@ async def group_norm_grad(
     deadline: float | None = None,
     timeout: float | None = None,
 ) -> np.ndarray:
-    """GroupNormalizationGrad on the current scheduler; see
-    :meth:`Scheduler.group_norm_grad`."""
+    """GroupNormalizationGrad on the current scheduler; see :meth:`Scheduler.group_norm_grad`."""
     scheduler = await current_scheduler()
-    return await scheduler.group_norm_grad(
-        x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
+    return await scheduler.submit(
+        GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
     )
 
 
@@ -206,27 +513,20 @@ async def group_norm_backward(
     HxW: int,
     group: int,
     output_mask: Sequence[bool] = (True, True, True),
-    **kw: Any,
-) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """GroupNormBackward on the current scheduler; see :meth:`Scheduler.group_norm_backward`
-    (keywords ``out``, ``priority``, ``deadline``, ``timeout``)."""
-    scheduler = await current_scheduler()
-    return await scheduler.group_norm_backward(
-        grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, **kw
-    )
-
-
-async def run(
-    graph: Graph,
-    outputs: Sequence[Node],
     *,
-    inputs: Mapping[Node | Placeholder, np.ndarray] | None = None,
+    out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
     priority: int = 0,
     deadline: float | None = None,
     timeout: float | None = None,
-) -> list[np.ndarray]:
-    """Run a graph on the current scheduler; see :meth:`Scheduler.run`."""
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """GroupNormBackward on the current scheduler; see :meth:`Scheduler.group_norm_backward`."""
     scheduler = await current_scheduler()
-    return await scheduler.run(
-        graph, outputs, inputs=inputs, priority=priority, deadline=deadline, timeout=timeout
+    return await scheduler.submit(
+        GROUP_NORM_BACKWARD,
+        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+        out,
+        priority,
+        deadline,
+        timeout,
     )
+# END GENERATED functions

@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from kernels._common import DEFAULT_BLOCK
-from opsched._executor import Executor, null_executor
-from opsched._products import product_named
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops.executor import Executor, get_workspace_size, launch
+
+# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
+# END GENERATED imports
 
 __all__ = [
     "Executor",
@@ -35,56 +36,44 @@ __all__ = [
 ]
 
 
-def _get_workspace_size(
-    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str = "generic"
-) -> tuple[int, Executor]:
-    scalars = op.check_on(product_named(product), tensors, scalars, allocate=False)
-    plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
-    size = op.workspace_size(plan)
-    return size, Executor(op, tensors, scalars, plan, size)
-
-
-def _launch(
-    op: Operator, workspace: object, workspace_size: object, executor: object, stream: object
-) -> None:
-    if executor is None:
-        raise null_executor(op.name)
-    if not isinstance(executor, Executor):
-        msg = f"{op.name}: executor must be an opsched Executor, got {type(executor).__qualname__}"
-        raise TypeError(msg)
-    if stream is not None:
-        msg = f"{op.name}: stream must be None (run in the calling thread), got {stream!r}"
-        raise TypeError(msg)
-    work = executor.prepare_launch(op, workspace, workspace_size)
-    work()
-
-
+# BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
 def glu_backward_get_workspace_size(
-    grad_out: np.ndarray, self: np.ndarray, dim: int, out: np.ndarray, *, product: str = "generic"
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    dim: int,
+    out: np.ndarray,
+    *,
+    product: str = "generic",
 ) -> tuple[int, Executor]:
     """Check a GluBackward call and plan it (``aclnnGluBackwardGetWorkspaceSize``).
 
     Args:
-        grad_out: the upstream gradient, ``self``'s shape with ``shape[dim]`` halved.
-        self: the GLU input, split in halves ``a``, ``b`` along ``dim``.
-        dim: the split dimension, in ``[-self.ndim, self.ndim - 1]``.
-        out: the output, ``self``'s shape and dtype (any strides; may overlap the inputs).
+        grad_out: the upstream gradient: self's shape, shape[dim] halved.
+        self: the GLU input, split in halves a, b along dim.
+        dim: the split dimension, in [-self.ndim, self.ndim - 1].
+        out: an output, written by the launch.
+        product: check as this Ascend product's runtime would (``opsched products``).
 
     Returns:
-        ``(workspace_size, executor)``; the size is 0 for an empty ``self``.
+        ``(workspace_size, executor)``.
 
     Raises:
-        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
-        ParamNullptrError: a tensor is None (161001).
-        ParamInvalidError: a dtype, rank, dim or shape is wrong (161002), in SPEC order.
-        TypeError: an argument is not a numpy array, or ``dim`` is not an integer.
+        InnerError: ``product`` lacks the operator (561003).
+        ParamNullptrError: a required tensor is None (161001).
+        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
+            order.
+        TypeError: an argument of the wrong kind.
     """
     tensors = {"grad_out": grad_out, "self": self, "out": out}
-    return _get_workspace_size(GLU_BACKWARD, tensors, {"dim": dim}, product)
+    scalars = {"dim": dim}
+    return get_workspace_size(GLU_BACKWARD, tensors, scalars, product)
 
 
 def glu_backward(
-    workspace: np.ndarray | None, workspace_size: int, executor: Executor, stream: Any = None
+    workspace: np.ndarray | None,
+    workspace_size: int,
+    executor: Executor,
+    stream: Any = None,
 ) -> None:
     """Launch a planned GluBackward (``aclnnGluBackward``).
 
@@ -93,7 +82,7 @@ def glu_backward(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    _launch(GLU_BACKWARD, workspace, workspace_size, executor, stream)
+    launch(GLU_BACKWARD, workspace, workspace_size, executor, stream)
 
 
 def group_norm_grad_get_workspace_size(
@@ -106,29 +95,37 @@ def group_norm_grad_get_workspace_size(
     *,
     product: str = "generic",
 ) -> tuple[int, Executor]:
-    """Check a GroupNormalizationGrad call and plan it.
+    """Check a GroupNormalizationGrad call and plan it (``aclnnGroupNormalizationGradGetWorkspaceSize``).
 
     Args:
-        x, dy, gamma: ``(N, G, *rest)``, 3 to 8 dims, one dtype (FLOAT, FLOAT16, BFLOAT16);
-            ``gamma`` already broadcast to ``x``'s shape.
-        mean, rstd: ``(N, G)``.
-        dx: the output, ``x``'s shape and dtype.
+        x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
+        dy: the upstream gradient, x's shape and dtype.
+        gamma: already broadcast to x's shape.
+        mean: (N, G).
+        rstd: (N, G).
+        dx: an output, written by the launch.
+        product: check as this Ascend product's runtime would (``opsched products``).
 
     Returns:
-        ``(workspace_size, executor)``; the size is 0 for an empty ``x``.
+        ``(workspace_size, executor)``.
 
     Raises:
-        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
-        ParamNullptrError: a tensor is None (161001).
-        ParamInvalidError: a dtype, rank or shape is wrong (161002), in SPEC order.
-        TypeError: an argument is not a numpy array.
+        InnerError: ``product`` lacks the operator (561003).
+        ParamNullptrError: a required tensor is None (161001).
+        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
+            order.
+        TypeError: an argument of the wrong kind.
     """
     tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
-    return _get_workspace_size(GROUP_NORM_GRAD, tensors, {}, product)
+    scalars = {}
+    return get_workspace_size(GROUP_NORM_GRAD, tensors, scalars, product)
 
 
 def group_norm_grad(
-    workspace: np.ndarray | None, workspace_size: int, executor: Executor, stream: Any = None
+    workspace: np.ndarray | None,
+    workspace_size: int,
+    executor: Executor,
+    stream: Any = None,
 ) -> None:
     """Launch a planned GroupNormalizationGrad (``aclnnGroupNormalizationGrad``).
 
@@ -137,7 +134,7 @@ def group_norm_grad(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    _launch(GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
+    launch(GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
 
 
 def group_norm_backward_get_workspace_size(
@@ -160,35 +157,50 @@ def group_norm_backward_get_workspace_size(
     """Check a GroupNormBackward call and plan it (``aclnnGroupNormBackwardGetWorkspaceSize``).
 
     Args:
-        grad_out, input: ``N * C * HxW`` elements (any shape with that count, e.g.
-            ``(N, C, H, W)``), FLOAT, FLOAT16 or BFLOAT16.
-        mean, rstd: ``N * group`` elements, laid out as ``(N, group)``.
-        gamma: ``C`` elements, or None (ones).
-        N, C, HxW, group: the geometry; ``group`` divides ``C``.
-        output_mask: three bools: compute dx, dgamma, dbeta.
-        dx, dgamma, dbeta: the outputs (``input``'s shape; ``gamma``'s shape, or ``(C,)``
-            without gamma); None where ``output_mask`` is False. One dtype throughout.
+        grad_out: N * C * HxW elements (e.g. (N, C, H, W)).
+        input: the forward input, grad_out's shape and dtype.
+        mean: N * group elements, laid out as (N, group).
+        rstd: N * group elements, laid out as (N, group).
+        gamma: C elements, or None (ones).
+        N: the batch size.
+        C: the channels.
+        HxW: the elements per channel.
+        group: the groups; it divides C.
+        output_mask: compute (dx, dgamma, dbeta).
+        dx: an output, written by the launch.
+        dgamma: an output, written by the launch.
+        dbeta: an output, written by the launch.
+        product: check as this Ascend product's runtime would (``opsched products``).
 
     Returns:
         ``(workspace_size, executor)``.
 
     Raises:
-        InnerError: ``product`` lacks the operator (561003, ``opsched products``).
-        ParamNullptrError: ``grad_out``, ``input``, ``mean`` or ``rstd`` is None (161001).
-        ParamInvalidError: a bad output_mask, a requested output missing, a dtype, group,
-            rank, element count or output shape (161002), in that order.
-        TypeError: an argument is not a numpy array, an integer or a bool.
+        InnerError: ``product`` lacks the operator (561003).
+        ParamNullptrError: a required tensor is None (161001).
+        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
+            order.
+        TypeError: an argument of the wrong kind.
     """
     tensors = {
-        "grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma,
-        "dx": dx, "dgamma": dgamma, "dbeta": dbeta,
-    }  # fmt: skip
+        "grad_out": grad_out,
+        "input": input,
+        "mean": mean,
+        "rstd": rstd,
+        "gamma": gamma,
+        "dx": dx,
+        "dgamma": dgamma,
+        "dbeta": dbeta,
+    }
     scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-    return _get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars, product)
+    return get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars, product)
 
 
 def group_norm_backward(
-    workspace: np.ndarray | None, workspace_size: int, executor: Executor, stream: Any = None
+    workspace: np.ndarray | None,
+    workspace_size: int,
+    executor: Executor,
+    stream: Any = None,
 ) -> None:
     """Launch a planned GroupNormBackward (``aclnnGroupNormBackward``).
 
@@ -197,4 +209,5 @@ def group_norm_backward(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    _launch(GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)
+    launch(GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)
+# END GENERATED functions

@@ -1,5 +1,8 @@
 """The synchronous facade: the same scheduler, driven from ordinary threads.
 
+It only drives the async core: every call goes through the core's public methods
+(``submit_threadsafe``, ``run``, ``statistics``) on the portal's loop thread.
+
 One event-loop thread (anyio's blocking portal) runs the async core; every blocking call is
 a trip to it, so there is exactly one implementation of scheduling. Works from any thread,
 including one whose own asyncio loop is running (a notebook). A call from the portal's own
@@ -28,11 +31,15 @@ from typing import Any
 import anyio.from_thread
 import numpy as np
 
-from opsched import _api
-from opsched._config import SchedulerConfig
-from opsched._graph import Graph, Node
-from opsched._scheduler import Scheduler, SchedulerStatistics, _gnb_args
+from opsched._api import Graph, Scheduler
+from opsched._api import open_scheduler as _open_async
+from opsched.core.config import SchedulerConfig
+from opsched.core.graph import Node
+from opsched.core.stats import SchedulerStatistics
+
+# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
+# END GENERATED imports
 
 __all__ = [
     "SyncScheduler",
@@ -85,57 +92,95 @@ class SyncScheduler:
         """The async scheduler behind this facade."""
         return self._scheduler
 
+    # BEGIN GENERATED sync scheduler: scripts/gen_entry_points.py writes this; do not edit
     def glu_backward(
-        sched, grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any
+        facade,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
     ) -> np.ndarray:
         """Blocking :meth:`Scheduler.glu_backward` (same arguments and errors)."""
-        return sched.submit_glu_backward(grad_out, self, dim, **kw).result()
-
-    def group_norm_grad(
-        self,
-        x: np.ndarray,
-        dy: np.ndarray,
-        gamma: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        **kw: Any,
-    ) -> np.ndarray:
-        """Blocking :meth:`Scheduler.group_norm_grad` (same arguments and errors)."""
-        return self.submit_group_norm_grad(x, dy, gamma, mean, rstd, **kw).result()
+        return facade.submit_glu_backward(
+            grad_out, self, dim, out=out, priority=priority, deadline=deadline, timeout=timeout
+        ).result()
 
     def submit_glu_backward(
-        sched, grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any
+        facade,
+        grad_out: np.ndarray,
+        self: np.ndarray,
+        dim: int = -1,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
     ) -> Future[np.ndarray]:
-        """Queue a GluBackward; the future resolves with ``out`` (or raises its error).
+        """Queue a GluBackward; the future resolves with its result (or raises its error).
 
         Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
-        Keywords: ``out``, ``priority``, ``deadline``, ``timeout``.
         """
-        sched._portal.check_thread()
-        tensors = {"grad_out": grad_out, "self": self, "out": kw.pop("out", None)}
-        return sched._scheduler.submit_threadsafe(GLU_BACKWARD, tensors, {"dim": dim}, **kw)
+        facade._portal.check_thread()
+        return facade.scheduler.submit_threadsafe(
+            GLU_BACKWARD,
+            (grad_out, self, dim),
+            out,
+            priority=priority,
+            deadline=deadline,
+            timeout=timeout,
+        )
 
-    def submit_group_norm_grad(
-        self,
+    def group_norm_grad(
+        facade,
         x: np.ndarray,
         dy: np.ndarray,
         gamma: np.ndarray,
         mean: np.ndarray,
         rstd: np.ndarray,
-        **kw: Any,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """Blocking :meth:`Scheduler.group_norm_grad` (same arguments and errors)."""
+        return facade.submit_group_norm_grad(
+            x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
+        ).result()
+
+    def submit_group_norm_grad(
+        facade,
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        *,
+        out: np.ndarray | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
     ) -> Future[np.ndarray]:
-        """Queue a GroupNormalizationGrad; the future resolves with ``dx``."""
-        self._portal.check_thread()
-        tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
-        tensors["dx"] = kw.pop("out", None)
-        return self._scheduler.submit_threadsafe(GROUP_NORM_GRAD, tensors, {}, **kw)
+        """Queue a GroupNormalizationGrad; the future resolves with its result (or raises its error).
 
-    def group_norm_backward(self, *args: Any, **kw: Any) -> Any:
-        """Blocking :meth:`Scheduler.group_norm_backward`: ``(dx, dgamma, dbeta)``."""
-        return self.submit_group_norm_backward(*args, **kw).result()
+        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
+        """
+        facade._portal.check_thread()
+        return facade.scheduler.submit_threadsafe(
+            GROUP_NORM_GRAD,
+            (x, dy, gamma, mean, rstd),
+            out,
+            priority=priority,
+            deadline=deadline,
+            timeout=timeout,
+        )
 
-    def submit_group_norm_backward(
-        self,
+    def group_norm_backward(
+        facade,
         grad_out: np.ndarray,
         input: np.ndarray,
         mean: np.ndarray,
@@ -146,14 +191,62 @@ class SyncScheduler:
         HxW: int,
         group: int,
         output_mask: Sequence[bool] = (True, True, True),
-        **kw: Any,
-    ) -> Future[Any]:
-        """Queue a GroupNormBackward; the future resolves with ``(dx, dgamma, dbeta)``."""
-        self._portal.check_thread()
-        tensors, scalars = _gnb_args(
-            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask, kw.pop("out", None)
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """Blocking :meth:`Scheduler.group_norm_backward` (same arguments and errors)."""
+        return facade.submit_group_norm_backward(
+            grad_out,
+            input,
+            mean,
+            rstd,
+            gamma,
+            N,
+            C,
+            HxW,
+            group,
+            output_mask,
+            out=out,
+            priority=priority,
+            deadline=deadline,
+            timeout=timeout,
+        ).result()
+
+    def submit_group_norm_backward(
+        facade,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = (True, True, True),
+        *,
+        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Future[tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]:
+        """Queue a GroupNormBackward; the future resolves with its result (or raises its error).
+
+        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
+        """
+        facade._portal.check_thread()
+        return facade.scheduler.submit_threadsafe(
+            GROUP_NORM_BACKWARD,
+            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+            out,
+            priority=priority,
+            deadline=deadline,
+            timeout=timeout,
         )
-        return self._scheduler.submit_threadsafe(GROUP_NORM_BACKWARD, tensors, scalars, **kw)
+    # END GENERATED sync scheduler
 
     def run(self, graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
         """Blocking :meth:`Scheduler.run` of a graph (same arguments and errors)."""
@@ -184,7 +277,7 @@ def open_scheduler(
     portal = _Portal(anyio.from_thread.start_blocking_portal())
     try:
         cm = portal.portal.wrap_async_context_manager(
-            _api.open_scheduler(config, device=device, trace=trace, **overrides)
+            _open_async(config, device=device, trace=trace, **overrides)
         )
         with cm as scheduler:
             yield SyncScheduler(portal, scheduler)
@@ -207,25 +300,84 @@ def _default_scheduler() -> SyncScheduler:
         return _default
 
 
-def glu_backward(grad_out: np.ndarray, self: np.ndarray, dim: int = -1, **kw: Any) -> np.ndarray:
-    """Blocking GluBackward on the process-wide default scheduler (started on first use,
-    stopped at interpreter exit)."""
-    return _default_scheduler().glu_backward(grad_out, self, dim, **kw)
-
-
-def group_norm_grad(
-    x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray, **kw: Any
-) -> np.ndarray:
-    """Blocking GroupNormalizationGrad on the process-wide default scheduler."""
-    return _default_scheduler().group_norm_grad(x, dy, gamma, mean, rstd, **kw)
-
-
-def group_norm_backward(*args: Any, **kw: Any) -> Any:
-    """Blocking GroupNormBackward on the process-wide default scheduler:
-    ``(dx, dgamma, dbeta)`` (arguments as :meth:`Scheduler.group_norm_backward`)."""
-    return _default_scheduler().group_norm_backward(*args, **kw)
-
-
 def run(graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
     """Blocking graph run on the process-wide default scheduler."""
     return _default_scheduler().run(graph, outputs, **kw)
+
+
+# BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
+def glu_backward(
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    dim: int = -1,
+    *,
+    out: np.ndarray | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> np.ndarray:
+    """Blocking GluBackward on the process-wide default scheduler (started on first
+    use, stopped at interpreter exit); see :meth:`Scheduler.glu_backward`.
+    """
+    return _default_scheduler().glu_backward(
+        grad_out, self, dim, out=out, priority=priority, deadline=deadline, timeout=timeout
+    )
+
+
+def group_norm_grad(
+    x: np.ndarray,
+    dy: np.ndarray,
+    gamma: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> np.ndarray:
+    """Blocking GroupNormalizationGrad on the process-wide default scheduler (started on first
+    use, stopped at interpreter exit); see :meth:`Scheduler.group_norm_grad`.
+    """
+    return _default_scheduler().group_norm_grad(
+        x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
+    )
+
+
+def group_norm_backward(
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    N: int,
+    C: int,
+    HxW: int,
+    group: int,
+    output_mask: Sequence[bool] = (True, True, True),
+    *,
+    out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Blocking GroupNormBackward on the process-wide default scheduler (started on first
+    use, stopped at interpreter exit); see :meth:`Scheduler.group_norm_backward`.
+    """
+    return _default_scheduler().group_norm_backward(
+        grad_out,
+        input,
+        mean,
+        rstd,
+        gamma,
+        N,
+        C,
+        HxW,
+        group,
+        output_mask,
+        out=out,
+        priority=priority,
+        deadline=deadline,
+        timeout=timeout,
+    )
+# END GENERATED functions

@@ -19,7 +19,8 @@ import numpy as np
 
 import opsched
 import opsched.sync
-from opsched import _torch_ops as t
+from opsched.devices import make_device
+from opsched.devices import torch_ops as t
 
 
 def main(device: str) -> int:
@@ -33,7 +34,7 @@ def main(device: str) -> int:
         except Exception as exc:  # report every check, whatever fails
             results.append((name, False, f"{type(exc).__name__}: {exc}"))
 
-    dev = opsched._devices.make_device(device, 1)
+    dev = make_device(device, 1)
     target = dev.torch_device  # type: ignore[attr-defined]
     dev.close()
     rng = np.random.default_rng(0)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from opsched import SchedulerConfig
-from opsched._batching import Request, RequestQueue, RequestState, form_batches
+from opsched.core.batching import RequestQueue, form_batches
+from opsched.core.requests import Request, RequestState
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
 
 _ids = itertools.count()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from opsched._trace import load_trace
+from opsched.core.trace import load_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ def test_bench_writes_results_trace_and_chart(tmp_path):
 def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from opsched.__main__ import main\n"
+        "from opsched.cli.main import main\n"
         "sys.exit(main(['bench', 'kernels', '--quick', '--plot', 'p.png']))"
     )
     proc = subprocess.run(

@@ -11,7 +11,7 @@ import pytest
 
 import opsched
 import opsched.sync
-from kernels.group_norm_backward import (
+from opsched.kernels.group_norm_backward import (
     CHUNK,
     group_norm_backward_fast,
     plan_group_norm_backward,

@@ -8,8 +8,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kernels.glu import glu_backward_fast, glu_backward_reference, plan_glu_backward
-from kernels.group_norm import (
+from opsched.kernels.glu import glu_backward_fast, glu_backward_reference, plan_glu_backward
+from opsched.kernels.group_norm import (
     CHUNK,
     group_norm_grad_fast,
     group_norm_grad_reference,

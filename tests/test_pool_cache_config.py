@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from opsched import SchedulerConfig, aclnn
-from opsched._cache import ExecutorCache
-from opsched._devices import Event
-from opsched._pool import WorkspacePool, size_class
+from opsched.devices.cache import ExecutorCache
+from opsched.devices import Event
+from opsched.devices.pool import WorkspacePool, size_class
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

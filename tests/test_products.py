@@ -13,7 +13,7 @@ import pytest
 import opsched
 import opsched.sync
 from opsched import InnerError, ParamInvalidError, SchedulerConfig, aclnn
-from opsched._stress import StressOptions, run_stress
+from opsched.cli.stress import StressOptions, run_stress
 from tests.helpers import BF16
 
 # The table of the issue, written out again here (independent of opsched/_products.py).
@@ -202,9 +202,10 @@ def test_stress_on_atlas_training_rejects_exactly_what_the_table_says():
 
 
 def test_stress_catches_a_scheduler_that_ignores_the_product(monkeypatch):
-    from opsched import _scheduler
+    from opsched.core import scheduler as _scheduler
+    from opsched.ops import products
 
-    monkeypatch.setattr(_scheduler, "resolve_product", lambda *a: opsched._products.GENERIC)
+    monkeypatch.setattr(_scheduler, "resolve_product", lambda *a: products.GENERIC)
     out = io.StringIO()
     status = run_stress(
         StressOptions(requests=1500, clients=8, sync_clients=1, product="atlas-training"), out
@@ -255,17 +256,17 @@ def test_demo_takes_a_product(tmp_path, product, code, text):
     ],
 )
 def test_the_product_is_read_from_the_framework_device_name(soc, product):
-    from opsched._products import product_of_device
+    from opsched.ops.products import product_of_device
 
     assert product_of_device(soc) == product
 
 
 def test_a_reporting_device_sets_the_product_and_a_contradiction_is_an_error():
-    from opsched import _devices
     from opsched._api import _new_scheduler
+    from opsched.devices.host import CpuDevice
 
-    def fake_npu(name, streams):
-        device = _devices.CpuDevice.create(streams)
+    def fake_npu(name, streams, **limits):
+        device = CpuDevice.create(streams, **limits)
         device.reported_product = "atlas-training"  # as torch_npu would report it
         return device
 

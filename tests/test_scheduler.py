@@ -318,7 +318,7 @@ async def test_kernel_exception_becomes_runtime_launch_error(monkeypatch):
 
 
 async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeypatch):
-    import opsched._scheduler as sched_mod
+    import opsched.core.scheduler as sched_mod
 
     rng = np.random.default_rng(12)
     real = sched_mod.form_batches
@@ -493,11 +493,11 @@ async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
     rng = np.random.default_rng(21)
     g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
     async with opsched.open_scheduler(streams=1, workspace_limit_bytes=1 << 20) as sched:
-        held = sched._pool.allocate(1 << 20, 0)  # the whole pool, held
+        held = sched.device._pool.allocate(1 << 20, 0)  # the whole pool, held
         out = await sched.glu_backward(g, x)
         other = small_glu(rng)
         np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
-        sched._pool.release(held)
+        sched.device._pool.release(held)
         stats = sched.statistics()
     np.testing.assert_array_equal(out, solo_glu(g, x, -1))
     assert stats.pool.overflows >= 1 and stats.pool.in_use == 0

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from opsched import aclnn
-from opsched._seeds import glu_seed, group_norm_seed
+from opsched.cli.seeds import glu_seed, group_norm_seed
 
 
 def test_glu_seed_example():

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import opsched._scheduler as sched_mod
-from opsched._pool import WorkspacePool
-from opsched._stress import StressOptions, run_stress
+import opsched.core.scheduler as sched_mod
+from opsched.devices.pool import WorkspacePool
+from opsched.cli.stress import StressOptions, run_stress
 from opsched.ops.glu_backward import GluBackward
 
 SMALL = {"requests": 1500, "clients": 8, "sync_clients": 1, "templates": 64, "watchdog": 3.0}
@@ -63,7 +63,7 @@ def broken(monkeypatch, what: str) -> None:
         def twice(self, request):
             real(self, request)
             if request.id % 97 == 5:
-                self._counts["completed"] += 1  # resolved (counted) a second time
+                self._counters.completed += 1  # resolved (counted) a second time
 
         monkeypatch.setattr(sched_mod.Scheduler, "_resolve", twice)
     elif what == "corrupts":

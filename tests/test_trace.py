@@ -11,7 +11,7 @@ import pytest
 
 import opsched
 import opsched.sync
-from opsched._trace import load_trace, summarize
+from opsched.core.trace import load_trace, summarize
 from tests.helpers import gn_inputs, rand
 
 F32 = np.dtype(np.float32)
@@ -157,7 +157,7 @@ def test_load_trace_rejects_other_files(tmp_path):
 
 
 def test_a_long_run_streams_its_events_in_bounded_memory(tmp_path, monkeypatch):
-    from opsched import _trace
+    from opsched.core import trace as _trace
 
     monkeypatch.setattr(_trace, "FLUSH_EVENTS", 16)
     path = tmp_path / "long.json"

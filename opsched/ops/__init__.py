@@ -1,13 +1,30 @@
-"""Operator descriptors: one module per operator (see ``_base.Operator``)."""
+"""Operator descriptions: one module per operator, and the product table.
 
-from opsched.ops._base import Operator
+Each module is the single place that knows its operator: the public call's parameters (the
+entry points are generated from them: ``scripts/gen_entry_points.py``), the SPEC checks in
+order, outputs, fusion, gather / scatter / split, its kernels and its framework call. A new
+operator is one new module here, its kernels, a line in :data:`OPERATORS`, and a
+regenerated set of entry points.
+
+This room never imports the scheduler core, the devices or the CLI.
+"""
+
+from opsched.ops._base import DTYPE_NAMES, Operator, Parameter
 from opsched.ops.glu_backward import GLU_BACKWARD
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
 
-__all__ = ["GLU_BACKWARD", "GROUP_NORM_BACKWARD", "GROUP_NORM_GRAD", "OPERATORS", "Operator"]
+__all__ = [
+    "DTYPE_NAMES",
+    "GLU_BACKWARD",
+    "GROUP_NORM_BACKWARD",
+    "GROUP_NORM_GRAD",
+    "OPERATORS",
+    "Operator",
+    "Parameter",
+]
 
-#: Every operator, by its aclnn name.
+#: Every operator, by its aclnn name, in the order of the generated entry points.
 OPERATORS: dict[str, Operator] = {
     op.name: op for op in (GLU_BACKWARD, GROUP_NORM_GRAD, GROUP_NORM_BACKWARD)
 }

@@ -1,28 +1,35 @@
-"""What every operator descriptor shares: the dtype table, argument checks, the base class.
+"""What every operator description shares: the dtype table, argument checks, the base class.
 
-An operator descriptor holds everything operator-specific (SPEC checks in their order,
-output allocation, planning, which kernel runs). The two-phase API, the executor and, later,
-the scheduler talk only to descriptors, so a new operator is one new module.
+An operator description holds everything operator-specific: its public call (parameters,
+from which every entry point is generated: ``scripts/gen_entry_points.py``), the SPEC checks
+in their order, output allocation, fusion, planning, its kernels and its framework call. The
+two-phase API, the scheduler, graphs, the devices and the stress harness talk only to
+descriptions, so a new operator is one new module here plus its kernels.
+
+This room never imports the scheduler core, the devices or the CLI.
 """
 
 from __future__ import annotations
 
 import abc
+import ast
 import itertools
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import attrs
 import ml_dtypes
 import numpy as np
 
 from opsched._errors import ParamInvalidError, ParamNullptrError
-from opsched._products import OpSupport, Product, check_product
+from opsched.ops.products import OpSupport, Product, check_product
 
 __all__ = [
     "DTYPE_NAMES",
     "FusedGeometry",
     "Operator",
+    "Parameter",
     "Tensors",
     "check_dtype",
     "check_present",
@@ -125,16 +132,53 @@ def cuts(n: int, parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
 
 
+@attrs.frozen
+class Parameter:
+    """One positional argument of an operator's public call.
+
+    Attributes:
+        name: the argument's name (a tensor name of the operator, or a scalar's).
+        annotation: its type as written in the generated signatures.
+        doc: one line for the generated docstrings.
+        default: the source text of its default value; None when it is required.
+    """
+
+    name: str
+    annotation: str
+    doc: str
+    default: str | None = None
+
+    @property
+    def default_value(self) -> Any:
+        """The default as a value (a Python literal)."""
+        if self.default is None:
+            msg = f"argument {self.name!r} has no default"
+            raise TypeError(msg)
+        return ast.literal_eval(self.default)
+
+
 class Operator(abc.ABC):
-    """An operator descriptor: one instance per operator, stateless.
+    """An operator description: one instance per operator, stateless.
 
     A request is a mapping of argument names to arrays (``tensors``) plus scalar arguments
-    (``scalars``, e.g. ``dim``). Subclasses define the SPEC checks, allocation, planning and
-    the kernels.
+    (``scalars``, e.g. ``dim``). Subclasses describe the public call and define the SPEC
+    checks, allocation, planning, fusion, the kernels and the framework call.
     """
 
     #: The aclnn operator name, e.g. ``"GluBackward"``.
     name: ClassVar[str]
+    #: The entry points' name: ``opsched.glu_backward``, ``sched.glu_backward_nowait``,
+    #: ``opsched.aclnn.glu_backward_get_workspace_size``, ...
+    method: ClassVar[str]
+    #: The public call's positional arguments, in order; outputs come as ``out=``.
+    parameters: ClassVar[tuple[Parameter, ...]]
+    #: What the call computes and returns, one line for the generated docstrings.
+    summary: ClassVar[str]
+    #: The type of the result (and of ``out=``, which may also be None).
+    result_annotation: ClassVar[str] = "np.ndarray"
+    out_annotation: ClassVar[str] = "np.ndarray | None"
+    #: The type of each output argument of the two-phase call.
+    output_annotation: ClassVar[str] = "np.ndarray"
     #: Tensor argument names in signature order; the last ones are ``outputs``.
     tensor_names: ClassVar[tuple[str, ...]]
     #: Output tensor argument names.
@@ -162,6 +206,42 @@ class Operator(abc.ABC):
         Raises:
             ParamNullptrError, ParamInvalidError: as SPEC lists, the first failing check.
             TypeError: an argument of the wrong kind (not an array, dim not an integer).
+        """
+
+    def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A public call's ``(tensors, scalars)``: positional ``args`` in the order of
+        :attr:`parameters`, ``out`` the output (a tuple of them for several outputs).
+
+        Raises:
+            TypeError: ``out`` is not None nor a tuple of one entry per output.
+        """
+        tensors: dict[str, Any] = {}
+        scalars: dict[str, Any] = {}
+        names = self.tensor_names
+        if len(args) < len(self.parameters):  # calls without the generated defaults
+            args = (*args, *(p.default_value for p in self.parameters[len(args) :]))
+        for parameter, value in zip(self.parameters, args, strict=True):
+            (tensors if parameter.name in names else scalars)[parameter.name] = value
+        outputs = self.outputs
+        if len(outputs) == 1:
+            tensors[outputs[0]] = out
+            return tensors, scalars
+        if out is None:
+            out = (None,) * len(outputs)
+        elif not isinstance(out, tuple | list) or len(out) != len(outputs):
+            msg = (
+                f"{self.name}: out must be a ({', '.join(outputs)}) tuple or None, got {out!r}"
+            )
+            raise TypeError(msg)
+        tensors.update(zip(outputs, out, strict=True))
+        return tensors, scalars
+
+    @abc.abstractmethod
+    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
+        """Compute one request with the framework's operators into its output tensors.
+
+        ``torch`` is the framework module, passed in by the device that imported it (this
+        room never imports torch).
         """
 
     @abc.abstractmethod

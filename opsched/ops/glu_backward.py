@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from kernels._common import overlaps, rows_view
-from kernels.glu import (
+from opsched.kernels._common import overlaps, rows_view
+from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
     glu_backward_reference,
@@ -18,10 +18,11 @@ from kernels.glu import (
     plan_glu_backward,
 )
 from opsched._errors import ParamInvalidError
-from opsched._products import OpSupport
+from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
+    Parameter,
     Tensors,
     check_dtype,
     check_present,
@@ -39,6 +40,13 @@ class GluBackward(Operator):
     """``out = glu_backward(grad_out, self, dim)``; see SPEC "GluBackward"."""
 
     name: ClassVar[str] = "GluBackward"
+    method: ClassVar[str] = "glu_backward"
+    summary: ClassVar[str] = "GluBackward (``aclnnGluBackward``): the gradient of GLU; returns ``out``."
+    parameters: ClassVar[tuple[Parameter, ...]] = (
+        Parameter("grad_out", "np.ndarray", "the upstream gradient: self's shape, shape[dim] halved."),
+        Parameter("self", "np.ndarray", "the GLU input, split in halves a, b along dim."),
+        Parameter("dim", "int", "the split dimension, in [-self.ndim, self.ndim - 1].", "-1"),
+    )
     tensor_names: ClassVar[tuple[str, ...]] = ("grad_out", "self", "out")
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     overlap_inputs: ClassVar[tuple[str, ...]] = ("grad_out", "self")
@@ -141,6 +149,12 @@ class GluBackward(Operator):
 
     def plan_scalars(self, plan: GluPlan) -> dict[str, Any]:
         return {"dim": plan.dim}
+
+    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
+        # aten's operator (``aclnnGluBackward`` on torch_npu)
+        if tensors["self"].numel():
+            result = torch.ops.aten.glu_backward(tensors["grad_out"], tensors["self"], s["dim"])
+            tensors["out"].copy_(result)
 
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every

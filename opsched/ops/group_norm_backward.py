@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from kernels.group_norm_backward import (
+from opsched.kernels.group_norm_backward import (
     GnbPlan,
     group_norm_backward_fast,
     group_norm_backward_reference,
@@ -23,10 +23,11 @@ from kernels.group_norm_backward import (
     reduce_over_samples,
 )
 from opsched._errors import ParamInvalidError
-from opsched._products import OpSupport
+from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
+    Parameter,
     Tensors,
     check_dtype,
     check_present,
@@ -49,6 +50,32 @@ class GroupNormBackward(Operator):
     """See the module docstring and the README's "Which group-norm operator"."""
 
     name: ClassVar[str] = "GroupNormBackward"
+    method: ClassVar[str] = "group_norm_backward"
+    summary: ClassVar[str] = (
+        "GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient; "
+        "returns ``(dx, dgamma, dbeta)``, None where ``output_mask`` is False."
+    )
+    parameters: ClassVar[tuple[Parameter, ...]] = (
+        Parameter("grad_out", "np.ndarray", "N * C * HxW elements (e.g. (N, C, H, W))."),
+        Parameter("input", "np.ndarray", "the forward input, grad_out's shape and dtype."),
+        Parameter("mean", "np.ndarray", "N * group elements, laid out as (N, group)."),
+        Parameter("rstd", "np.ndarray", "N * group elements, laid out as (N, group)."),
+        Parameter("gamma", "np.ndarray | None", "C elements, or None (ones)."),
+        Parameter("N", "int", "the batch size."),
+        Parameter("C", "int", "the channels."),
+        Parameter("HxW", "int", "the elements per channel."),
+        Parameter("group", "int", "the groups; it divides C."),
+        Parameter(
+            "output_mask", "Sequence[bool]", "compute (dx, dgamma, dbeta).", "(True, True, True)"
+        ),
+    )
+    result_annotation: ClassVar[str] = (
+        "tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]"
+    )
+    out_annotation: ClassVar[str] = (
+        "tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None"
+    )
+    output_annotation: ClassVar[str] = "np.ndarray | None"
     tensor_names: ClassVar[tuple[str, ...]] = _INPUTS + _OUTPUTS
     outputs: ClassVar[tuple[str, ...]] = _OUTPUTS
     overlap_inputs: ClassVar[tuple[str, ...]] = ("grad_out", "input")
@@ -145,6 +172,28 @@ class GroupNormBackward(Operator):
         if isinstance(mask, list):
             scalars = {**scalars, "output_mask": tuple(mask)}
         return super().signature(tensors, scalars)
+
+    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
+        # aten's operator (``aclnnGroupNormBackward`` on torch_npu)
+        t = tensors
+        n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
+        outs = (t["dx"], t["dgamma"], t["dbeta"])
+        if n * c * hxw == 0:
+            for out in outs[1:]:
+                if out is not None:
+                    out.zero_()
+            return
+        gamma = t["gamma"].reshape(c) if t["gamma"] is not None else None
+        results = torch.ops.aten.native_group_norm_backward(
+            t["grad_out"].reshape(n, c, hxw),
+            t["input"].reshape(n, c, hxw),
+            t["mean"].reshape(n, group),
+            t["rstd"].reshape(n, group),
+            gamma, n, c, hxw, group, list(mask),
+        )  # fmt: skip
+        for out, result in zip(outs, results, strict=True):
+            if out is not None and result is not None:
+                out.copy_(result.reshape(out.shape))
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

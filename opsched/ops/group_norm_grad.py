@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from kernels._common import overlaps, rows_view
-from kernels.group_norm import (
+from opsched.kernels._common import overlaps, rows_view
+from opsched.kernels.group_norm import (
     GroupNormPlan,
     group_norm_grad_fast,
     group_norm_grad_reference,
@@ -21,10 +21,11 @@ from kernels.group_norm import (
     plan_group_norm_grad,
 )
 from opsched._errors import ParamInvalidError
-from opsched._products import OpSupport
+from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
+    Parameter,
     Tensors,
     check_dtype,
     check_present,
@@ -41,6 +42,17 @@ class GroupNormalizationGrad(Operator):
     """``dx = group_norm_grad(x, dy, gamma, mean, rstd)``; see SPEC."""
 
     name: ClassVar[str] = "GroupNormalizationGrad"
+    method: ClassVar[str] = "group_norm_grad"
+    summary: ClassVar[str] = (
+        "GroupNormalizationGrad (``aclnnGroupNormalizationGrad``); returns ``dx``."
+    )
+    parameters: ClassVar[tuple[Parameter, ...]] = (
+        Parameter("x", "np.ndarray", "(N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16."),
+        Parameter("dy", "np.ndarray", "the upstream gradient, x's shape and dtype."),
+        Parameter("gamma", "np.ndarray", "already broadcast to x's shape."),
+        Parameter("mean", "np.ndarray", "(N, G)."),
+        Parameter("rstd", "np.ndarray", "(N, G)."),
+    )
     tensor_names: ClassVar[tuple[str, ...]] = ("x", "dy", "gamma", "mean", "rstd", "dx")
     outputs: ClassVar[tuple[str, ...]] = ("dx",)
     overlap_inputs: ClassVar[tuple[str, ...]] = ("x", "dy", "gamma")
@@ -96,6 +108,24 @@ class GroupNormalizationGrad(Operator):
         if type(dx) is not np.ndarray:
             return None
         return (*base, dx.shape, dx.dtype)
+
+    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
+        # No aten operator binds aclnnGroupNormalizationGrad: SPEC's formula in torch
+        # operations, in float32, rounded once into dx's dtype (as the numpy reference).
+        x = tensors["x"]
+        if not x.numel():
+            return
+        n, g = x.shape[0], x.shape[1]
+        m = x.numel() // max(n * g, 1)
+        f32 = torch.float32
+        x_, dy_, gamma_ = (tensors[k].to(f32).reshape(n, g, m) for k in ("x", "dy", "gamma"))
+        mean_ = tensors["mean"].to(f32).reshape(n, g, 1)
+        rstd_ = tensors["rstd"].to(f32).reshape(n, g, 1)
+        xhat = (x_ - mean_) * rstd_
+        s1 = (dy_ * gamma_).sum(-1, keepdim=True)
+        s2 = (dy_ * gamma_ * xhat).sum(-1, keepdim=True)
+        dx = (rstd_ / m) * gamma_ * (m * dy_ - s1 - xhat * s2)
+        tensors["dx"].copy_(dx.reshape(x.shape).to(x.dtype))
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

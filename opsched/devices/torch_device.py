@@ -7,10 +7,8 @@ The same scheduler drives the framework's operators on its own devices:
   when every array argument was numpy). A tensor on another device is a ParamInvalidError.
   The checks run on zero-byte numpy stand-ins of the tensors' shapes and dtypes, so every
   SPEC check, product profile and fusion key is the numpy devices' own.
-- **Operators**: GluBackward is ``torch.ops.aten.glu_backward`` (``aclnnGluBackward`` on
-  torch_npu); GroupNormalizationGrad is the SPEC formula in torch operations, in float32
-  (torch_npu binds no aten op to ``aclnnGroupNormalizationGrad``); GroupNormBackward is
-  ``torch.ops.aten.native_group_norm_backward``.
+- **Operators**: each operator description's ``framework_call`` (``opsched/ops/``) says
+  which framework operator computes it.
 - **Fusion**: a fused launch runs its requests' operator calls back to back in one stream
   task: one hand-off to the stream and back for the whole batch. The framework's CPU
   kernels are vectorised with scalar tails, so one call on concatenated inputs would not give
@@ -32,54 +30,39 @@ ImportError that says how to install it.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
-import ml_dtypes
 import numpy as np
 
-from opsched import _torch_ops
-from opsched._devices import Device, _ThreadStream
-from opsched._errors import ParamInvalidError
-from opsched._pool import PoolStatistics
-from opsched._products import product_of_device
+from opsched._errors import GraphExecutionError, ParamInvalidError
+from opsched.devices import torch_ops
+from opsched.devices.base import (
+    _NUMPY_OF,
+    Converter,
+    Device,
+    LaunchBatch,
+    Prepared,
+    is_tensor,
+    meta_of,
+)
+from opsched.devices.pool import PoolStatistics
+from opsched.devices.streams import ThreadStream
 from opsched.ops import Operator
+from opsched.ops.products import product_of_device
 
-__all__ = ["TorchDevice", "is_torch_tensor", "numpy_dtype", "stand_in"]
-
-_NUMPY_OF = {  # torch dtype name -> numpy dtype
-    "float64": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "int64": np.dtype(np.int64),
-    "int32": np.dtype(np.int32),
-    "int16": np.dtype(np.int16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "bool": np.dtype(np.bool_),
-}
+__all__ = ["TorchDevice"]
 
 
-def is_torch_tensor(value: object) -> bool:
-    """Whether ``value`` is a torch tensor (without importing torch)."""
-    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+class _Part(NamedTuple):
+    """One part of a split request as the device runs it (its views of the tensors)."""
 
-
-def numpy_dtype(tensor: Any) -> np.dtype:
-    """The numpy dtype of a torch tensor's dtype (``torch.float32`` -> float32)."""
-    name = str(tensor.dtype).removeprefix("torch.")
-    found = _NUMPY_OF.get(name)
-    if found is None:
-        msg = f"torch dtype {tensor.dtype} has no numpy counterpart opsched knows"
-        raise TypeError(msg)
-    return found
-
-
-def stand_in(tensor: Any) -> np.ndarray:
-    """A zero-byte numpy array with the tensor's shape and dtype, for the checks."""
-    return np.broadcast_to(np.empty((), numpy_dtype(tensor)), tuple(tensor.shape))
+    id: int
+    op: Operator
+    tensors: dict[str, Any]
+    scalars: dict[str, Any]
 
 
 @attrs.define(eq=False)
@@ -104,7 +87,7 @@ class TorchDevice(Device):
             ImportError: torch (or torch_npu for ``npu``) is not installed.
             ValueError: a malformed name, or no such device here.
         """
-        torch = _torch_ops.require_torch(f"device {name!r}")
+        torch = torch_ops.require_torch(f"device {name!r}")
         spec = name.removeprefix("torch:")
         kind, _, index = spec.partition(":")
         if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()):
@@ -140,8 +123,10 @@ class TorchDevice(Device):
             reported = product_of_device(str(backend.get_device_name(torch_device.index)))
         return cls(
             name,
-            [_ThreadStream(i) for i in range(streams)],
+            [ThreadStream(i) for i in range(streams)],
             inline_capable=False,
+            accepts_tensors=True,
+            array_kinds="a numpy.ndarray or a torch tensor",
             torch_device=torch_device,
             framework_streams=framework,
             reported_product=reported,
@@ -156,7 +141,7 @@ class TorchDevice(Device):
             ParamInvalidError: a tensor on another device.
         """
         if isinstance(value, np.ndarray):  # on the CPU a view of it where possible
-            return _torch_ops.to_torch(value, self.torch_device, share=True)
+            return torch_ops.to_torch(value, self.torch_device, share=True)
         if value.device != self.torch_device:
             msg = (
                 f"{op}: {name} is on {value.device}; the scheduler's device is "
@@ -171,12 +156,7 @@ class TorchDevice(Device):
 
     def memory_statistics(self) -> PoolStatistics:
         """The framework allocator's counters, in the workspace pool's vocabulary."""
-        kind = self.torch_device.type
-        if kind == "cpu":
-            return PoolStatistics(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-        import torch
-
-        stats = getattr(torch, kind).memory_stats(self.torch_device)
+        stats = self.memory_stats()
 
         def get(key: str) -> int:
             return int(stats.get(key, 0))
@@ -194,7 +174,80 @@ class TorchDevice(Device):
             overflows=0,
         )
 
+    def _allocator(self) -> Any:
+        """The framework's memory module for this device (``torch.cuda``), None on the CPU
+        (torch has no caching allocator there)."""
+        kind = self.torch_device.type
+        return None if kind == "cpu" else getattr(self._torch, kind)
+
+    def memory_stats(self) -> dict[str, int]:
+        """The framework allocator's own counters (``torch.cuda.memory_stats``); empty on
+        the CPU."""
+        allocator = self._allocator()
+        return {} if allocator is None else dict(allocator.memory_stats(self.torch_device))
+
+    def reset_peak_stats(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats`` for this device (nothing on the CPU)."""
+        allocator = self._allocator()
+        if allocator is not None:
+            allocator.reset_peak_memory_stats(self.torch_device)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache`` (nothing on the CPU)."""
+        allocator = self._allocator()
+        if allocator is not None:
+            allocator.empty_cache()
+
+    # --------------------------------------------------------------------- admission
+
+    def meta(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """Tensors as zero-byte numpy stand-ins: the checks, product profiles and fusion
+        keys are the numpy devices' own."""
+        return {name: meta_of(value) for name, value in tensors.items()}
+
+    def bind(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    ) -> tuple[dict[str, Any], Converter | None]:
+        """The request's arrays moved to the device, its outputs allocated there; results
+        return as numpy when every array given was numpy (into the caller's ``out=``)."""
+        caller_out = {n: v for n, v in tensors.items() if n in spec and isinstance(v, np.ndarray)}
+        numpy_in = not any(is_tensor(v) for v in tensors.values())
+        data = {
+            name: None if value is None else self.admit(op.name, name, value)
+            for name, value in tensors.items()
+        }
+        for name, (shape, dtype) in spec.items():
+            if data[name] is None:
+                data[name] = self.empty(shape, dtype)
+        convert = _to_numpy(op, caller_out) if numpy_in or caller_out else None
+        return data, convert
+
+    def graph_converter(self, given: Sequence[Any]) -> Converter | None:
+        """A graph run returns numpy unless some array given to it was a tensor."""
+        if any(is_tensor(v) for v in given):
+            return None
+        return _graph_to_numpy
+
     # ------------------------------------------------------------------------ launches
+
+    def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
+        requests: list[Any] = list(batch.requests)
+        op: Operator = requests[0].op
+        if batch.part is not None:  # one part of a split request: its views, same id
+            r = requests[0]
+            requests = [_Part(r.id, r.op, batch.part[0], batch.part[1])]
+        stream = batch.stream
+
+        def work() -> tuple[dict[int, BaseException], float, float]:
+            start = time.perf_counter()
+            errors = self.execute(op, requests, stream)
+            return errors, start, time.perf_counter()
+
+        return Prepared(work)
 
     def execute(self, op: Operator, requests: Sequence[Any], stream: int) -> dict[int, Any]:
         """Run each request's operator call in turn on ``stream``; return the failures by
@@ -212,7 +265,7 @@ class TorchDevice(Device):
             for r in requests:
                 try:
                     self.check_fault([r])
-                    run_request(op.name, r.tensors, r.scalars)
+                    op.framework_call(self._torch, r.tensors, r.scalars)
                 except Exception as exc:  # the launch boundary of one request
                     errors[r.id] = exc
             if framework is not None:
@@ -220,51 +273,43 @@ class TorchDevice(Device):
                 event.synchronize()  # this stream's thread waits; the loop does not
         return errors
 
-    def run_kernel(self, op: Operator, plan: Any, tensors: dict[str, Any], workspace: Any) -> None:
-        msg = f"{self.name} runs requests through execute(), not planned kernels"
-        raise NotImplementedError(msg)
+
+def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:
+    """Converts a result to numpy: into the caller's ``out=`` arrays where it gave them
+    (on the CPU they already share the tensors' memory), else new arrays."""
+    names = op.outputs
+
+    def convert(result: Any) -> Any:
+        outs = result if len(names) > 1 else (result,)
+        arrays: list[Any] = []
+        for name, tensor in zip(names, outs, strict=True):
+            if tensor is None:
+                arrays.append(None)
+                continue
+            array = torch_ops.from_torch(tensor)
+            target = caller_out.get(name)
+            if target is not None:
+                if not np.shares_memory(target, array):
+                    np.copyto(target, array)
+                array = target
+            arrays.append(array)
+        return tuple(arrays) if len(names) > 1 else arrays[0]
+
+    return convert
 
 
-def run_request(op: str, t: Mapping[str, Any], s: Mapping[str, Any]) -> None:
-    """One operator call with torch, into the request's output tensors."""
-    if op == "GluBackward":
-        if t["self"].numel():
-            t["out"].copy_(_torch_ops.glu_backward(t["grad_out"], t["self"], s["dim"]))
-    elif op == "GroupNormalizationGrad":
-        if t["x"].numel():
-            dx = _torch_ops.group_norm_grad(t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"])
-            t["dx"].copy_(dx)
-    elif op == "GroupNormBackward":
-        _group_norm_backward(t, s)
-    else:
-        msg = f"the torch devices do not run {op}"
-        raise NotImplementedError(msg)
+def _graph_value_to_numpy(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(None if v is None else torch_ops.from_torch(v) for v in value)
+    return None if value is None or isinstance(value, np.ndarray) else torch_ops.from_torch(value)
 
 
-def _group_norm_backward(t: Mapping[str, Any], s: Mapping[str, Any]) -> None:
-    n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
-    outs = (t["dx"], t["dgamma"], t["dbeta"])
-    if n * c * hxw == 0:
-        for out in outs[1:]:
-            if out is not None:
-                out.zero_()
-        return
-    gamma = t["gamma"].reshape(c) if t["gamma"] is not None else None
-    results = _torch_ops.group_norm_backward(
-        t["grad_out"].reshape(n, c, hxw),
-        t["input"].reshape(n, c, hxw),
-        t["mean"].reshape(n, group),
-        t["rstd"].reshape(n, group),
-        gamma,
-        n,
-        c,
-        hxw,
-        group,
-        mask,
-    )
-    for out, result in zip(outs, results, strict=True):
-        if out is not None and result is not None:
-            out.copy_(result.reshape(out.shape))
+def _graph_to_numpy(result: Any) -> Any:
+    """A graph run's outputs (a list, or its GraphExecutionError) as numpy."""
+    if isinstance(result, GraphExecutionError):
+        result.outputs = [_graph_value_to_numpy(v) for v in result.outputs]
+        return result
+    return [_graph_value_to_numpy(v) for v in result]
 
 
 _TORCH_OF: dict[np.dtype, Any] = {}  # filled on first use (torch imported by then)

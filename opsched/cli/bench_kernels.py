@@ -22,9 +22,10 @@ import ml_dtypes
 import numpy as np
 
 import opsched
-from opsched import _torch_ops, aclnn
-from opsched._config import SchedulerConfig
-from opsched._executor import Executor
+from opsched import aclnn
+from opsched.devices import torch_ops as _torch_ops
+from opsched import SchedulerConfig
+from opsched import Executor
 
 __all__ = [
     "KERNEL_DTYPES",

@@ -13,90 +13,29 @@ now, changing queue state and nothing else. It is where the policy lives:
 - with ``max_delay_us > 0`` a key whose oldest request is younger than the delay waits for
   company (unless its batch is already full);
 - requests whose deadline has passed leave the queue as expired, never launched.
+
+It knows requests only as records with a fusion key, units and bytes: no device, no
+operator by name, no event loop.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 from collections.abc import Hashable
-from concurrent.futures import Future
 from typing import Any
 
 import attrs
-import numpy as np
 
-from opsched._config import SchedulerConfig
-from opsched._loop import LoopEvent, ThreadEvent
-from opsched.ops import Operator
+from opsched.core.config import SchedulerConfig
+from opsched.core.requests import Request, RequestState
 
-__all__ = ["Batch", "Request", "RequestQueue", "RequestState", "form_batches"]
+__all__ = ["MIN_SPREAD_BYTES", "Batch", "RequestQueue", "form_batches"]
 
 #: A fused batch is spread over several idle streams only when each share moves at least
 #: this many bytes: below it the per-launch Python work (which holds the GIL) outweighs the
 #: parallel kernel time.
 MIN_SPREAD_BYTES = 1 << 20
-
-
-def _unbound_event() -> LoopEvent:
-    """For requests built outside a scheduler (tests of the pure policy)."""
-    return ThreadEvent()
-
-
-class RequestState(enum.Enum):
-    """Where a request is."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-
-@attrs.define(eq=False, slots=True)
-class Request:
-    """One submitted operator call and its outcome.
-
-    Created by the scheduler after the request passed its checks; the output arrays are
-    already bound (the caller's ``out=`` or a fresh array).
-    """
-
-    id: int
-    op: Operator
-    tensors: dict[str, np.ndarray]
-    scalars: dict[str, Any]
-    key: Hashable
-    units: int
-    nbytes: int
-    priority: int
-    deadline: float | None
-    enqueued_at: float
-    state: RequestState = RequestState.QUEUED
-    error: BaseException | None = None
-    #: Set when the request reached a final state (the loop's native event).
-    done: LoopEvent = attrs.field(factory=_unbound_event, kw_only=True)
-    #: The caller stopped waiting: the result is dropped when the launch finishes.
-    abandoned: bool = False
-    #: Launches (split parts) still running for this request.
-    parts_left: int = 0
-    launched_at: float = 0.0
-    #: For requests submitted from threads: the future their submitter holds.
-    future: Future[np.ndarray] | None = None
-    #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
-    signature: Hashable | None = attrs.field(default=None, kw_only=True)
-    #: For a graph node: ``(graph run, node run)``; its launch reports to them.
-    graph: Any = None
-    #: Stream events its launch must wait for (its producers' launches).
-    waits: list[Any] | None = None
-    #: Turns the device's result into what the caller gets (torch devices, numpy inputs).
-    convert: Any = attrs.field(default=None, kw_only=True)
-
-    @property
-    def result(self) -> Any:
-        """The output array, or the operator's tuple of outputs (valid once DONE)."""
-        return self.op.result(self.tensors)
 
 
 @attrs.define(eq=False, slots=True)
@@ -108,7 +47,7 @@ class Batch:
     key: Hashable
     fused: bool
     #: For a split request: this part's tensors and scalars.
-    part: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
+    part: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     @property
     def units(self) -> int:

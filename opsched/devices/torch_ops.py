@@ -1,9 +1,10 @@
-"""The operators in torch, and numpy <-> torch conversion; imported only when torch is used.
+"""numpy <-> torch conversion, and each operator called once in torch (the per-request
+framework call the benchmarks and checks compare against); torch is imported only when used.
 
 - GluBackward is ``torch.ops.aten.glu_backward`` (on Ascend, torch_npu runs
-  ``aclnnGluBackward`` for it).
-- GroupNormalizationGrad has no aten binding: it is the SPEC formula in torch operations,
-  computed in float32 and rounded once, like the numpy reference.
+  ``aclnnGluBackward`` for it); GroupNormBackward ``native_group_norm_backward``.
+- GroupNormalizationGrad has no aten binding: it is its operator description's framework
+  call (the SPEC formula in torch operations, in float32, rounded once).
 
 Nothing else in opsched imports torch; :func:`require_torch` turns its absence into an
 ImportError that says how to install it.
@@ -16,6 +17,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from opsched.ops import GROUP_NORM_GRAD
 
 __all__ = [
     "from_torch",
@@ -93,17 +96,10 @@ def group_norm_backward(
 
 
 def group_norm_grad(x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any) -> Any:
-    """GroupNormalizationGrad: the SPEC formula in torch operations, in float32."""
+    """GroupNormalizationGrad in torch: the operator description's framework call."""
     import torch
 
-    n, g = x.shape[0], x.shape[1]
-    m = x.numel() // max(n * g, 1)
-    f32 = torch.float32
-    x_, dy_, gamma_ = (t.to(f32).reshape(n, g, m) for t in (x, dy, gamma))
-    mean_ = mean.to(f32).reshape(n, g, 1)
-    rstd_ = rstd.to(f32).reshape(n, g, 1)
-    xhat = (x_ - mean_) * rstd_
-    s1 = (dy_ * gamma_).sum(-1, keepdim=True)
-    s2 = (dy_ * gamma_ * xhat).sum(-1, keepdim=True)
-    dx = (rstd_ / m) * gamma_ * (m * dy_ - s1 - xhat * s2)
-    return dx.reshape(x.shape).to(x.dtype)
+    dx = torch.empty_like(x)
+    tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
+    GROUP_NORM_GRAD.framework_call(torch, tensors, {})
+    return dx

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from opsched._products import product_named
+from opsched.ops.products import product_named
 
 __all__ = ["SchedulerConfig"]
 

@@ -21,10 +21,11 @@ import attrs
 import numpy as np
 
 from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
-from opsched.ops import Operator
-from opsched.ops._base import check_present, dtype_name
+from opsched.kernels._common import DEFAULT_BLOCK
+from opsched.ops._base import Operator, check_present, dtype_name
+from opsched.ops.products import product_named
 
-__all__ = ["Executor", "ExecutorState", "geometry_of"]
+__all__ = ["Executor", "ExecutorState", "geometry_of", "get_workspace_size", "launch"]
 
 
 class ExecutorState(enum.Enum):
@@ -261,3 +262,36 @@ def null_executor(name: str) -> InnerError:
     """The error for launching ``None`` instead of an executor (561103)."""
     msg = f"{name}: executor is None; pass the executor from get_workspace_size"
     return InnerError(msg, status=Status.ERR_INNER_NULLPTR)
+
+
+def get_workspace_size(
+    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str = "generic"
+) -> tuple[int, Executor]:
+    """Phase one of ``op``'s two-phase call: check (as ``product``'s runtime would) and
+    plan; return the workspace size and a single-use executor bound to ``tensors``."""
+    scalars = op.check_on(product_named(product), tensors, scalars, allocate=False)
+    plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
+    size = op.workspace_size(plan)
+    return size, Executor(op, tensors, scalars, plan, size)
+
+
+def launch(
+    op: Operator, workspace: object, workspace_size: object, executor: object, stream: object
+) -> None:
+    """Phase two of ``op``'s two-phase call: launch ``executor`` in the calling thread.
+
+    Raises:
+        InnerError: ``executor`` is None (561103).
+        TypeError: ``executor`` is not an Executor, or ``stream`` is not None.
+        ParamInvalidError: executor misuse or a too-small workspace (161002).
+        RuntimeLaunchError: the kernel failed (361001), its exception chained.
+    """
+    if executor is None:
+        raise null_executor(op.name)
+    if not isinstance(executor, Executor):
+        msg = f"{op.name}: executor must be an opsched Executor, got {type(executor).__qualname__}"
+        raise TypeError(msg)
+    if stream is not None:
+        msg = f"{op.name}: stream must be None (run in the calling thread), got {stream!r}"
+        raise TypeError(msg)
+    executor.prepare_launch(op, workspace, workspace_size)()

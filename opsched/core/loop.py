@@ -67,7 +67,8 @@ class _AsyncioEvent:
 
 
 class ThreadEvent:
-    """A LoopEvent that is never awaited: for requests built outside any loop (tests)."""
+    """An event for a thread, never awaited: a parked submitting thread's, or the done
+    event of requests built outside any loop (tests)."""
 
     def __init__(self) -> None:
         self._flag = threading.Event()
@@ -77,6 +78,10 @@ class ThreadEvent:
 
     def is_set(self) -> bool:
         return self._flag.is_set()
+
+    def wait_blocking(self) -> None:
+        """Block the calling thread until :meth:`set`."""
+        self._flag.wait()
 
     async def wait(self) -> None:
         msg = "this request belongs to no scheduler; nothing can await it"

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 
 import attrs
 
-from opsched._executor import Executor
+from opsched.ops.executor import Executor
 from opsched._log import enabled, get_logger
 
 __all__ = ["CacheStatistics", "ExecutorCache"]

@@ -21,10 +21,10 @@ import numpy as np
 
 import opsched
 import opsched.sync
-from opsched._config import SchedulerConfig
-from opsched._products import product_named
-from opsched._seeds import glu_seed, group_norm_seed
-from opsched._solo import solo_glu, solo_gn, solo_gnb
+from opsched import SchedulerConfig
+from opsched.ops.products import product_named
+from opsched.cli.seeds import glu_seed, group_norm_seed
+from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
 
 __all__ = ["run_demo"]
 
@@ -42,14 +42,14 @@ class _Solo:
     def glu(self, g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
         if not self.torch:
             return solo_glu(g, x, dim)
-        from opsched import _torch_ops as t
+        from opsched.devices import torch_ops as t
 
         return t.from_torch(t.glu_backward(t.to_torch(g), t.to_torch(x), dim))
 
     def gn(self, *args: np.ndarray) -> np.ndarray:
         if not self.torch:
             return solo_gn(*args)
-        from opsched import _torch_ops as t
+        from opsched.devices import torch_ops as t
 
         return t.from_torch(t.group_norm_grad(*(t.to_torch(a) for a in args)))
 
@@ -59,7 +59,7 @@ class _Solo:
             dx = solo_gnb(dy, x, mean, rstd, None, n, g, m, g, _DX_ONLY)[0]
             assert dx is not None
             return dx
-        from opsched import _torch_ops as t
+        from opsched.devices import torch_ops as t
 
         n, g, m = x.shape
         args = (t.to_torch(dy), t.to_torch(x), t.to_torch(mean), t.to_torch(rstd))
@@ -210,7 +210,7 @@ def run_demo(
     """
     config = config or SchedulerConfig(streams=2)
     if device.startswith("torch"):
-        from opsched._torch_ops import require_torch
+        from opsched.devices.torch_ops import require_torch
 
         require_torch(f"device {device!r}")  # before any output
     product = product_named(config.product)

@@ -11,6 +11,9 @@ memory; the file is complete once the scheduler closes):
 Open the file in https://ui.perfetto.dev (or ``chrome://tracing``). Everything here runs on
 the scheduler's loop thread; launch times are the stream's own ``perf_counter`` readings.
 With tracing off the scheduler holds ``None`` and pays one ``is not None`` test per launch.
+
+The scheduler's structlog events per launch live here too (:func:`log_launch`): both are
+per-launch observability, never per-request work.
 """
 
 from __future__ import annotations
@@ -21,7 +24,22 @@ import pathlib
 import time
 from typing import Any
 
-__all__ = ["TRACE_SCHEMA_VERSION", "Tracer", "load_trace", "summarize"]
+from opsched._log import enabled, get_logger
+from opsched.devices import meta_of
+from opsched.ops import DTYPE_NAMES
+
+__all__ = [
+    "TRACE_SCHEMA_VERSION",
+    "Tracer",
+    "load_trace",
+    "log_failure",
+    "log_launch",
+    "log_overflow",
+    "summarize",
+    "trace_launch",
+]
+
+_log = get_logger("opsched.scheduler")
 
 #: Bumped when the layout of the file changes (``otherData.schema``).
 TRACE_SCHEMA_VERSION = 1
@@ -169,6 +187,71 @@ class Tracer:
             self._file.write('\n],"displayTimeUnit":"ms","otherData":' + json.dumps(other) + "}\n")
         finally:
             self._file.close()
+
+
+def trace_launch(
+    tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: Any | None
+) -> None:
+    """Record one finished launch of ``batch`` (``result``: its work's ``(errors, start,
+    end)``, None when the launch itself failed)."""
+    requests = batch.requests
+    end = time.perf_counter()
+    start, end = (result[1], result[2]) if result is not None else (end, end)
+    first = meta_of(requests[0].tensors[op.tensor_names[0]])
+    args: dict[str, Any] = {
+        "operator": op.name,
+        "dtype": DTYPE_NAMES.get(first.dtype, "?"),
+        "requests": len(requests),
+        "fused": batch.fused,
+        "bytes": batch.nbytes,
+        "executor cache": "hit" if cache_hit else "miss",
+        "queue wait us": round(min(r.launched_at - r.enqueued_at for r in requests) * 1e6, 1),
+        "failed": sum(1 for r in requests if r.error is not None),
+    }
+    if batch.part is not None:
+        args["split part"] = True
+    edges = []
+    for r in requests:
+        if r.graph is not None:
+            node_run = r.graph[1]
+            producers = [p.request.id for p in node_run.producers if p.request is not None]
+            edges.append((r.id, producers))
+    if edges:
+        args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]
+    name = f"{op.name} x{len(requests)}" if len(requests) > 1 else op.name
+    tracer.launch(batch.stream, start, end, name, args, edges)
+
+
+def log_launch(op: Any, batch: Any, result: Any | None) -> None:
+    """The debug event of one finished launch (nothing unless structlog is configured)."""
+    if not enabled():
+        return
+    requests = batch.requests
+    _log.debug(
+        "launch",
+        op=op.name,
+        dtype=str(meta_of(requests[0].tensors[op.tensor_names[0]]).dtype),
+        requests=len(requests),
+        bytes=batch.nbytes,
+        stream=batch.stream,
+        fused=batch.fused,
+        queue_wait_s=min(r.launched_at - r.enqueued_at for r in requests),
+        run_s=result[2] - result[1] if result is not None else 0.0,
+        failed=sum(1 for r in requests if r.error is not None),
+        nodes=[r.graph[1].node.name for r in requests if r.graph is not None],
+    )
+
+
+def log_overflow(requests: int) -> None:
+    """A launch took workspace beyond the cap (nothing in flight could return any)."""
+    if enabled():
+        _log.info("workspace over the cap", requests=requests)
+
+
+def log_failure(what: str, exc: BaseException, requests: int) -> None:
+    """A batch formation or launch start failed its requests."""
+    if enabled():
+        _log.info(what, error=repr(exc), requests=requests)
 
 
 def _meta(kind: str, tid: int, **args: Any) -> dict[str, Any]:

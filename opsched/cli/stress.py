@@ -35,10 +35,11 @@ import numpy as np
 
 import opsched
 import opsched.sync
+from opsched._api import resolve_config
 from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
-from opsched._products import Product, product_named
-from opsched._solo import solo_glu, solo_gn, solo_gnb
-from opsched.ops._base import DTYPE_NAMES
+from opsched.ops.products import Product, product_named
+from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
+from opsched.ops import DTYPE_NAMES
 
 __all__ = ["StressOptions", "run_stress"]
 
@@ -632,7 +633,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     }
     if opts.product is not None:
         overrides["product"] = opts.product
-    config = opsched._api.resolve_config(opts.config, overrides)
+    config = resolve_config(opts.config, overrides)
     harness = _Harness(opts, templates, tally, product_named(config.product))
     rss_start = _rss_bytes()
     # Memory bound: what can be alive at once. Each async client holds one request, each

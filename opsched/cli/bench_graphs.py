@@ -19,8 +19,8 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
-from opsched._bench import BenchTarget
-from opsched._solo import solo_glu, solo_gn
+from opsched.cli.bench_kernels import BenchTarget
+from opsched.cli.solo import solo_glu, solo_gn
 
 __all__ = ["bench_graphs", "print_graph_report"]
 

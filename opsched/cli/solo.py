@@ -1,0 +1,38 @@
+"""Each operator called alone through the two-phase API, into fresh outputs.
+
+The oracle the demo checks the scheduler against (bit for bit), and the baseline of the
+scheduler and graph benchmarks: check, plan, workspace, launch, for one request. One
+generic function serves every operator, from its description.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops.executor import get_workspace_size, launch
+from opsched.ops.products import product_named
+
+__all__ = ["solo", "solo_glu", "solo_gn", "solo_gnb"]
+
+
+def solo(op: Operator, *args: Any, product: str = "generic") -> Any:
+    """``op`` on ``args`` (its parameters, in order) alone: its result in fresh arrays
+    (a tuple for several outputs, None where not asked for)."""
+    tensors, scalars = op.arguments(args, None)
+    checked = op.check_on(product_named(product), tensors, scalars, allocate=True)
+    tensors.update(op.allocate(tensors, checked))
+    size, executor = get_workspace_size(op, tensors, scalars, product)
+    launch(op, np.empty(size, np.uint8) if size else None, size, executor, None)
+    return op.result(tensors)
+
+
+#: GluBackward of one request: ``solo_glu(grad_out, x, dim)``.
+solo_glu = functools.partial(solo, GLU_BACKWARD)
+#: GroupNormalizationGrad of one request: ``solo_gn(x, dy, gamma, mean, rstd)``.
+solo_gn = functools.partial(solo, GROUP_NORM_GRAD)
+#: GroupNormBackward of one request: ``(dx, dgamma, dbeta)``.
+solo_gnb = functools.partial(solo, GROUP_NORM_BACKWARD)

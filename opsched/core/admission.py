@@ -1,0 +1,127 @@
+"""Admission: the queue cap, one FIFO of parked submitters, and the thread inbox.
+
+A submitter finds room when fewer than ``max_queued_requests`` are queued (counting those
+still in the inbox) and nobody is parked ahead of it. Otherwise it parks: tasks on a loop
+event, threads on a thread event, both in the same FIFO. Each time slots free up, as many
+parked submitters are woken, in order, as there are free slots: no thundering herd, no
+polling. A cancelled task passes its wake-up on.
+
+Threads do not touch the queue: they append their checked requests to the inbox, and the
+first of a burst posts one drain to the loop, so a burst of thread submissions costs one
+hand-off. The lock guards the inbox and the FIFO; the queue itself changes only on the
+loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Sized
+from concurrent.futures import Future
+from typing import Any
+
+from opsched._errors import SchedulerClosedError
+from opsched.core.checks import Checked
+from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The cap and the parked submitters of one scheduler."""
+
+    __slots__ = ("_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_waits")
+
+    def __init__(self, cap: int, queue: Sized, loop: LoopHandle) -> None:
+        self._cap = cap
+        self._queue = queue
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
+        self._inbox: collections.deque[tuple[Checked, Future[Any]]] = collections.deque()
+        #: False once the scheduler stops accepting requests.
+        self.open = True
+        #: Threads that waited for room (counted under the lock).
+        self.thread_waits = 0
+
+    def has_room(self) -> bool:
+        """Whether a task may queue now: below the cap, and nobody parked ahead of it."""
+        return len(self._queue) < self._cap and not self._waiters
+
+    def full(self) -> bool:
+        """Whether the queue is at the cap."""
+        return len(self._queue) >= self._cap
+
+    async def wait_for_room(self) -> None:
+        """Park the calling task until it may queue (FIFO).
+
+        Raises:
+            SchedulerClosedError: the scheduler closed while it waited.
+        """
+        while len(self._queue) >= self._cap:
+            if not self.open:
+                raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
+            event = self._loop.new_event()
+            with self._lock:
+                self._waiters.append(event)
+            try:
+                await event.wait()
+            except BaseException:
+                if event.is_set():
+                    self.wake()  # hand the free slot to the next waiter
+                else:
+                    with self._lock:
+                        self._waiters.remove(event)
+                raise
+
+    def put_threadsafe(self, checked: Checked, future: Future[Any], drain: Callable[[], None]) -> bool:
+        """Hand a thread's checked request to the loop, parking the thread while the queue
+        is full; ``drain`` is posted to the loop by the first of a burst.
+
+        Returns:
+            False when the loop has ended (nothing will drain the inbox).
+        """
+        parked: ThreadEvent | None = None
+        while True:
+            with self._lock:
+                room = len(self._inbox) + len(self._queue) < self._cap
+                # A thread woken from the FIFO goes on; a newcomer queues behind the parked.
+                if not self.open or (room and (parked is not None or not self._waiters)):
+                    self._inbox.append((checked, future))
+                    first = len(self._inbox) == 1
+                    break
+                if parked is None:
+                    self.thread_waits += 1
+                parked = ThreadEvent()
+                self._waiters.append(parked)
+            parked.wait_blocking()
+        return not first or self._loop.post(drain)
+
+    def take_inbox(self) -> list[tuple[Checked, Future[Any]]]:
+        """Everything threads handed over since the last call (loop thread)."""
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        return items
+
+    def wake(self) -> bool:
+        """Wake as many parked submitters as there are free slots, in order (loop thread).
+
+        Returns:
+            Whether room is left for the inbox after that.
+        """
+        free = self._cap - len(self._queue)
+        with self._lock:
+            waiters = self._waiters
+            while free > 0 and waiters:
+                waiters.popleft().set()
+                free -= 1
+            return free > 0 and bool(self._inbox)
+
+    def close(self) -> None:
+        """Refuse new requests and wake every parked submitter (they raise
+        SchedulerClosedError, or find the scheduler closed)."""
+        self.open = False
+        with self._lock:
+            while self._waiters:
+                self._waiters.popleft().set()

@@ -1,0 +1,132 @@
+"""Checks at submit time, cached by request signature.
+
+A request's SPEC checks, product profile, fusion key, units and bytes depend only on its
+arrays' shapes and dtypes and its scalar arguments (the operator's signature of them), so
+a signature seen before skips them: one dict lookup. Failures are never cached: a bad
+request always runs the checks and raises its status. What the checks see of the arrays,
+where the arrays live and how outputs are allocated are the device's business
+(:meth:`Device.meta`, :meth:`Device.bind`, :meth:`Device.check_fits`).
+
+Everything here runs in the submitting thread (the loop's, or a thread's) and touches no
+scheduler state but the cache, whose one writer is :meth:`Checks.check`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from opsched.devices import Device
+from opsched.devices.base import Converter
+from opsched.ops import Operator
+from opsched.ops.products import Product
+
+__all__ = ["Checked", "Checks", "deadline_of", "priority_of"]
+
+#: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
+SIGNATURES_KEPT = 4096
+
+
+class Checked(NamedTuple):
+    """A request that passed its checks, not yet queued."""
+
+    op: Operator
+    tensors: dict[str, Any]
+    scalars: dict[str, Any]
+    key: Hashable
+    units: int
+    nbytes: int
+    priority: int
+    deadline: float | None
+    signature: Hashable | None
+    #: Turns the device's result into what the caller gets (None: as it is).
+    convert: Converter | None = None
+
+
+class Checks:
+    """A scheduler's checks for one device and product, with the signature cache."""
+
+    __slots__ = ("_device", "_known", "_meta", "_product")
+
+    def __init__(self, device: Device, product: Product) -> None:
+        self._device = device
+        self._product = product
+        self._known: dict[Hashable, tuple[Any, ...]] = {}
+        # Host devices check the arrays themselves: skip the copy on the hot path.
+        self._meta = type(device).meta is not Device.meta
+
+    def check(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        priority: int,
+        deadline: float | None,
+    ) -> Checked:
+        """Check a request; return it with its outputs bound.
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, InnerError, TypeError: the first failing
+                check, as SPEC and the product profile order them.
+        """
+        device = self._device
+        meta = device.meta(tensors) if self._meta else tensors
+        signature = op.signature(meta, scalars)
+        known = self._known.get(signature) if signature is not None else None
+        if known is None:
+            scalars = op.check_on(self._product, meta, scalars, allocate=True)
+            spec = op.output_spec(meta, scalars)
+            tensors, convert = device.bind(op, tensors, scalars, spec)
+            full = device.meta(tensors) if self._meta else tensors
+            key, units = op.fusion(full, scalars)
+            nbytes = op.nbytes(full)
+            device.check_fits(op, full, scalars, key, units, nbytes)
+            if signature is not None:
+                if len(self._known) >= SIGNATURES_KEPT:
+                    self._known.clear()
+                self._known[signature] = (scalars, spec, key, units, nbytes)
+        else:
+            scalars, spec, key, units, nbytes = known
+            tensors, convert = device.bind(op, tensors, scalars, spec)
+        return Checked(
+            op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
+        )
+
+
+def priority_of(priority: object) -> int:
+    """``priority`` as an int.
+
+    Raises:
+        TypeError: not an integer (a bool is not one).
+    """
+    if type(priority) is int:
+        return priority
+    if isinstance(priority, bool) or not isinstance(priority, int | np.integer):
+        msg = f"priority must be an integer, got {type(priority).__qualname__} {priority!r}"
+        raise TypeError(msg)
+    return int(priority)
+
+
+def deadline_of(deadline: float | None, timeout: float | None) -> float | None:
+    """The absolute ``time.monotonic()`` deadline of a request (the earlier of the two).
+
+    Raises:
+        TypeError: a value that is not a number of seconds.
+        ValueError: a negative timeout.
+    """
+    if deadline is None and timeout is None:
+        return None
+    for name, value in (("deadline", deadline), ("timeout", timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            msg = f"{name} must be a number of seconds or None, got {value!r}"
+            raise TypeError(msg)
+    if timeout is not None:
+        if timeout < 0:
+            msg = f"timeout={timeout} must be >= 0 seconds"
+            raise ValueError(msg)
+        by_timeout = time.monotonic() + timeout
+        return by_timeout if deadline is None else min(deadline, by_timeout)
+    return None if deadline is None else float(deadline)

@@ -1,0 +1,285 @@
+"""Task graphs: build once, check at build time, run many times.
+
+A :class:`Graph` holds operator nodes whose inputs are arrays, :class:`Placeholder` inputs
+bound at each run, or earlier nodes (so no data cycle can be built); ``after`` adds
+ordering-only edges, refused when they would close a cycle. Every SPEC check runs when a node
+is added, on zero-byte stand-ins of the inferred shapes and dtypes.
+
+A run (:class:`opsched.core.graph_run.GraphRun`, driven by the scheduler) submits a node to the scheduler's queue as
+soon as every node it depends on has been *launched*: it then fuses with whatever else is
+queued, and its launch waits on its producers' stream events on the device side, so a chain
+does not make a trip through the event loop per edge. Intermediate outputs come from the
+workspace pool and go back when their last consumer has finished; requested outputs are the
+caller's arrays. A failing node fails everything downstream, with the cause chained;
+independent branches still complete.
+
+This module is the builder: it knows operators only through their descriptions (the
+per-operator methods of :class:`opsched.Graph` are generated) and devices not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from opsched._errors import AclnnError
+from opsched.devices import is_tensor, meta_of
+from opsched.ops import Operator
+from opsched.ops.products import Product
+
+__all__ = [
+    "ARRAY",
+    "NODE",
+    "PLACEHOLDER",
+    "GraphBuilder",
+    "Node",
+    "Placeholder",
+    "RunPlan",
+    "stand_in",
+]
+
+
+@attrs.define(eq=False, repr=False)
+class Placeholder:
+    """A graph input bound to an array at each run (``inputs={placeholder: array}``)."""
+
+    graph: GraphBuilder
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __repr__(self) -> str:
+        return f"<Placeholder {self.name!r} {self.shape} {self.dtype}>"
+
+
+@attrs.define(eq=False, repr=False)
+class Node:
+    """One operator call in a graph; stands for its output array in later nodes.
+
+    An operator with several outputs (GroupNormBackward) stands for its first requested
+    output (``dx``) in later nodes; a run returns its whole tuple of outputs.
+    """
+
+    graph: GraphBuilder
+    index: int
+    name: str
+    op: Operator
+    args: dict[str, Any]
+    scalars: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    #: Nodes this one must run after (data producers and ordering-only edges).
+    deps: list[Node] = attrs.field(factory=list)
+    #: What its checks established, reused at every run: fusion key, units, bytes and the
+    #: signature of its geometry (runs bind arrays of exactly this geometry).
+    key: Any = None
+    units: int = 0
+    nbytes: int = 0
+    signature: Any = None
+    #: ``(argument, kind, value)``: how a run binds each argument (kind: array, node index,
+    #: placeholder), precomputed so binding is a plain loop.
+    binding: tuple[tuple[str, object, Any], ...] = ()
+    #: The output argument the node stands for, and the operator's other requested outputs
+    #: ``(argument, shape, dtype)``, allocated fresh at each run.
+    output: str = ""
+    extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
+    #: Zero-byte stand-ins of its arguments, to check it again for a product.
+    stand_ins: dict[str, Any] = attrs.field(factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
+
+
+ARRAY, NODE, PLACEHOLDER = object(), object(), object()  # kinds of a node argument
+
+
+def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zero-byte array with ``shape`` and ``dtype``, for running checks at build time."""
+    return np.broadcast_to(np.empty((), dtype), shape)
+
+
+@attrs.frozen
+class RunPlan:
+    """What a run of given outputs (and fed nodes) needs, computed once per graph version."""
+
+    order: tuple[int, ...]  # needed node indices, producers before consumers
+    deps: tuple[tuple[int, ...], ...]  # per entry of ``order``: its needed dependencies
+    wanted: frozenset[int]
+    #: ``(placeholder, name of a node using it)`` for every placeholder the run binds.
+    placeholders: tuple[tuple[Placeholder, str], ...]
+
+
+@attrs.define(eq=False)
+class GraphBuilder:
+    """A graph of operator calls; see the module docstring. The public
+    :class:`opsched.Graph` adds one method per operator.
+
+    Example::
+
+        g = opsched.Graph()
+        a = g.group_norm_grad(x, dy, gamma, mean, rstd)
+        b = g.glu_backward(a, gate, dim=-1)
+        outs = await sched.run(g, outputs=[a, b])
+    """
+
+    nodes: list[Node] = attrs.field(factory=list, init=False)
+    placeholders: list[Placeholder] = attrs.field(factory=list, init=False)
+    _plans: dict[tuple[Any, ...], RunPlan] = attrs.field(factory=dict, init=False)
+    #: Products every node passed the checks of (cleared when nodes are added).
+    _products_checked: set[str] = attrs.field(factory=set, init=False)
+
+    def check_on(self, product: Product) -> None:
+        """Check every node as ``product``'s runtime would (see :mod:`opsched._products`).
+
+        Raises:
+            InnerError: a node's operator is not available on the product (561003).
+            ParamInvalidError: a node's dtype is not in the product's list (161002).
+            Both name the node.
+        """
+        if product.name in self._products_checked:
+            return
+        for node in self.nodes:
+            try:
+                node.op.check_on(product, node.stand_ins, node.scalars, allocate=True)
+            except AclnnError as err:
+                raise type(err)(f"node {node.name!r}: {err.args[0]}", status=err.status) from err
+        self._products_checked.add(product.name)
+
+    def input(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> Placeholder:
+        """A placeholder for an array of ``shape`` and ``dtype`` given at each run."""
+        ph = Placeholder(
+            self, name or f"input{len(self.placeholders)}", tuple(shape), np.dtype(dtype)
+        )
+        self.placeholders.append(ph)
+        return ph
+
+    def after(self, node: Node, *others: Node) -> None:
+        """Make ``node`` run after each of ``others`` (an ordering-only edge).
+
+        Raises:
+            ValueError: a node of another graph, or an edge that would close a cycle.
+        """
+        for other in (node, *others):
+            self._own(other, "after")
+        for other in others:
+            if other is node or self._reaches(node, other):
+                msg = f"after({node.name!r}, {other.name!r}) would close a cycle"
+                raise ValueError(msg)
+            if other not in node.deps:
+                node.deps.append(other)
+        self._plans.clear()
+        self._products_checked.clear()
+
+    def add(
+        self, op: Operator, args: dict[str, Any], scalars: dict[str, Any], name: str | None
+    ) -> Node:
+        """Add a node calling ``op`` (the generated per-operator methods call this).
+
+        Raises:
+            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
+                naming the node.
+            ValueError: an argument from another graph, or a node whose output the
+                consumer cannot use.
+        """
+        name = name or f"{op.name}#{len(self.nodes)}"
+        stand_ins: dict[str, Any] = {}
+        deps: list[Node] = []
+        for arg, value in args.items():
+            if is_tensor(value):  # checked on its shape and dtype; bound at each run
+                stand_ins[arg] = meta_of(value)
+            elif isinstance(value, Node | Placeholder):
+                self._own(value, name)
+                if isinstance(value, Node) and value.output != value.op.outputs[0]:
+                    msg = (
+                        f"node {name!r}: {arg} is node {value.name!r}, whose "
+                        f"{value.op.outputs[0]} its output_mask leaves out"
+                    )
+                    raise ValueError(msg)
+                stand_ins[arg] = stand_in(value.shape, value.dtype)
+                if isinstance(value, Node) and value not in deps:
+                    deps.append(value)
+            else:
+                stand_ins[arg] = value
+        for out in op.outputs:
+            stand_ins[out] = None
+        try:
+            checked = op.check(stand_ins, scalars, allocate=True)
+        except (AclnnError, TypeError) as err:
+            raise type(err)(f"node {name!r}: {err.args[0]}") from err
+        spec = op.output_spec(stand_ins, checked)
+        kept = dict(stand_ins)  # the arguments as checked, outputs None
+        (output, (shape, dtype)), *extra = spec.items()
+        node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
+        node.stand_ins = kept
+        node.output = output
+        node.extra_outputs = tuple((out, s, d) for out, (s, d) in extra)
+        stand_ins.update({out: stand_in(s, d) for out, (s, d) in spec.items()})
+        node.key, node.units = op.fusion(stand_ins, checked)
+        node.nbytes = op.nbytes(stand_ins)
+        node.signature = op.signature(stand_ins, scalars)
+        node.binding = tuple(
+            (arg, NODE, v.index) if isinstance(v, Node)
+            else (arg, PLACEHOLDER, v) if isinstance(v, Placeholder)
+            else (arg, ARRAY, v)
+            for arg, v in args.items()
+        )  # fmt: skip
+        self.nodes.append(node)
+        self._plans.clear()
+        self._products_checked.clear()
+        return node
+
+    def _plan(self, outputs: tuple[int, ...], fed: frozenset[int]) -> RunPlan:
+        """The nodes a run of ``outputs`` needs when the ``fed`` nodes are given (cached)."""
+        key = (outputs, fed)
+        plan = self._plans.get(key)
+        if plan is None:
+            order: list[int] = []
+            seen: set[int] = set()
+
+            def visit(n: Node) -> None:
+                if n.index in seen:
+                    return
+                seen.add(n.index)
+                if n.index not in fed:
+                    for d in n.deps:
+                        visit(d)
+                order.append(n.index)
+
+            for i in outputs:
+                visit(self.nodes[i])
+            deps = tuple(
+                () if i in fed else tuple(d.index for d in self.nodes[i].deps) for i in order
+            )
+            used: dict[Placeholder, str] = {}
+            for i in order:
+                if i not in fed:
+                    for _, kind, value in self.nodes[i].binding:
+                        if kind is PLACEHOLDER:
+                            used.setdefault(value, self.nodes[i].name)
+            plan = self._plans[key] = RunPlan(
+                tuple(order), deps, frozenset(outputs), tuple(used.items())
+            )
+        return plan
+
+    def _own(self, item: Node | Placeholder, where: str) -> None:
+        if item.graph is not self:
+            msg = f"{where}: {item!r} belongs to another graph"
+            raise ValueError(msg)
+
+    @staticmethod
+    def _reaches(start: Node, target: Node) -> bool:
+        """Whether ``target`` depends on ``start`` (so ``start`` cannot wait for it)."""
+        stack, seen = [target], set()
+        while stack:
+            n = stack.pop()
+            if n is start:
+                return True
+            if id(n) not in seen:
+                seen.add(id(n))
+                stack.extend(n.deps)
+        return False
+
+

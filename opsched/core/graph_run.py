@@ -1,0 +1,437 @@
+"""Graph runs: one run's node states, and how the scheduler drives them.
+
+A :class:`GraphRun` submits a node as soon as every node it depends on is launched; the
+node's launch waits on its producers' stream events on the device, and its intermediate
+output comes from the device (:meth:`Device.intermediate`) and goes back once its last
+consumer has finished. :func:`run_graph` is :meth:`Scheduler.run`: it checks the run's
+inputs, starts the run, applies its deadline and cancellation, and converts its results
+for the caller (:meth:`Device.graph_converter`). The node requests it queues end through
+the scheduler's one :func:`~opsched.core.requests.finish`.
+
+Like the rest of the core, it knows devices only through their interface and operators only
+through their descriptions.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import attrs
+import numpy as np
+
+from opsched._errors import (
+    GraphExecutionError,
+    ParamInvalidError,
+    ParamNullptrError,
+    UpstreamFailedError,
+)
+from opsched.core.checks import deadline_of, priority_of
+from opsched.core.graph import ARRAY, NODE, GraphBuilder, Node, Placeholder
+from opsched.core.requests import Request, RequestState, finish
+from opsched.devices import Event, meta_of
+
+if TYPE_CHECKING:
+    from opsched.core.scheduler import Scheduler
+
+__all__ = ["GraphRun", "NodeState", "run_graph"]
+
+
+class NodeState(enum.Enum):
+    """Where a node is in one run."""
+
+    WAITING = "waiting"  # for nodes it depends on to launch
+    QUEUED = "queued"
+    LAUNCHED = "launched"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FED = "fed"  # its value was given in ``inputs``
+
+
+class _NodeRun:
+    """One node's state in one run (a plain slotted class: a run makes one per node)."""
+
+    __slots__ = (
+        "block", "consumers", "consumers_left", "error", "event", "node", "output",
+        "producers", "request", "state", "waiting", "wanted",
+    )  # fmt: skip
+
+    def __init__(self, node: Node, wanted: bool) -> None:
+        self.node = node
+        self.wanted = wanted  # the caller asked for its output: theirs, not pooled
+        self.state = NodeState.WAITING
+        self.waiting = 0
+        self.consumers: list[_NodeRun] = []
+        self.producers: list[_NodeRun] = []
+        self.consumers_left = 0
+        self.output: np.ndarray | None = None
+        self.block: Any = None
+        self.request: Request | None = None
+        self.event: Event | None = None
+        self.error: BaseException | None = None
+
+
+
+
+@attrs.define(eq=False)
+class GraphRun:
+    """The state of one run of a graph on a scheduler (driven by the scheduler).
+
+    The callables are the scheduler's: ``submit`` queues a node's request, ``allocate`` /
+    ``release`` handle intermediate memory, ``drop`` fails a queued request, ``done`` is
+    called once every needed node is final. Everything runs on the scheduler's loop thread.
+    """
+
+    graph: GraphBuilder
+    outputs: list[Node]
+    priority: int
+    deadline: float | None
+    submit: Any
+    allocate: Any
+    release: Any
+    done: Any
+    drop: Any
+    #: allocates a requested output (the caller's array: numpy, or a torch device's tensor)
+    fresh: Any = attrs.field(default=np.empty, kw_only=True)
+    runs: dict[int, _NodeRun] = attrs.field(factory=dict)
+    left: int = 0
+    cancelled: bool = False
+    _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
+
+    def start(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> None:
+        """Set up the nodes the outputs need, bind inputs, submit the ready ones."""
+        fed = frozenset(n.index for n in inputs if isinstance(n, Node))
+        plan = self.graph._plan(tuple(n.index for n in self.outputs), fed)
+        nodes = self.graph.nodes
+        runs = self.runs
+        for index, deps in zip(plan.order, plan.deps, strict=True):
+            nr = runs[index] = _NodeRun(nodes[index], index in plan.wanted)
+            if index in fed:
+                nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
+                continue
+            self.left += 1
+            for d in deps:
+                producer = runs[d]
+                nr.producers.append(producer)
+                producer.consumers.append(nr)
+                producer.consumers_left += 1
+                if producer.state is not NodeState.FED:
+                    nr.waiting += 1
+        self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
+        if not self.left:
+            self.done()
+            return
+        for index in plan.order:
+            nr = runs[index]
+            if nr.state is NodeState.WAITING and nr.waiting == 0:
+                self._submit(nr)
+
+    def _submit(self, nr: _NodeRun) -> None:
+        node = nr.node
+        tensors: dict[str, Any] = {}
+        runs, placeholders = self.runs, self._placeholders
+        for arg, kind, value in node.binding:
+            if kind is ARRAY:
+                tensors[arg] = value
+            elif kind is NODE:
+                tensors[arg] = runs[value].output
+            else:
+                tensors[arg] = placeholders[value]
+        waits = [p.event for p in nr.producers if p.event is not None]
+        if nr.wanted:
+            nr.output = self.fresh(node.shape, node.dtype)  # the caller's array
+        else:
+            nr.output, nr.block = self.allocate(node.shape, node.dtype)
+        for out in node.op.outputs:  # outputs not asked for stay None
+            tensors[out] = None
+        tensors[node.output] = nr.output
+        for out, shape, dtype in node.extra_outputs:
+            tensors[out] = self.fresh(shape, dtype)
+        nr.state = NodeState.QUEUED
+        nr.request = self.submit(self, nr, tensors, waits)
+
+    # ------------------------------------------------------------------ scheduler hooks
+
+    def launched(self, nr: _NodeRun, event: Event | None) -> None:
+        """``nr``'s launch was enqueued; ``event`` completes when it has run (None: it runs
+        inline, before any consumer can be dispatched)."""
+        nr.state = NodeState.LAUNCHED
+        nr.event = event
+        for consumer in nr.consumers:
+            consumer.waiting -= 1
+            if consumer.waiting == 0 and consumer.state is NodeState.WAITING and not self.cancelled:
+                self._submit(consumer)
+
+    def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
+        """``nr``'s request reached a final state (``error`` None: success)."""
+        if nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED):
+            return
+        upstream = next(
+            (
+                self.runs[d.index]
+                for d in nr.node.deps
+                if self.runs[d.index].state is NodeState.FAILED
+            ),
+            None,
+        )
+        if error is None and upstream is not None:
+            error = _upstream_error(nr.node, upstream)
+        if error is None:
+            nr.state = NodeState.DONE
+        else:
+            nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED
+            nr.error = error
+            self._fail_downstream(nr)
+        self._settle(nr)
+
+    def queued(self) -> list[Request]:
+        """Requests of this run still in the scheduler's queue."""
+        return [
+            nr.request
+            for nr in self.runs.values()
+            if nr.state is NodeState.QUEUED and nr.request is not None
+        ]
+
+    def cancel(self) -> list[Request]:
+        """Stop the run: nodes not yet launched will not be; returns queued requests."""
+        self.cancelled = True
+        queued = []
+        for nr in self.runs.values():
+            if nr.state is NodeState.WAITING:
+                nr.state = NodeState.CANCELLED
+                self._settle(nr)
+            elif nr.state is NodeState.QUEUED and nr.request is not None:
+                queued.append(nr.request)
+        return queued
+
+    def _fail_downstream(self, failed: _NodeRun) -> None:
+        for consumer in failed.consumers:
+            if consumer.state is NodeState.WAITING:
+                consumer.state = NodeState.FAILED
+                consumer.error = _upstream_error(consumer.node, failed)
+                self._settle(consumer)
+                self._fail_downstream(consumer)
+            elif consumer.state is NodeState.QUEUED and consumer.request is not None:
+                # out of the queue at once; its request's end calls finished() for it
+                self.drop(consumer.request, _upstream_error(consumer.node, failed))
+            # a launched consumer fails when its launch finishes (its result is discarded)
+
+    def _settle(self, nr: _NodeRun) -> None:
+        """A node is final: free the inputs it held, count it, finish the run."""
+        for producer in nr.producers:
+            producer.consumers_left -= 1
+            self._maybe_release(producer)
+        self._maybe_release(nr)
+        self.left -= 1
+        if self.left == 0:
+            self.done()
+
+    def _maybe_release(self, nr: _NodeRun) -> None:
+        final = nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED)
+        if nr.block is not None and final and nr.consumers_left == 0:
+            self.release(nr.block)
+            nr.block = None
+
+    def result(self) -> list[np.ndarray]:
+        """The requested outputs, or GraphExecutionError naming every failed node."""
+        failed = {
+            nr.node.name: nr.error
+            for nr in self.runs.values()
+            if nr.state is NodeState.FAILED and nr.error is not None
+        }
+        outs = [_output(n, self.runs[n.index]) for n in self.outputs]
+        if failed:
+            raise GraphExecutionError(failed, outs)
+        return outs
+
+
+def _output(node: Node, nr: _NodeRun) -> Any:
+    """What a run returns for a requested node: its output (the operator's tuple of outputs
+    for a multi-output node), None when it did not complete."""
+    if nr.state is NodeState.FED:
+        return nr.output
+    if nr.state is not NodeState.DONE:
+        return None
+    if len(node.op.outputs) > 1 and nr.request is not None:
+        return nr.request.result
+    return nr.output
+
+
+def _upstream_error(node: Node, failed: _NodeRun) -> BaseException:
+    error = UpstreamFailedError(
+        f"node {node.name!r} did not produce a result: upstream node {failed.node.name!r} failed"
+    )
+    error.__cause__ = failed.error
+    return error
+
+
+# ------------------------------------------------------------ the scheduler's side of runs
+
+
+async def run_graph(
+    sched: Scheduler,
+    graph: GraphBuilder,
+    outputs: Sequence[Node],
+    inputs: Mapping[Node | Placeholder, Any] | None,
+    priority: int,
+    deadline: float | None,
+    timeout: float | None,
+) -> list[Any]:
+    """:meth:`Scheduler.run`: see it for the arguments and errors."""
+    done = sched._loop.new_event()
+    run = _start(sched, graph, outputs, inputs, priority, deadline, timeout, done.set)
+    try:
+        if run.deadline is not None and not done.is_set():
+            # The run's own timer: nodes still queued at the deadline expire (and fail
+            # what depends on them); launched ones finish.
+            with anyio.move_on_after(run.deadline - time.monotonic()):
+                await done.wait()
+            for request in run.queued():
+                if request.state is RequestState.QUEUED:
+                    sched._expire(request)
+        await done.wait()
+        if sched._loop.cancel_check is not None:
+            await sched._loop.cancel_check()
+    except BaseException:
+        for request in run.cancel():
+            if request.state is RequestState.QUEUED:
+                sched._abandon(request)
+        raise
+    given = list((inputs or {}).values())
+    given += [v for node in graph.nodes for v in node.args.values()]
+    convert = sched.device.graph_converter(given)
+    try:
+        outs = run.result()
+    except GraphExecutionError as exc:
+        if convert is not None:
+            convert(exc)
+        raise
+    return outs if convert is None else convert(outs)
+
+
+def _start(
+    sched: Scheduler,
+    graph: GraphBuilder,
+    outputs: Sequence[Node],
+    inputs: Mapping[Node | Placeholder, Any] | None,
+    priority: int,
+    deadline: float | None,
+    timeout: float | None,
+    done: Any,
+) -> GraphRun:
+    sched._require_open("graph runs")
+    if not isinstance(graph, GraphBuilder):
+        msg = f"run: graph must be an opsched.Graph, got {type(graph).__qualname__}"
+        raise TypeError(msg)
+    outputs = list(outputs)
+    if not outputs:
+        msg = "run: outputs must name at least one node of the graph"
+        raise ValueError(msg)
+    for node in outputs:
+        if not isinstance(node, Node) or node.graph is not graph:
+            msg = f"run: output {node!r} is not a node of this graph"
+            raise ValueError(msg)
+    graph.check_on(sched._product)
+    device = sched.device
+    given = check_inputs(graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds)
+
+    def submit(run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]) -> Any:
+        return _submit_node(sched, run, node_run, tensors, waits)
+
+    def drop(request: Request, error: BaseException) -> None:
+        """Fail a queued node request whose producer failed (it never launches)."""
+        if request.state is RequestState.QUEUED:
+            sched._queue.discard(request, RequestState.FAILED)
+            finish(request, RequestState.FAILED, sched._counters, error)
+            sched._wake_space()
+
+    run = GraphRun(
+        graph,
+        outputs,
+        priority_of(priority),
+        deadline_of(deadline, timeout),
+        submit,
+        device.intermediate,
+        device.release,
+        done,
+        drop,
+        fresh=device.empty,
+    )
+    sched._counters.graph_runs += 1
+    run.start(given)
+    return run
+
+
+def _submit_node(
+    sched: Scheduler, run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]
+) -> Request:
+    """Queue a graph node. Its checks ran when it was added; a run binds arrays of exactly
+    the checked geometry, so nothing is checked again."""
+    node = node_run.node
+    device = sched.device
+    outputs = node.op.outputs
+    tensors = {
+        n: v if v is None or n in outputs else device.admit(node.name, n, v)
+        for n, v in tensors.items()
+    }
+    request = sched._record(
+        node.op, tensors, node.scalars, node.key, node.units, node.nbytes,
+        run.priority, run.deadline, node.signature,
+    )  # fmt: skip
+    request.graph = (run, node_run)
+    request.waits = waits or None
+    counters = sched._counters
+    counters.submitted += 1
+    counters.graph_nodes += 1
+    try:  # as for callers: a node alone over the workspace cap fails
+        device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
+    except ParamInvalidError as exc:
+        finish(request, RequestState.FAILED, counters, exc)
+        return request
+    if not request.nbytes:  # an empty tensor: done at once, without a launch
+        run.launched(node_run, None)
+        sched._finish_empty(request)
+        return request
+    sched._queue.push(request)
+    sched._schedule_dispatch()
+    return request
+
+
+def check_inputs(
+    graph: GraphBuilder,
+    outputs: list[Node],
+    inputs: dict[Any, Any],
+    tensors: bool,
+    kinds: str,
+) -> dict[Node | Placeholder, Any]:
+    """Check ``inputs`` against the graph: owners, geometry, every needed placeholder
+    (``tensors``: the device takes framework tensors too; ``kinds``: what it takes, for
+    the message)."""
+    for key, array in inputs.items():
+        if not isinstance(key, Node | Placeholder) or key.graph is not graph:
+            msg = f"run: inputs key {key!r} is not a placeholder or node of this graph"
+            raise ValueError(msg)
+        meta = meta_of(array) if tensors else array
+        if not isinstance(meta, np.ndarray):
+            msg = f"run: inputs[{key.name!r}] must be {kinds}, got {type(array).__qualname__}"
+            raise TypeError(msg)
+        if meta.shape != key.shape or meta.dtype != key.dtype:
+            msg = (
+                f"run: inputs[{key.name!r}] has shape {meta.shape} and dtype {meta.dtype}; "
+                f"expected {key.shape} and {key.dtype}"
+            )
+            raise ParamInvalidError(msg)
+    fed = frozenset(k.index for k in inputs if isinstance(k, Node))
+    plan = graph._plan(tuple(n.index for n in outputs), fed)
+    for placeholder, user in plan.placeholders:
+        if placeholder not in inputs:
+            msg = (
+                f"run: placeholder {placeholder.name!r} (used by node {user!r}) has no "
+                "array in inputs"
+            )
+            raise ParamNullptrError(msg)
+    return inputs

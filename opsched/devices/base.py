@@ -1,0 +1,269 @@
+"""The device interface: what the scheduler core may ask of a device, and nothing more.
+
+A :class:`Device` owns its streams and everything about where data lives and how a launch
+is prepared. The core calls these hooks and never learns which device it has:
+
+- **admission**: :meth:`Device.meta` (what the checks see of the arguments),
+  :meth:`Device.bind` (the request's arrays on the device, outputs allocated, and how its
+  result returns to the caller), :meth:`Device.check_fits` (a request too big for the
+  device's workspace);
+- **launches**: :meth:`Device.prepare` turns a batch (solo, fused or one part of a split
+  request) into the work its stream runs, or None when out of memory;
+  :meth:`Device.release` returns what a finished launch held;
+- **graphs**: :meth:`Device.intermediate` / :meth:`Device.release` for a graph's
+  intermediate outputs, :meth:`Device.empty` for outputs handed to the caller,
+  :meth:`Device.graph_converter`;
+- **memory**: :meth:`Device.memory_statistics` and the torch-named ``memory_stats``,
+  ``reset_peak_stats``, ``empty_cache``; :meth:`Device.executor_statistics`.
+
+A batch is duck-typed (:class:`LaunchBatch`): the devices never import the core. Known
+devices are created by :func:`opsched.devices.make_device`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+from opsched.devices.cache import CacheStatistics
+from opsched.devices.pool import PoolStatistics
+from opsched.devices.streams import Event, Stream
+from opsched.ops import Operator
+
+__all__ = [
+    "Converter",
+    "Device",
+    "InjectedFault",
+    "LaunchBatch",
+    "LaunchRequest",
+    "Prepared",
+    "is_tensor",
+    "meta_of",
+    "numpy_dtype",
+]
+
+#: Turns a device's result into what the caller gets (e.g. a tensor into numpy).
+Converter = Callable[[Any], Any]
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a launch chosen by a device's fault injector."""
+
+
+class LaunchRequest(Protocol):
+    """What a device reads of a scheduler request."""
+
+    id: int
+    op: Operator
+    tensors: dict[str, Any]
+    scalars: dict[str, Any]
+    units: int
+    signature: Hashable | None
+
+
+class LaunchBatch(Protocol):
+    """What a device reads of a batch to launch."""
+
+    requests: list[Any]
+    stream: int
+    key: Hashable
+    fused: bool
+    part: tuple[dict[str, Any], dict[str, Any]] | None
+
+    @property
+    def units(self) -> int: ...
+
+
+@attrs.frozen
+class Prepared:
+    """A launch ready to run on its stream.
+
+    Attributes:
+        work: runs in the stream: returns ``(errors by request id, start, end)``
+            (``time.perf_counter`` seconds).
+        token: what :meth:`Device.release` takes back when the launch has finished.
+        cache_hit: whether a cached executor served it.
+    """
+
+    work: Callable[[], tuple[dict[int, BaseException], float, float]]
+    token: Any = None
+    cache_hit: bool = False
+
+
+_NUMPY_OF = {  # a tensor dtype's name -> numpy dtype
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a framework tensor (torch's; found without importing torch)."""
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def numpy_dtype(tensor: Any) -> np.dtype:
+    """The numpy dtype of a framework tensor's dtype (``torch.float32`` -> float32)."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    found = _NUMPY_OF.get(name)
+    if found is None:
+        msg = f"tensor dtype {tensor.dtype} has no numpy counterpart opsched knows"
+        raise TypeError(msg)
+    return found
+
+
+def meta_of(value: Any) -> Any:
+    """What the checks see of an argument: a framework tensor as a zero-byte numpy array of
+    its shape and dtype; anything else as it is."""
+    if is_tensor(value):
+        return np.broadcast_to(np.empty((), numpy_dtype(value)), tuple(value.shape))
+    return value
+
+
+@attrs.define(eq=False)
+class Device(abc.ABC):
+    """A compute device: streams, launch preparation, memory, an optional fault injector."""
+
+    name: str
+    streams: list[Stream]
+    _faulty: Callable[[Sequence[Any]], bool] | None = attrs.field(default=None, init=False)
+
+    #: Whether small launches may run inline on an idle stream (no thread hop).
+    inline_capable: bool = attrs.field(default=True, kw_only=True)
+    #: The Ascend product the device says it is (an NPU's SoC name), else None.
+    reported_product: str | None = attrs.field(default=None, kw_only=True)
+    #: Whether callers may pass framework tensors as well as numpy arrays.
+    accepts_tensors: bool = attrs.field(default=False, kw_only=True)
+    #: What a caller may pass as an array, for error messages.
+    array_kinds: str = attrs.field(default="a numpy.ndarray", kw_only=True)
+
+    # ------------------------------------------------------------------------ faults
+
+    def inject_faults(self, predicate: Callable[[Sequence[Any]], bool] | None) -> None:
+        """Make launches fail when ``predicate(requests)`` is true (None: no faults).
+
+        The predicate sees the scheduler requests of a launch (each with ``.op``,
+        ``.tensors``, ``.scalars`` and ``.id``). Fused launches that fail are re-run in halves
+        until the requests that make the predicate true are isolated, exactly as for a real
+        kernel failure. It runs in the stream's thread.
+        """
+        self._faulty = predicate
+
+    def check_fault(self, requests: Sequence[Any]) -> None:
+        """Raise InjectedFault when the injector picks this launch."""
+        faulty = self._faulty
+        if faulty is not None and faulty(requests):
+            msg = f"injected fault in a launch of {len(requests)} request(s)"
+            raise InjectedFault(msg)
+
+    # --------------------------------------------------------------------- admission
+
+    def meta(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """What the checks see of a request's arrays (default: the arrays themselves)."""
+        return dict(tensors)
+
+    def bind(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    ) -> tuple[dict[str, Any], Converter | None]:
+        """A checked request's arrays as the launch uses them, outputs allocated (``spec``:
+        each output's shape and dtype), and the converter of its result (None: as is).
+
+        The default keeps numpy arrays where they are and allocates missing outputs.
+        """
+        for name in op.outputs:  # a loop, not any(): this runs for every request
+            if tensors[name] is None:
+                tensors.update(op.allocate(tensors, scalars))
+                break
+        return tensors, None
+
+    def check_fits(
+        self,
+        op: Operator,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        key: Hashable,
+        units: int,
+        nbytes: int,
+    ) -> None:
+        """Raise ParamInvalidError when this request alone could never get its workspace
+        (default: nothing to check)."""
+
+    def admit(self, where: str, name: str, value: Any) -> Any:
+        """An input array bound at a graph run, as the launch uses it (default: as is)."""
+        return value
+
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> Any:
+        """A new array of ``shape`` and ``dtype`` on this device (a caller's output)."""
+        return np.empty(tuple(shape), dtype)
+
+    def graph_converter(self, given: Sequence[Any]) -> Converter | None:
+        """How a graph run's results return to the caller, given the arrays the caller
+        passed (its inputs and node constants); None: as they are."""
+        return None
+
+    # ---------------------------------------------------------------------- launches
+
+    @abc.abstractmethod
+    def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
+        """The work that runs ``batch`` on its stream, or None when the device is out of
+        workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
+        workspace beyond the cap when nothing in flight could return any."""
+
+    def release(self, token: Any) -> None:  # noqa: B027 - optional hook
+        """Take back what a finished launch or a graph intermediate held."""
+
+    def intermediate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, Any]:
+        """A graph's intermediate output and its token for :meth:`release` (default: a
+        plain new array, nothing to release)."""
+        return self.empty(shape, dtype), None
+
+    def wait_events(self, stream: Stream, events: Sequence[Event]) -> None:
+        """Make ``stream``'s next launch wait for ``events`` (graph edges across streams)."""
+        for event in events:
+            stream.wait_event(event)
+
+    # ------------------------------------------------------------------------ memory
+
+    @abc.abstractmethod
+    def memory_statistics(self) -> PoolStatistics:
+        """The device memory's counters, in the workspace pool's vocabulary."""
+
+    def memory_usage(self) -> tuple[int, int]:
+        """``(bytes in use, bytes held)`` now, cheaply (trace counters)."""
+        stats = self.memory_statistics()
+        return stats.in_use, stats.current
+
+    @abc.abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """The memory counters with torch-style keys."""
+
+    def reset_peak_stats(self) -> None:  # noqa: B027 - optional hook
+        """Restart the peak counters from the current values."""
+
+    def empty_cache(self) -> None:  # noqa: B027 - optional hook
+        """Release cached, idle memory."""
+
+    def executor_statistics(self) -> CacheStatistics:
+        """The executor cache's counters (zeros where the device plans nothing)."""
+        return CacheStatistics(0, 0, 0, 0, 0)
+
+    def close(self) -> None:
+        """Stop every stream (their threads finish their current work first)."""
+        for stream in self.streams:
+            stream.close()

@@ -1,0 +1,335 @@
+"""The host devices: numpy kernels on the CPU, with a workspace pool and an executor cache.
+
+- ``"cpu"``: :class:`CpuDevice`, one worker thread per stream running its FIFO of launches;
+  numpy releases the GIL in its loops, so streams compute in parallel.
+- ``"reference"``: :class:`ReferenceDevice`, for tests: launches run inline, in submission
+  order, with the reference kernels; fully deterministic.
+
+Launch preparation is theirs: a lone request runs on its own arrays with a cached,
+repeatable executor keyed by its geometry; a fused batch gathers its requests into the
+arrays of a bucketed capacity carved from one pooled workspace block (:class:`FusedLayout`),
+runs the operator's own kernel on the used prefix, and scatters each request's slice back,
+so every element is computed by the same operations as when launched alone (bit-identical
+results). A failing fused launch is re-run in halves to isolate the culprits.
+
+This module knows operators only through their descriptions, and nothing of the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from opsched._errors import ParamInvalidError
+from opsched.devices.base import Device, LaunchBatch, Prepared
+from opsched.devices.cache import CacheStatistics, ExecutorCache
+from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
+from opsched.devices.streams import InlineStream, ThreadStream
+from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
+from opsched.ops import Operator
+from opsched.ops.executor import Executor, geometry_of
+
+__all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
+
+#: Launch work: ``(errors by request id, start, end)``.
+Outcome = tuple[dict[int, BaseException], float, float]
+
+
+def bucket(units: int) -> int:
+    """Fused capacity for ``units``: a power of two (at least 256), so recurring work
+    reuses a few executors. Only the used prefix is computed, so the padding is free."""
+    return 1 << max(8, (units - 1).bit_length())
+
+
+@attrs.frozen
+class FusedLayout:
+    """Where a fused launch's gathered arrays and kernel workspace sit in its block."""
+
+    arrays: tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+    kernel_bytes: int
+    nbytes: int
+
+    @classmethod
+    def of(
+        cls, geometry: dict[str, tuple[tuple[int, ...], np.dtype]], kernel_bytes: int
+    ) -> FusedLayout:
+        arrays = tuple((name, shape, dtype) for name, (shape, dtype) in geometry.items())
+        counts = [(math.prod(shape), dtype) for _, shape, dtype in arrays]
+        return cls(arrays, kernel_bytes, workspace_bytes(counts) + kernel_bytes)
+
+    def carve(self, block: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The gathered arrays and the kernel's workspace, as views of ``block``."""
+        carve = Carver(block)
+        arrays = {
+            name: carve.take(math.prod(shape), dtype).reshape(shape)
+            for name, shape, dtype in self.arrays
+        }
+        return arrays, block[carve.offset :]
+
+
+@attrs.define(eq=False)
+class HostDevice(Device):
+    """A device whose data is numpy arrays in host memory (see the module docstring)."""
+
+    #: Launches at least this large run alone (the scheduler's ``fuse_max_bytes``).
+    fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
+    _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
+    _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
+
+    def run_kernel(
+        self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
+    ) -> None:
+        """Compute ``op`` for ``plan`` into the output arrays."""
+        op.run(plan, tensors, workspace)
+
+    # --------------------------------------------------------------------- admission
+
+    def check_fits(
+        self,
+        op: Operator,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        key: Hashable,
+        units: int,
+        nbytes: int,
+    ) -> None:
+        pool = self._pool
+        if nbytes <= pool.limit // 4:  # small requests always fit: no planning
+            return
+        if nbytes > self.fuse_max_bytes:
+            need = op.workspace_size(op.plan(tensors, scalars, DEFAULT_BLOCK))
+        else:
+            capacity = bucket(units)
+            geometry, _ = op.fused_geometry(key, capacity)
+            plan_bytes = op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
+            need = FusedLayout.of(geometry, plan_bytes).nbytes
+        if not pool.fits(need):
+            msg = (
+                f"{op.name}: this request needs {need} bytes of workspace, more than "
+                f"workspace_limit_bytes={pool.limit}"
+            )
+            raise ParamInvalidError(msg)
+
+    # ---------------------------------------------------------------------- launches
+
+    def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
+        if batch.fused:
+            return self._prepare_fused(batch, overflow)
+        return self._prepare_solo(batch, overflow)
+
+    def _prepare_solo(self, batch: LaunchBatch, overflow: bool) -> Prepared | None:
+        request = batch.requests[0]
+        op: Operator = request.op
+        tensors, scalars = batch.part or (request.tensors, request.scalars)
+        strides = tuple(_strides(tensors[n]) for n in op.tensor_names)
+        if batch.part is None and request.signature is not None:
+            geometry: Hashable = request.signature  # shapes, dtypes, scalars: from the checks
+        else:
+            geometry = (
+                tuple(geometry_of(tensors[n]) for n in op.tensor_names),
+                tuple(sorted(scalars.items())),
+            )
+        overlap = op.overlaps_any(tensors)
+        cache_key = (geometry, strides, overlap, self.name, batch.stream)
+        executor = self._cache.get(cache_key)
+        hit = executor is not None
+        if executor is None:
+            plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
+            executor = Executor(op, dict(tensors), scalars, plan, op.workspace_size(plan))
+            executor.set_repeatable()
+            self._cache.put(cache_key, executor)
+        else:
+            executor.rebind_same_geometry(tensors)  # the cache key is the geometry
+        size = executor.workspace_size
+        block: Block | None = None
+        if size:
+            block = self._pool.allocate(size, batch.stream, overflow=overflow)
+            if block is None:
+                return None
+        workspace = block.array if block is not None else None
+        executor.count_launch()
+        plan = executor.plan
+        bound = dict(tensors)
+        requests = batch.requests
+
+        def work() -> Outcome:
+            start = time.perf_counter()
+            self.check_fault(requests)
+            self.run_kernel(op, plan, bound, workspace)
+            return {}, start, time.perf_counter()
+
+        return Prepared(work, block, hit)
+
+    def _prepare_fused(self, batch: LaunchBatch, overflow: bool) -> Prepared | None:
+        requests = batch.requests
+        op: Operator = requests[0].op
+        capacity = bucket(batch.units)
+        cache_key = (op.name, "fused", batch.key, capacity, self.name, batch.stream)
+        executor = self._cache.get(cache_key)
+        hit = executor is not None
+        if executor is None:
+            geometry, scalars = op.fused_geometry(batch.key, capacity)
+            plan = op.fused_plan(batch.key, capacity, DEFAULT_BLOCK)
+            executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
+            executor.set_repeatable()
+            executor.layout = FusedLayout.of(geometry, executor.workspace_size)
+            self._cache.put(cache_key, executor)
+        layout: FusedLayout = executor.layout
+        block = self._pool.allocate(layout.nbytes, batch.stream, overflow=overflow)
+        if block is None:
+            return None
+        try:
+            # A block keeps the views it was carved into, per layout: steady state carves
+            # nothing, and rebinding the same views needs no geometry check.
+            views = block.views.get(cache_key)
+            if views is None:
+                views = block.views[cache_key] = layout.carve(block.array)
+            arrays, kernel_ws = views
+            if executor.tensors is not arrays:
+                executor.rebind_same_geometry(arrays)
+            executor.count_launch()
+        except BaseException:
+            self._pool.release(block)
+            raise
+        plan = executor.plan
+
+        def work() -> Outcome:
+            start = time.perf_counter()
+            errors: dict[int, BaseException] = {}
+            self._run_fused(op, plan, arrays, kernel_ws, requests, errors)
+            return errors, start, time.perf_counter()
+
+        return Prepared(work, block, hit)
+
+    def _run_fused(
+        self,
+        op: Operator,
+        plan: Any,
+        arrays: dict[str, np.ndarray],
+        workspace: np.ndarray,
+        requests: Sequence[Any],
+        errors: dict[int, BaseException],
+    ) -> None:
+        """Gather, compute, scatter; on failure re-run in halves to isolate the culprits."""
+        try:
+            self.check_fault(requests)
+            offsets = op.gather(requests, arrays)
+            units = sum(r.units for r in requests)
+            self.run_kernel(op, plan, op.fused_prefix(arrays, units), workspace)
+            op.scatter(requests, arrays, offsets)
+        except Exception as exc:
+            if len(requests) == 1:
+                errors[requests[0].id] = exc
+                return
+            half = len(requests) // 2
+            self._run_fused(op, plan, arrays, workspace, requests[:half], errors)
+            self._run_fused(op, plan, arrays, workspace, requests[half:], errors)
+
+    def release(self, token: Any) -> None:
+        if token is not None:
+            self._pool.release(token)
+
+    def intermediate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, Any]:
+        """From the pool while it is at most half full (the other half stays for launch
+        workspaces), else a plain array."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        pool = self._pool
+        if nbytes and pool.current + nbytes <= pool.limit // 2:
+            block = pool.allocate(nbytes, 0)
+            if block is not None:
+                view = block.views.get((shape, dtype))  # a reused block keeps its views
+                if view is None:
+                    view = block.array[:nbytes].view(dtype).reshape(shape)
+                    block.views[(shape, dtype)] = view
+                return view, block
+        return np.empty(shape, dtype), None
+
+    # ------------------------------------------------------------------------ memory
+
+    def memory_statistics(self) -> PoolStatistics:
+        return self._pool.statistics()
+
+    def memory_usage(self) -> tuple[int, int]:
+        return self._pool.in_use, self._pool.current
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._pool.memory_stats()
+
+    def reset_peak_stats(self) -> None:
+        self._pool.reset_peak_stats()
+
+    def empty_cache(self) -> None:
+        self._pool.empty_cache()
+
+    def executor_statistics(self) -> CacheStatistics:
+        return self._cache.statistics()
+
+    def close(self) -> None:
+        super().close()
+        self._cache.clear()
+        self._pool.empty_cache()
+
+
+def _pool_and_cache(workspace_limit_bytes: int, executor_cache_limit: int) -> dict[str, Any]:
+    return {
+        "pool": WorkspacePool(workspace_limit_bytes),
+        "cache": ExecutorCache(executor_cache_limit),
+    }
+
+
+@attrs.define(eq=False)
+class CpuDevice(HostDevice):
+    """The default device: numpy fast kernels, one worker thread per stream."""
+
+    @classmethod
+    def create(
+        cls,
+        streams: int,
+        *,
+        workspace_limit_bytes: int = 64 << 20,
+        executor_cache_limit: int = 1024,
+        fuse_max_bytes: int = 1 << 20,
+    ) -> CpuDevice:
+        """A CPU device with ``streams`` worker streams."""
+        return cls(
+            "cpu",
+            [ThreadStream(i) for i in range(streams)],
+            fuse_max_bytes=fuse_max_bytes,
+            **_pool_and_cache(workspace_limit_bytes, executor_cache_limit),
+        )
+
+
+@attrs.define(eq=False)
+class ReferenceDevice(HostDevice):
+    """The test device: reference kernels, inline streams, submission order."""
+
+    @classmethod
+    def create(
+        cls,
+        streams: int,
+        *,
+        workspace_limit_bytes: int = 64 << 20,
+        executor_cache_limit: int = 1024,
+        fuse_max_bytes: int = 1 << 20,
+    ) -> ReferenceDevice:
+        """A reference device; ``streams`` inline streams (for statistics only)."""
+        return cls(
+            "reference",
+            [InlineStream(i) for i in range(streams)],
+            fuse_max_bytes=fuse_max_bytes,
+            **_pool_and_cache(workspace_limit_bytes, executor_cache_limit),
+        )
+
+    def run_kernel(
+        self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
+    ) -> None:
+        op.run_reference(plan, tensors)
+
+
+def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:
+    return None if array is None else array.strides
