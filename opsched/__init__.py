@@ -6,7 +6,10 @@ is enough to reach the synchronous facade (:mod:`opsched.sync`) and the two-phas
 device-style API (:mod:`opsched.aclnn`).
 """
 
-from opsched import aclnn
+from opsched import (
+    aclnn,
+    sync,
+)
 from opsched._api import (
     Graph,
     Scheduler,
@@ -45,8 +48,6 @@ from opsched.devices import (
     StreamStatistics,
 )
 from opsched.ops.executor import Executor, ExecutorState
-
-from opsched import sync  # noqa: I001 - after the names it re-exports (it imports them)
 
 __version__ = "0.1.0"
 

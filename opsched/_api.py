@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from opsched import ops
 from opsched.core import scheduler as _core
 from opsched.core.config import SchedulerConfig
 from opsched.core.graph import GraphBuilder, Node, Placeholder
@@ -32,10 +33,6 @@ from opsched.core.requests import Pending
 from opsched.core.scheduler import SchedulerState
 from opsched.core.trace import Tracer
 from opsched.devices import make_device
-
-# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
-# END GENERATED imports
 
 __all__ = [
     "Graph",
@@ -85,7 +82,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return await sched.submit(
-            GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
     def glu_backward_nowait(
@@ -104,7 +101,7 @@ class Scheduler(_core.Scheduler):
         Arguments as :meth:`glu_backward`; raises as :meth:`submit_nowait`.
         """
         return sched.submit_nowait(
-            GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
     async def group_norm_grad(
@@ -120,7 +117,7 @@ class Scheduler(_core.Scheduler):
         deadline: float | None = None,
         timeout: float | None = None,
     ) -> np.ndarray:
-        """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``, SPEC's formula); returns ``dx``.
+        """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``); returns ``dx``.
 
         Args:
             x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
@@ -136,7 +133,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return await sched.submit(
-            GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
     def group_norm_grad_nowait(
@@ -152,12 +149,13 @@ class Scheduler(_core.Scheduler):
         deadline: float | None = None,
         timeout: float | None = None,
     ) -> Pending:
-        """Queue a GroupNormalizationGrad without waiting; ``await`` the returned :class:`Pending`.
+        """Queue a GroupNormalizationGrad without waiting; ``await`` the returned
+        :class:`Pending`.
 
         Arguments as :meth:`group_norm_grad`; raises as :meth:`submit_nowait`.
         """
         return sched.submit_nowait(
-            GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
     async def group_norm_backward(
@@ -178,7 +176,8 @@ class Scheduler(_core.Scheduler):
         deadline: float | None = None,
         timeout: float | None = None,
     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-        """GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient; returns ``(dx, dgamma, dbeta)``, None where ``output_mask`` is False.
+        """GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient; returns
+        ``(dx, dgamma, dbeta)``, None where ``output_mask`` is False.
 
         Args:
             grad_out: N * C * HxW elements (e.g. (N, C, H, W)).
@@ -199,7 +198,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return await sched.submit(
-            GROUP_NORM_BACKWARD,
+            ops.GROUP_NORM_BACKWARD,
             (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
             out,
             priority,
@@ -230,7 +229,7 @@ class Scheduler(_core.Scheduler):
         Arguments as :meth:`group_norm_backward`; raises as :meth:`submit_nowait`.
         """
         return sched.submit_nowait(
-            GROUP_NORM_BACKWARD,
+            ops.GROUP_NORM_BACKWARD,
             (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
             out,
             priority,
@@ -269,7 +268,7 @@ class Graph(GraphBuilder):
         """
         args = {"grad_out": grad_out, "self": self}
         scalars = {"dim": dim}
-        return graph.add(GLU_BACKWARD, args, scalars, name)
+        return graph.add(ops.GLU_BACKWARD, args, scalars, name)
 
     def group_norm_grad(
         graph,
@@ -281,7 +280,8 @@ class Graph(GraphBuilder):
         *,
         name: str | None = None,
     ) -> Node:
-        """Add a GroupNormalizationGrad node (arguments as :meth:`Scheduler.group_norm_grad`; nodes and
+        """Add a GroupNormalizationGrad node (arguments as :meth:`Scheduler.group_norm_grad`;
+        nodes and
         placeholders may stand for arrays).
 
         Raises:
@@ -289,8 +289,8 @@ class Graph(GraphBuilder):
                 naming the node.
         """
         args = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
-        scalars = {}
-        return graph.add(GROUP_NORM_GRAD, args, scalars, name)
+        scalars: dict[str, Any] = {}
+        return graph.add(ops.GROUP_NORM_GRAD, args, scalars, name)
 
     def group_norm_backward(
         graph,
@@ -307,7 +307,8 @@ class Graph(GraphBuilder):
         *,
         name: str | None = None,
     ) -> Node:
-        """Add a GroupNormBackward node (arguments as :meth:`Scheduler.group_norm_backward`; nodes and
+        """Add a GroupNormBackward node (arguments as :meth:`Scheduler.group_norm_backward`;
+        nodes and
         placeholders may stand for arrays).
 
         Raises:
@@ -316,7 +317,7 @@ class Graph(GraphBuilder):
         """
         args = {"grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma}
         scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-        return graph.add(GROUP_NORM_BACKWARD, args, scalars, name)
+        return graph.add(ops.GROUP_NORM_BACKWARD, args, scalars, name)
     # END GENERATED graph
 
 
@@ -479,7 +480,7 @@ async def glu_backward(
     """GluBackward on the current scheduler; see :meth:`Scheduler.glu_backward`."""
     scheduler = await current_scheduler()
     return await scheduler.submit(
-        GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
     )
 
 
@@ -498,7 +499,7 @@ async def group_norm_grad(
     """GroupNormalizationGrad on the current scheduler; see :meth:`Scheduler.group_norm_grad`."""
     scheduler = await current_scheduler()
     return await scheduler.submit(
-        GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
     )
 
 
@@ -522,7 +523,7 @@ async def group_norm_backward(
     """GroupNormBackward on the current scheduler; see :meth:`Scheduler.group_norm_backward`."""
     scheduler = await current_scheduler()
     return await scheduler.submit(
-        GROUP_NORM_BACKWARD,
+        ops.GROUP_NORM_BACKWARD,
         (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
         out,
         priority,

@@ -19,11 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from opsched import ops
 from opsched.ops.executor import Executor, get_workspace_size, launch
-
-# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
-# END GENERATED imports
 
 __all__ = [
     "Executor",
@@ -66,7 +63,7 @@ def glu_backward_get_workspace_size(
     """
     tensors = {"grad_out": grad_out, "self": self, "out": out}
     scalars = {"dim": dim}
-    return get_workspace_size(GLU_BACKWARD, tensors, scalars, product)
+    return get_workspace_size(ops.GLU_BACKWARD, tensors, scalars, product)
 
 
 def glu_backward(
@@ -82,7 +79,7 @@ def glu_backward(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    launch(GLU_BACKWARD, workspace, workspace_size, executor, stream)
+    launch(ops.GLU_BACKWARD, workspace, workspace_size, executor, stream)
 
 
 def group_norm_grad_get_workspace_size(
@@ -95,7 +92,8 @@ def group_norm_grad_get_workspace_size(
     *,
     product: str = "generic",
 ) -> tuple[int, Executor]:
-    """Check a GroupNormalizationGrad call and plan it (``aclnnGroupNormalizationGradGetWorkspaceSize``).
+    """Check a GroupNormalizationGrad call and plan it
+    (``aclnnGroupNormalizationGradGetWorkspaceSize``).
 
     Args:
         x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
@@ -117,8 +115,8 @@ def group_norm_grad_get_workspace_size(
         TypeError: an argument of the wrong kind.
     """
     tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
-    scalars = {}
-    return get_workspace_size(GROUP_NORM_GRAD, tensors, scalars, product)
+    scalars: dict[str, Any] = {}
+    return get_workspace_size(ops.GROUP_NORM_GRAD, tensors, scalars, product)
 
 
 def group_norm_grad(
@@ -134,7 +132,7 @@ def group_norm_grad(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    launch(GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
+    launch(ops.GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
 
 
 def group_norm_backward_get_workspace_size(
@@ -193,7 +191,7 @@ def group_norm_backward_get_workspace_size(
         "dbeta": dbeta,
     }
     scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-    return get_workspace_size(GROUP_NORM_BACKWARD, tensors, scalars, product)
+    return get_workspace_size(ops.GROUP_NORM_BACKWARD, tensors, scalars, product)
 
 
 def group_norm_backward(
@@ -209,5 +207,5 @@ def group_norm_backward(
         InnerError: ``executor`` is None (561103).
         RuntimeLaunchError: the kernel failed (361001), its exception chained.
     """
-    launch(GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)
+    launch(ops.GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)
 # END GENERATED functions

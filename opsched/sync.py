@@ -31,15 +31,12 @@ from typing import Any
 import anyio.from_thread
 import numpy as np
 
+from opsched import ops
 from opsched._api import Graph, Scheduler
 from opsched._api import open_scheduler as _open_async
 from opsched.core.config import SchedulerConfig
 from opsched.core.graph import Node
 from opsched.core.stats import SchedulerStatistics
-
-# BEGIN GENERATED imports: scripts/gen_entry_points.py writes this; do not edit
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
-# END GENERATED imports
 
 __all__ = [
     "SyncScheduler",
@@ -126,7 +123,7 @@ class SyncScheduler:
         """
         facade._portal.check_thread()
         return facade.scheduler.submit_threadsafe(
-            GLU_BACKWARD,
+            ops.GLU_BACKWARD,
             (grad_out, self, dim),
             out,
             priority=priority,
@@ -165,13 +162,14 @@ class SyncScheduler:
         deadline: float | None = None,
         timeout: float | None = None,
     ) -> Future[np.ndarray]:
-        """Queue a GroupNormalizationGrad; the future resolves with its result (or raises its error).
+        """Queue a GroupNormalizationGrad; the future resolves with its result (or raises its
+        error).
 
         Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
         """
         facade._portal.check_thread()
         return facade.scheduler.submit_threadsafe(
-            GROUP_NORM_GRAD,
+            ops.GROUP_NORM_GRAD,
             (x, dy, gamma, mean, rstd),
             out,
             priority=priority,
@@ -239,7 +237,7 @@ class SyncScheduler:
         """
         facade._portal.check_thread()
         return facade.scheduler.submit_threadsafe(
-            GROUP_NORM_BACKWARD,
+            ops.GROUP_NORM_BACKWARD,
             (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
             out,
             priority=priority,

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import pathlib
 import sys
+import textwrap
 import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -60,7 +61,7 @@ WAIT_KW = ("priority", "deadline", "timeout")
 
 
 def _const(op: Operator) -> str:
-    return op.method.upper()
+    return f"ops.{op.method.upper()}"
 
 
 def _call(head: str, args: Sequence[str], indent: str, tail: str = ")") -> list[str]:
@@ -104,7 +105,9 @@ def _keywords(op: Operator, *, out: bool = True) -> list[str]:
     kw = ["*"]
     if out:
         kw.append(f"out: {op.out_annotation} = None")
-    return [*kw, "priority: int = 0", "deadline: float | None = None", "timeout: float | None = None"]
+    return [
+        *kw, "priority: int = 0", "deadline: float | None = None", "timeout: float | None = None"
+    ]
 
 
 def _args_tuple(op: Operator) -> str:
@@ -113,11 +116,26 @@ def _args_tuple(op: Operator) -> str:
 
 
 def _doc(lines: Sequence[str], indent: str) -> list[str]:
-    body = [f"{indent}{line}" if line else "" for line in lines]
-    body[0] = f'{indent}"""{lines[0]}'
-    if len(body) == 1:
-        return [body[0] + '"""']
-    return [*body, f'{indent}"""']
+    """A docstring of ``lines``, each wrapped to the line width (continuations of an
+    indented line, such as an ``Args:`` entry, indented four more)."""
+    wrapped: list[str] = []
+    for k, line in enumerate(lines):
+        if not line:
+            wrapped.append("")
+            continue
+        lead = " " * (len(line) - len(line.lstrip()))
+        first = f'{indent}"""' if k == 0 else indent
+        more = indent + (lead + "    " if lead else "")
+        wrapped += textwrap.wrap(
+            line.lstrip(),
+            WIDTH - 3,  # room for a closing quote on a one-line docstring
+            initial_indent=first + lead,
+            subsequent_indent=more,
+            break_on_hyphens=False,
+        )
+    if len(wrapped) == 1:
+        return [wrapped[0] + '"""']
+    return [*wrapped, f'{indent}"""']
 
 
 def _args_doc(op: Operator, extra: Sequence[tuple[str, str]] = ()) -> list[str]:
@@ -165,7 +183,8 @@ def scheduler_methods(op: Operator) -> list[str]:
 def module_functions(op: Operator) -> list[str]:
     params = [_param(op, p) for p in op.parameters] + _keywords(op)
     lines = _signature(op.method, None, params, op.result_annotation, "", is_async=True)
-    lines += _doc([f"{op.name} on the current scheduler; see :meth:`Scheduler.{op.method}`."], "    ")
+    text = f"{op.name} on the current scheduler; see :meth:`Scheduler.{op.method}`."
+    lines += _doc([text], "    ")
     lines.append("    scheduler = await current_scheduler()")
     call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
     lines += _call("return await scheduler.submit(", call, "    ")
@@ -189,7 +208,7 @@ def graph_methods(op: Operator) -> list[str]:
     tensors = [f'"{p.name}": {p.name}' for p in op.parameters if p.name in op.tensor_names]
     scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
     lines += _call("args = {", tensors, i * 2, "}")
-    lines += _call("scalars = {", scalars, i * 2, "}") if scalars else [f"{i * 2}scalars = {{}}"]
+    lines += _call("scalars = {", scalars, i * 2, "}") if scalars else [f"{i * 2}scalars: dict[str, Any] = {{}}"]
     lines.append(f"{i * 2}return graph.add({_const(op)}, args, scalars, name)")
     return lines
 
@@ -266,7 +285,7 @@ def aclnn_functions(op: Operator) -> list[str]:
     tensors = [f'"{n}": {n}' for n in op.tensor_names]
     scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
     lines += _call("tensors = {", tensors, "    ", "}")
-    lines += _call("scalars = {", scalars, "    ", "}") if scalars else ["    scalars = {}"]
+    lines += _call("scalars = {", scalars, "    ", "}") if scalars else ["    scalars: dict[str, Any] = {}"]
     lines.append(f"    return get_workspace_size({_const(op)}, tensors, scalars, product)")
     lines += ["", ""]
     launch_params = [
@@ -291,32 +310,24 @@ def aclnn_functions(op: Operator) -> list[str]:
     return lines
 
 
-def imports() -> list[str]:
-    names = sorted(_const(op) for op in OPERATORS.values())
-    one = f"from opsched.ops import {', '.join(names)}"
-    if len(one) <= WIDTH:
-        return [one]
-    return ["from opsched.ops import (", *(f"    {n}," for n in names), ")"]
-
-
 Region = Callable[["Operator"], list[str]]
 
 #: file -> region name -> how each operator's part of it is written.
-REGIONS: dict[str, dict[str, Region | None]] = {
+REGIONS: dict[str, dict[str, Region]] = {
     "opsched/_api.py": {
-        "imports": None,
         "scheduler": scheduler_methods,
         "graph": graph_methods,
         "functions": module_functions,
     },
-    "opsched/sync.py": {"imports": None, "sync scheduler": sync_methods, "functions": sync_functions},
-    "opsched/aclnn.py": {"imports": None, "functions": aclnn_functions},
+    "opsched/sync.py": {
+        "sync scheduler": sync_methods,
+        "functions": sync_functions,
+    },
+    "opsched/aclnn.py": {"functions": aclnn_functions},
 }
 
 
-def render(region: str, writer: Region | None) -> list[str]:
-    if writer is None:
-        return imports()
+def render(region: str, writer: Region) -> list[str]:
     lines: list[str] = []
     indented = writer(next(iter(OPERATORS.values())))[0].startswith("    ")
     for k, op in enumerate(OPERATORS.values()):
@@ -334,7 +345,7 @@ def end(region: str) -> str:
     return f"# END GENERATED {region}"
 
 
-def regenerate(path: pathlib.Path, regions: dict[str, Region | None]) -> str:
+def regenerate(path: pathlib.Path, regions: dict[str, Region]) -> str:
     text = path.read_text()
     for region, writer in regions.items():
         head, tail = begin(region), end(region)

@@ -7,7 +7,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
 from opsched.kernels.glu import glu_backward_fast, glu_backward_reference, plan_glu_backward
 from opsched.kernels.group_norm import (
     CHUNK,
@@ -15,6 +14,7 @@ from opsched.kernels.group_norm import (
     group_norm_grad_reference,
     plan_group_norm_grad,
 )
+
 from opsched import aclnn
 from tests.helpers import (
     GLU_DTYPES,

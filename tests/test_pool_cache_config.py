@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from opsched import SchedulerConfig, aclnn
-from opsched.devices.cache import ExecutorCache
 from opsched.devices import Event
+from opsched.devices.cache import ExecutorCache
 from opsched.devices.pool import WorkspacePool, size_class
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

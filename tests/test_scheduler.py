@@ -318,7 +318,7 @@ async def test_kernel_exception_becomes_runtime_launch_error(monkeypatch):
 
 
 async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeypatch):
-    import opsched.core.scheduler as sched_mod
+    import opsched.core.dispatch as sched_mod
 
     rng = np.random.default_rng(12)
     real = sched_mod.form_batches

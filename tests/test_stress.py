@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import opsched.core.scheduler as sched_mod
-from opsched.devices.pool import WorkspacePool
 from opsched.cli.stress import StressOptions, run_stress
+from opsched.core.dispatch import Dispatcher
+from opsched.devices.pool import WorkspacePool
 from opsched.ops.glu_backward import GluBackward
 
 SMALL = {"requests": 1500, "clients": 8, "sync_clients": 1, "templates": 64, "watchdog": 3.0}
@@ -49,23 +49,23 @@ def test_replay_runs_one_request():
 def broken(monkeypatch, what: str) -> None:
     """Break the scheduler one way, for a few requests only."""
     if what == "drops":
-        real = sched_mod.Scheduler._resolve
+        real = Dispatcher._resolve
 
         def drop(self, request):
             if request.id % 211 == 7 and request.graph is None:
                 return  # never resolved
             real(self, request)
 
-        monkeypatch.setattr(sched_mod.Scheduler, "_resolve", drop)
+        monkeypatch.setattr(Dispatcher, "_resolve", drop)
     elif what == "duplicates":
-        real = sched_mod.Scheduler._resolve
+        real = Dispatcher._resolve
 
         def twice(self, request):
             real(self, request)
             if request.id % 97 == 5:
-                self._counters.completed += 1  # resolved (counted) a second time
+                self.counters.completed += 1  # resolved (counted) a second time
 
-        monkeypatch.setattr(sched_mod.Scheduler, "_resolve", twice)
+        monkeypatch.setattr(Dispatcher, "_resolve", twice)
     elif what == "corrupts":
         real = GluBackward.scatter
 

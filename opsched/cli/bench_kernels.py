@@ -22,10 +22,8 @@ import ml_dtypes
 import numpy as np
 
 import opsched
-from opsched import aclnn
+from opsched import Executor, SchedulerConfig, aclnn
 from opsched.devices import torch_ops as _torch_ops
-from opsched import SchedulerConfig
-from opsched import Executor
 
 __all__ = [
     "KERNEL_DTYPES",

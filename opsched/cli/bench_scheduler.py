@@ -32,9 +32,9 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
-from opsched.devices import torch_ops as _torch_ops
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
+from opsched.devices import torch_ops as _torch_ops
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 

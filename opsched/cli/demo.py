@@ -22,9 +22,9 @@ import numpy as np
 import opsched
 import opsched.sync
 from opsched import SchedulerConfig
-from opsched.ops.products import product_named
 from opsched.cli.seeds import glu_seed, group_norm_seed
 from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
+from opsched.ops.products import product_named
 
 __all__ = ["run_demo"]
 

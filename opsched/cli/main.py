@@ -6,14 +6,14 @@ import argparse
 import sys
 from typing import Any
 
+from opsched import SchedulerConfig
+from opsched._errors import AclnnError
 from opsched.cli import plot as _plot
 from opsched.cli.bench_kernels import KERNEL_SIZES
 from opsched.cli.bench_scheduler import PARTS
-from opsched import SchedulerConfig
-from opsched._errors import AclnnError
-from opsched.ops.products import table_rows
 from opsched.cli.stress import StressOptions, run_stress
 from opsched.core.trace import load_trace, summarize
+from opsched.ops.products import table_rows
 
 __all__ = ["main"]
 

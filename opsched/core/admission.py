@@ -74,7 +74,9 @@ class Admission:
                         self._waiters.remove(event)
                 raise
 
-    def put_threadsafe(self, checked: Checked, future: Future[Any], drain: Callable[[], None]) -> bool:
+    def put_threadsafe(
+        self, checked: Checked, future: Future[Any], drain: Callable[[], None]
+    ) -> bool:
         """Hand a thread's checked request to the loop, parking the thread while the queue
         is full; ``drain`` is posted to the loop by the first of a burst.
 

@@ -5,7 +5,8 @@ bound at each run, or earlier nodes (so no data cycle can be built); ``after`` a
 ordering-only edges, refused when they would close a cycle. Every SPEC check runs when a node
 is added, on zero-byte stand-ins of the inferred shapes and dtypes.
 
-A run (:class:`opsched.core.graph_run.GraphRun`, driven by the scheduler) submits a node to the scheduler's queue as
+A run (:class:`~opsched.core.graph_run.GraphRun`, driven by the scheduler) submits a node to
+the scheduler's queue as
 soon as every node it depends on has been *launched*: it then fuses with whatever else is
 queued, and its launch waits on its producers' stream events on the device side, so a chain
 does not make a trip through the event loop per edge. Intermediate outputs come from the
@@ -19,7 +20,7 @@ per-operator methods of :class:`opsched.Graph` are generated) and devices not at
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs

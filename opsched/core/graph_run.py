@@ -337,7 +337,9 @@ def _start(
             raise ValueError(msg)
     graph.check_on(sched._product)
     device = sched.device
-    given = check_inputs(graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds)
+    given = check_inputs(
+        graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds
+    )
 
     def submit(run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]) -> Any:
         return _submit_node(sched, run, node_run, tensors, waits)
@@ -397,7 +399,7 @@ def _submit_node(
         sched._finish_empty(request)
         return request
     sched._queue.push(request)
-    sched._schedule_dispatch()
+    sched._dispatcher.schedule()
     return request
 
 

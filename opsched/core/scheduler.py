@@ -20,7 +20,6 @@ through their descriptions: it never names either. The per-operator methods of t
 
 from __future__ import annotations
 
-import bisect
 import enum
 import itertools
 import threading
@@ -32,24 +31,19 @@ from typing import Any
 import anyio
 import attrs
 
-from opsched._errors import (
-    DeadlineExceededError,
-    InnerError,
-    QueueFullError,
-    RuntimeLaunchError,
-    SchedulerClosedError,
-)
+from opsched._errors import DeadlineExceededError, QueueFullError, SchedulerClosedError
 from opsched.core.admission import Admission
-from opsched.core.batching import Batch, RequestQueue, form_batches
+from opsched.core.batching import RequestQueue
 from opsched.core.checks import Checked, Checks, deadline_of, priority_of
 from opsched.core.config import SchedulerConfig
+from opsched.core.dispatch import Dispatcher
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
 from opsched.core.loop import LoopEvent, LoopHandle
 from opsched.core.requests import Pending, Request, RequestState, finish
 from opsched.core.stats import Counters, SchedulerStatistics
-from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
-from opsched.devices import Device, Prepared
+from opsched.core.trace import Tracer
+from opsched.devices import Device
 from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
@@ -63,15 +57,6 @@ class SchedulerState(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-@attrs.define(eq=False)
-class _Launch:
-    """A started batch: what its completion needs."""
-
-    batch: Batch
-    op: Operator
-    prepared: Prepared
 
 
 @attrs.define(eq=False)
@@ -91,16 +76,10 @@ class Scheduler:
     _checks: Checks = attrs.field(init=False)
     _counters: Counters = attrs.field(factory=Counters, init=False)
     _product: Product = attrs.field(init=False)
-    _idle: list[int] = attrs.field(init=False)
-    _running: int = attrs.field(default=0, init=False)
-    _inflight: int = attrs.field(default=0, init=False)
+    _dispatcher: Dispatcher = attrs.field(init=False)
     _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
-    _dispatch_pending: bool = attrs.field(default=False, init=False)
-    _memory_wait: bool = attrs.field(default=False, init=False)
-    _quiet: LoopEvent | None = attrs.field(default=None, init=False)
     _wake: LoopEvent | None = attrs.field(default=None, init=False)
     _wake_at: float | None = attrs.field(default=None, init=False)
-    _launching: dict[int, _Launch] = attrs.field(factory=dict, init=False)
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
@@ -113,7 +92,10 @@ class Scheduler:
         )
         self._admission = Admission(self.config.max_queued_requests, self._queue, self._loop)
         self._checks = Checks(self.device, self._product)
-        self._idle = list(range(len(self.device.streams)))
+        self._dispatcher = Dispatcher(
+            self.config, self.device, self._loop, self._queue, self._counters, self._tracer,
+            self._expired, self._wake_space, self._arm_timer,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------ public API
 
@@ -246,7 +228,7 @@ class Scheduler:
             rejected=c.rejected,
             queued=len(self._queue),
             queued_peak=self._queue.peak,
-            running=self._running,
+            running=self._dispatcher.running,
             launches=c.launches,
             requests_per_launch_mean=c.served / c.launches if c.launches else 0.0,
             requests_per_launch_max=c.per_launch_max,
@@ -284,10 +266,7 @@ class Scheduler:
         self._admission.close()
         if cancel_pending:
             self._fail_queued()
-        while len(self._queue) or self._inflight:
-            self._quiet = self._loop.new_event()
-            self._schedule_dispatch()
-            await self._quiet.wait()
+        await self._dispatcher.drained()
         self._shutdown()
 
     # ------------------------------------------------------------------ lifecycle (internal)
@@ -313,7 +292,7 @@ class Scheduler:
                 with anyio.move_on_after(max(0.0, self._wake_at - time.monotonic())):
                     await self._wake.wait()
                 self._wake_at = None
-                self._dispatch()
+                self._dispatcher.dispatch()
 
     def _close_now(self) -> None:
         """Close without waiting (the loop is ending): fail what is queued, stop streams."""
@@ -326,6 +305,7 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         self._state = SchedulerState.CLOSED
+        self._dispatcher.closed = True
         self._admission.close()  # parked submitters raise SchedulerClosedError
         self.device.close()
         if self._tracer is not None:
@@ -402,12 +382,13 @@ class Scheduler:
             if request.deadline is not None:
                 delay = request.deadline - time.monotonic()
                 self._loop.call_later(delay, self._deadline_reached, request)
-            self._schedule_dispatch()
+            self._dispatcher.schedule()
             return request
-        if self._loop.idle() and not self._dispatch_pending:
-            self._dispatch()  # nobody else can join this batch: launch now, no loop hop
+        dispatcher = self._dispatcher
+        if self._loop.idle() and not dispatcher.pending:
+            dispatcher.dispatch()  # nobody else can join this batch: launch now, no loop hop
         else:
-            self._schedule_dispatch()  # others are about to submit: let them, then fuse
+            dispatcher.schedule()  # others are about to submit: let them, then fuse
         return request
 
     def _drain_inbox(self) -> None:
@@ -499,217 +480,8 @@ class Scheduler:
         if self._admission.wake():
             self._drain_inbox()
 
-    # ------------------------------------------------------------------------ dispatch
-
-    def _schedule_dispatch(self) -> None:
-        if not self._dispatch_pending:
-            self._dispatch_pending = True
-            self._loop.call_soon(self._dispatch)
-
-    def _dispatch(self) -> None:
-        """Start launches on the idle streams (runs on the loop thread, never awaits)."""
-        self._dispatch_pending = False
-        if self._state is SchedulerState.CLOSED:
-            return
-        tracer = self._tracer
-        if tracer is not None:
-            tracer.counters(len(self._queue), *self.device.memory_usage())
-        while self._idle and len(self._queue) and not self._memory_wait:
-            taken: list[Request] = []
-            self._queue.taken = taken
-            try:
-                batches, expired, wake_at = form_batches(
-                    self._queue, self._idle, self.config, time.monotonic()
-                )
-            except Exception as exc:  # a bug in batch formation fails its requests only
-                self._fail_requests(taken, exc, "batch formation failed")
-                self._idle = sorted(set(range(len(self.device.streams))) - set(self._launching))
-                continue
-            finally:
-                self._queue.taken = None
-            for request in expired:
-                self._expired(request)
-            if wake_at is not None:
-                self._arm_timer(wake_at)
-            if not batches:
-                break
-            groups = [list(g) for _, g in itertools.groupby(batches, key=_group_key)]
-            for i, group in enumerate(groups):
-                if not self._start(group):  # out of workspace: the rest waits too
-                    for later in groups[i + 1 :]:
-                        self._requeue(later)
-                    break
-        self._wake_space()  # launched requests left the queue: backpressured callers go on
-        if tracer is not None:
-            tracer.counters(len(self._queue), *self.device.memory_usage())
-        self._check_quiet()
-
     def _arm_timer(self, wake_at: float) -> None:
         if self._wake_at is None or wake_at < self._wake_at:
             self._wake_at = wake_at
             if self._wake is not None:
                 self._wake.set()
-
-    def _requeue(self, group: list[Batch]) -> None:
-        """Put a group's requests back in the queue and its streams back to idle."""
-        for request in group[0].requests:
-            request.state = RequestState.QUEUED
-            self._queue.push(request)
-        for batch in group:
-            bisect.insort(self._idle, batch.stream)
-
-    def _start(self, group: list[Batch], *, overflow: bool = False) -> bool:
-        """Start a fused batch, a solo request, or every part of a split request.
-
-        Returns False when the device is out of workspace: the group went back to the
-        queue. With ``overflow``, workspace may exceed the cap (see :meth:`_out_of_memory`).
-        """
-        prepared: list[tuple[Batch, Prepared]] = []
-        try:
-            for batch in group:
-                ready = self.device.prepare(batch, overflow=overflow)
-                if ready is None:
-                    for _, p in prepared:
-                        self.device.release(p.token)
-                    return self._out_of_memory(group)
-                prepared.append((batch, ready))
-        except Exception as exc:  # boundary: fail this group's requests, keep dispatching
-            for _, p in prepared:
-                self.device.release(p.token)
-            self._idle.extend(b.stream for b in group)
-            self._idle.sort()
-            self._fail_requests(group[0].requests, exc, "starting the launch failed")
-            return True
-        now = time.monotonic()
-        requests = group[0].requests
-        for request in requests:
-            request.state = RequestState.RUNNING
-            request.launched_at = now
-            request.parts_left = len(group)
-        self._running += len(requests)
-        for batch, ready in prepared:
-            self._launch(batch, ready)
-        return True
-
-    def _launch(self, batch: Batch, prepared: Prepared) -> None:
-        launch = _Launch(batch, batch.requests[0].op, prepared)
-        self._inflight += 1
-        self._launching[batch.stream] = launch
-        self._counters.launched(len(batch.requests))
-        stream = self.device.streams[batch.stream]
-        # Graph nodes: wait on the device for producers still running (no Python wait), and
-        # tell each run when its node is launched, so its consumers can be queued at once.
-        waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
-        nodes = [r for r in batch.requests if r.graph is not None]
-        inline = (
-            self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
-            and not waits
-        )  # fmt: skip
-        if inline:
-            # Consumers queued by launched() are dispatched only after this returns, when
-            # the inline run is over: they need no event to wait on.
-            for r in nodes:
-                r.graph[0].launched(r.graph[1], None)
-            stream.run_inline(
-                prepared.work, lambda result, error: self._complete(launch, result, error)
-            )
-            return
-        self.device.wait_events(stream, waits)
-        post = self._loop.post
-
-        def done(result: Any, error: BaseException | None) -> None:
-            post(self._complete, launch, result, error)  # False: the loop ended, drop it
-
-        stream.enqueue(prepared.work, done)
-        if nodes:
-            event = stream.record_event()
-            for r in nodes:
-                r.graph[0].launched(r.graph[1], event)
-
-    def _out_of_memory(self, group: list[Batch]) -> bool:
-        batch = group[0]
-        if self._inflight == 0 and batch.fused and len(batch.requests) > 1:
-            # Nothing in flight will return memory: launch fewer requests, requeue the rest.
-            half = len(batch.requests) // 2
-            for request in batch.requests[half:]:
-                self._queue.push(request)
-            smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
-            return self._start([smaller])
-        if self._inflight == 0:
-            # Still nothing in flight: the memory is held by graph intermediates that only
-            # this work would free. Waiting would never end; overflow the cap instead.
-            log_overflow(len(batch.requests))
-            return self._start(group, overflow=True)
-        self._requeue(group)
-        self._memory_wait = True  # until a launch completes and returns its workspace
-        return False
-
-    # ---------------------------------------------------------------------- completion
-
-    def _complete(self, launch: _Launch, result: Any, error: BaseException | None) -> None:
-        """One launch finished (called on the loop thread): finish its requests."""
-        self._inflight -= 1
-        batch = launch.batch
-        self._launching.pop(batch.stream, None)
-        self.device.release(launch.prepared.token)
-        self._memory_wait = False
-        bisect.insort(self._idle, batch.stream)
-        errors: dict[int, BaseException] = result[0] if error is None else {}
-        for request in batch.requests:
-            cause = error if error is not None else errors.get(request.id)
-            if cause is not None and request.error is None:
-                request.error = _launch_error(request, cause)
-            request.parts_left -= 1
-            if request.parts_left <= 0:
-                self._running -= 1
-                self._resolve(request)
-        log_launch(launch.op, batch, result if error is None else None)
-        if self._tracer is not None:
-            outcome = result if error is None else None
-            trace_launch(self._tracer, launch.op, batch, launch.prepared.cache_hit, outcome)
-            self._tracer.counters(len(self._queue), *self.device.memory_usage())
-        if len(self._queue):
-            self._schedule_dispatch()  # a stream and workspace came free for what waits
-        else:
-            self._check_quiet()
-
-    def _resolve(self, request: Request) -> None:
-        """A launched request's launch is over: its outcome."""
-        if request.abandoned:
-            finish(request, RequestState.CANCELLED, self._counters)
-        elif request.error is not None:
-            finish(request, RequestState.FAILED, self._counters)
-        else:
-            finish(request, RequestState.DONE, self._counters)
-
-    def _fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
-        for request in requests:
-            if request.done.is_set():
-                continue
-            if request.state is RequestState.RUNNING:
-                self._running -= 1
-            error = InnerError(f"{request.op.name}: {what}: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            request.error = error
-            self._resolve(request)
-        log_failure(what, exc, len(requests))
-
-    def _check_quiet(self) -> None:
-        if self._quiet is not None and not len(self._queue) and not self._inflight:
-            self._quiet.set()
-            self._quiet = None
-
-
-def _group_key(batch: Batch) -> int:
-    """Batches started together: every part of one split request, else each batch alone."""
-    return id(batch.requests[0]) if batch.part is not None else id(batch)
-
-
-def _launch_error(request: Request, cause: BaseException) -> BaseException:
-    if isinstance(cause, RuntimeLaunchError):
-        return cause
-    error = RuntimeLaunchError(
-        f"{request.op.name}: the launch failed: {type(cause).__name__}: {cause}"
-    )
-    error.__cause__ = cause
-    return error

@@ -192,7 +192,7 @@ class Device(abc.ABC):
                 break
         return tensors, None
 
-    def check_fits(
+    def check_fits(  # noqa: B027 - optional hook
         self,
         op: Operator,
         tensors: Mapping[str, Any],

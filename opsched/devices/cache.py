@@ -12,8 +12,8 @@ from collections.abc import Hashable
 
 import attrs
 
-from opsched.ops.executor import Executor
 from opsched._log import enabled, get_logger
+from opsched.ops.executor import Executor
 
 __all__ = ["CacheStatistics", "ExecutorCache"]
 

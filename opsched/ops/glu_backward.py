@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from opsched._errors import ParamInvalidError
 from opsched.kernels._common import overlaps, rows_view
 from opsched.kernels.glu import (
     GluPlan,
@@ -17,8 +18,6 @@ from opsched.kernels.glu import (
     make_glu_plan,
     plan_glu_backward,
 )
-from opsched._errors import ParamInvalidError
-from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -30,6 +29,7 @@ from opsched.ops._base import (
     cuts,
     index_value,
 )
+from opsched.ops.products import OpSupport
 
 __all__ = ["GLU_BACKWARD", "GluBackward"]
 
@@ -41,9 +41,13 @@ class GluBackward(Operator):
 
     name: ClassVar[str] = "GluBackward"
     method: ClassVar[str] = "glu_backward"
-    summary: ClassVar[str] = "GluBackward (``aclnnGluBackward``): the gradient of GLU; returns ``out``."
+    summary: ClassVar[str] = (
+        "GluBackward (``aclnnGluBackward``): the gradient of GLU; returns ``out``."
+    )
     parameters: ClassVar[tuple[Parameter, ...]] = (
-        Parameter("grad_out", "np.ndarray", "the upstream gradient: self's shape, shape[dim] halved."),
+        Parameter(
+            "grad_out", "np.ndarray", "the upstream gradient: self's shape, shape[dim] halved."
+        ),
         Parameter("self", "np.ndarray", "the GLU input, split in halves a, b along dim."),
         Parameter("dim", "int", "the split dimension, in [-self.ndim, self.ndim - 1].", "-1"),
     )

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from opsched._errors import ParamInvalidError
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
     group_norm_backward_fast,
@@ -22,8 +23,6 @@ from opsched.kernels.group_norm_backward import (
     plan_group_norm_backward,
     reduce_over_samples,
 )
-from opsched._errors import ParamInvalidError
-from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -35,6 +34,7 @@ from opsched.ops._base import (
     dtype_name,
     index_value,
 )
+from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
+from opsched._errors import ParamInvalidError
 from opsched.kernels._common import overlaps, rows_view
 from opsched.kernels.group_norm import (
     GroupNormPlan,
@@ -20,8 +21,6 @@ from opsched.kernels.group_norm import (
     make_group_norm_plan,
     plan_group_norm_grad,
 )
-from opsched._errors import ParamInvalidError
-from opsched.ops.products import OpSupport
 from opsched.ops._base import (
     FusedGeometry,
     Operator,
@@ -32,6 +31,7 @@ from opsched.ops._base import (
     check_types,
     cuts,
 )
+from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_GRAD", "GroupNormalizationGrad"]
 

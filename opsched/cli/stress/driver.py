@@ -1,0 +1,399 @@
+"""The stress driver: clients, the run, the checks after shutdown, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+import anyio
+import attrs
+import numpy as np
+
+import opsched
+import opsched.sync
+from opsched._api import resolve_config
+from opsched._errors import DeadlineExceededError
+from opsched.cli.stress.harness import _Harness, _submit_async, _submit_sync, _Tally
+from opsched.cli.stress.workload import StressOptions, _Case, make_case, make_template
+from opsched.ops.products import product_named
+
+# ------------------------------------------------------------------------------ driver
+
+
+def _rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak * (1 if sys.platform == "darwin" else 1024))
+
+
+def _scheduler_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("opsched-stream", "asyncio-portal"))
+    ]
+
+
+class _Clock:
+    """Hands out request indices until the count or the duration is reached (thread-safe)."""
+
+    def __init__(self, opts: StressOptions) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+        self._limit = opts.requests if opts.duration is None else math.inf
+        self._until = math.inf if opts.duration is None else time.monotonic() + opts.duration
+        self._only = opts.replay
+
+    def take(self) -> int | None:
+        with self._lock:
+            if self._only is not None:
+                index, self._only = self._only, None
+                self._limit = 0
+                return index
+            if self._next >= self._limit or time.monotonic() >= self._until:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    @property
+    def issued(self) -> int:
+        return self._next
+
+
+def run_stress(opts: StressOptions, out: TextIO) -> int:
+    """Run the stress test; print the summary to ``out``; return the exit status.
+
+    Raises:
+        ValueError: a torch device: the harness verifies results bit for bit against the
+            numpy oracle, which the framework's operators do not match bit for bit.
+    """
+    if opts.device.startswith("torch"):
+        msg = (
+            f"--device={opts.device}: the stress harness verifies every result bit for bit "
+            "against the numpy oracle; run it on cpu or reference"
+        )
+        raise ValueError(msg)
+    started = time.perf_counter()
+    templates = [make_template(opts.seed, i, opts) for i in range(opts.templates)]
+    tally = _Tally()
+    clock = _Clock(opts)
+    overrides: dict[str, Any] = {
+        "max_queued_requests": opts.max_queued_requests,
+        "workspace_limit_bytes": opts.workspace_limit_bytes,
+    }
+    if opts.product is not None:
+        overrides["product"] = opts.product
+    config = resolve_config(opts.config, overrides)
+    harness = _Harness(opts, templates, tally, product_named(config.product))
+    rss_start = _rss_bytes()
+    # Memory bound: what can be alive at once. Each async client holds one request, each
+    # sync thread a burst of 256; each request's arrays (inputs, output, the oracle's copy)
+    # are counted four times over; plus two pools' worth of workspace and 256 MiB of slack.
+    mean = sum(
+        sum(a.nbytes for a in t.args if isinstance(a, np.ndarray))
+        + sum(e.nbytes for e in t.expected_arrays)
+        for t in templates
+    ) / len(templates)
+    outstanding = opts.clients + 256 * opts.sync_clients
+    bound = int(rss_start + 2 * config.workspace_limit_bytes + 4 * mean * outstanding + (256 << 20))
+    progress = _Progress(opts, tally) if opts.progress else None
+
+    with opsched.sync.open_scheduler(config, device=opts.device, trace=opts.trace) as facade:
+        sched = facade.scheduler
+        sched.device.inject_faults(harness.injector)
+        threads = [
+            threading.Thread(
+                target=_sync_client, args=(facade, harness, clock, opts), name=f"stress-sync-{i}"
+            )
+            for i in range(opts.sync_clients)
+        ]
+        for t in threads:
+            t.start()
+        run_start = time.perf_counter()
+        facade._portal.portal.call(_async_clients, sched, harness, clock, opts)
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - run_start
+    stats = sched.statistics()
+    if progress is not None:
+        progress.close()
+
+    checks = _final_checks(stats, tally, clock, bound)
+    report = _report(opts, stats, tally, clock, elapsed, checks, bound, started)
+    report["product"] = config.product
+    _print_summary(report, out)
+    if opts.report:
+        with open(opts.report, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["ok"] else 1
+
+
+async def _async_clients(
+    sched: opsched.Scheduler, harness: _Harness, clock: _Clock, opts: StressOptions
+) -> None:
+    async with anyio.create_task_group() as tg:
+        for _ in range(opts.clients):
+            tg.start_soon(_async_client, sched, harness, clock, opts)
+
+
+async def _async_client(
+    sched: opsched.Scheduler, harness: _Harness, clock: _Clock, opts: StressOptions
+) -> None:
+    while (index := clock.take()) is not None:
+        case = make_case(opts.seed, index, opts)
+        kind, args, kw, expect = harness.prepare(case)
+        result: Any = None
+        error: BaseException | None = None
+        start = time.perf_counter()
+        try:
+            with anyio.fail_after(opts.watchdog):
+                if case.fate == "cancel":
+                    # Cancelled before it is submitted: the cancellation reaches the caller
+                    # at its first wait, whatever the request's stage by then.
+                    with anyio.CancelScope() as scope:
+                        scope.cancel()
+                        result = await _submit_async(sched, kind, args, kw)
+                        error = AssertionError("the cancelled request returned a result")
+                    result = None if error is None else result
+                else:
+                    result = await _submit_async(sched, kind, args, kw)
+        except TimeoutError as exc:
+            if isinstance(exc, DeadlineExceededError):
+                error = exc
+            else:
+                harness.tally.record(case, "lost", f"no outcome within {opts.watchdog} s")
+                continue
+        except Exception as exc:
+            error = exc
+        harness.check(case, expect, result, error, time.perf_counter() - start, kw.get("out"))
+
+
+def _sync_client(
+    facade: opsched.sync.SyncScheduler, harness: _Harness, clock: _Clock, opts: StressOptions
+) -> None:
+    """A batch script: submits bursts of futures, then collects them (bursts fill the queue).
+
+    Graph cases run through the blocking ``facade.run`` at once (a blocking run cannot be
+    cancelled, so there a cancel case runs as a valid one).
+    """
+    while True:
+        burst: list[tuple[_Case, Any, Any, float, BaseException | None, Any]] = []
+        for _ in range(256):
+            index = clock.take()
+            if index is None:
+                break
+            case = make_case(opts.seed, index, opts)
+            kind, args, kw, expect = harness.prepare(case)
+            start = time.perf_counter()
+            if kind == "graph":
+                _sync_graph(facade, harness, case, args, kw, start, expect)
+                continue
+            try:
+                future = _submit_sync(facade, kind, args, kw)
+            except Exception as exc:  # rejected at submit
+                burst.append((case, expect, None, start, exc, kw.get("out")))
+                continue
+            if case.fate == "cancel" and not future.cancel():
+                # it finished before it could be cancelled: it must then be right
+                case = attrs.evolve(case, fate="valid")
+            burst.append((case, expect, future, start, None, kw.get("out")))
+        if not burst:
+            return
+        for case, expect, future, start, error, out in burst:
+            result = None
+            if future is not None:
+                if future.cancelled():
+                    harness.check(case, expect, None, None, 0.0, out)
+                    continue
+                try:
+                    result = future.result(timeout=opts.watchdog)
+                except TimeoutError as exc:
+                    if not future.done():
+                        harness.tally.record(case, "lost", f"no outcome within {opts.watchdog} s")
+                        continue
+                    error = exc
+                except Exception as exc:  # the request's own error
+                    error = exc
+            harness.check(case, expect, result, error, time.perf_counter() - start, out)
+
+
+def _sync_graph(
+    facade: opsched.sync.SyncScheduler,
+    harness: _Harness,
+    case: _Case,
+    args: tuple[Any, ...],
+    kw: dict[str, Any],
+    start: float,
+    expect: int | None,
+) -> None:
+    g = opsched.Graph()
+    x, dy, gamma, mean, rstd, gate = args
+    b = g.glu_backward(g.group_norm_grad(x, dy, gamma, mean, rstd), gate, dim=-1)
+    result, error = None, None
+    try:
+        (result,) = facade.run(g, [b], **{k: v for k, v in kw.items() if k == "deadline"})
+    except Exception as exc:
+        error = exc
+    if case.fate == "cancel":
+        case = attrs.evolve(case, fate="valid")
+    harness.check(case, expect, result, error, time.perf_counter() - start)
+
+
+class _Progress:
+    """A tqdm bar with live throughput, fed from a small thread reading the tally."""
+
+    def __init__(self, opts: StressOptions, tally: _Tally) -> None:
+        from tqdm import tqdm
+
+        total = None if opts.duration is not None else opts.requests
+        self._bar = tqdm(total=total, unit="req", desc="stress", smoothing=0.1)
+        self._tally = tally
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stress-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        shown = 0
+        while not self._stop.wait(0.2):  # a display refresh rate, not a wait for work
+            done = len(self._tally.resolved)
+            self._bar.update(done - shown)
+            shown = done
+        self._bar.update(len(self._tally.resolved) - shown)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._bar.close()
+
+
+def _final_checks(
+    stats: opsched.SchedulerStatistics, tally: _Tally, clock: _Clock, bound: int
+) -> dict[str, tuple[bool, str]]:
+    """The checks after shutdown: name -> (held, detail)."""
+    issued = clock.issued if clock.issued else len(tally.resolved)
+    lost = tally.outcomes.get("lost", 0) + max(0, issued - len(tally.resolved))
+    total = stats.completed + stats.failed + stats.cancelled + stats.expired
+    threads = _scheduler_threads()
+    peak = _rss_bytes()
+    return {
+        "every request resolved exactly once": (
+            lost == 0 and tally.outcomes.get("duplicated", 0) == 0,
+            f"{len(tally.resolved)} of {issued} resolved; "
+            f"{lost} lost, {tally.outcomes.get('duplicated', 0)} duplicated",
+        ),
+        "every result right": (
+            tally.outcomes.get("wrong", 0) == 0,
+            f"{tally.outcomes.get('wrong', 0)} wrong",
+        ),
+        "expired requests never launched": (
+            tally.launched_expired == 0,
+            f"{tally.launched_expired} launched after their deadline",
+        ),
+        "statistics add up": (
+            stats.submitted == total and stats.queued == 0 and stats.running == 0,
+            f"submitted {stats.submitted} = completed {stats.completed} + failed "
+            f"{stats.failed} + cancelled {stats.cancelled} + expired {stats.expired} "
+            f"(= {total})",
+        ),
+        "workspace blocks all returned": (
+            stats.pool.in_use == 0,
+            f"{stats.pool.in_use} bytes still handed out after shutdown",
+        ),
+        "executors released": (
+            stats.executor_cache.size == 0,
+            f"{stats.executor_cache.size} executors still cached after shutdown",
+        ),
+        "no scheduler thread alive": (not threads, ", ".join(threads) or "none"),
+        "memory bounded": (
+            peak <= bound,
+            f"peak RSS {peak >> 20} MiB, bound {bound >> 20} MiB",
+        ),
+    }
+
+
+def _report(
+    opts: StressOptions,
+    stats: opsched.SchedulerStatistics,
+    tally: _Tally,
+    clock: _Clock,
+    elapsed: float,
+    checks: dict[str, tuple[bool, str]],
+    bound: int,
+    started: float,
+) -> dict[str, Any]:
+    lat = sorted(tally.latencies)
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3 if lat else 0.0
+
+    issued = len(tally.resolved)
+    return {
+        "ok": all(held for held, _ in checks.values()),
+        "options": attrs.asdict(opts),
+        "requests": issued,
+        "seconds": elapsed,
+        "throughput_per_s": issued / elapsed if elapsed else 0.0,
+        "latency_ms": {"p50": pct(0.50), "p99": pct(0.99)},
+        "outcomes": dict(sorted(tally.outcomes.items())),
+        "checks": {name: {"held": held, "detail": d} for name, (held, d) in checks.items()},
+        "discrepancies": tally.discrepancies,
+        "scheduler": {
+            "launches": stats.launches,
+            "requests_per_launch_mean": stats.requests_per_launch_mean,
+            "queued_peak": stats.queued_peak,
+            "max_queued_requests": opts.max_queued_requests,
+            "backpressure_waits": stats.backpressure_waits,
+            "workspace_limit_bytes": opts.workspace_limit_bytes,
+            "rejected": stats.rejected,
+            "graph_runs": stats.graph_runs,
+            "pool_peak_bytes": stats.pool.peak,
+            "executor_hit_rate": stats.executor_cache.hit_rate,
+        },
+        "peak_rss_bytes": _rss_bytes(),
+        "rss_bound_bytes": bound,
+        "wall_seconds": time.perf_counter() - started,
+    }
+
+
+def _print_summary(r: dict[str, Any], out: TextIO) -> None:
+    o = r["options"]
+    print(
+        f"opsched stress: {r['requests']} requests, {o['clients']} async clients + "
+        f"{o['sync_clients']} sync threads, seed {o['seed']}, device {o['device']}, "
+        f"product {r['product']}",
+        file=out,
+    )
+    print(
+        f"  {r['throughput_per_s']:,.0f} requests/s over {r['seconds']:.1f} s; latency p50 "
+        f"{r['latency_ms']['p50']:.2f} ms, p99 {r['latency_ms']['p99']:.2f} ms",
+        file=out,
+    )
+    outcomes = ", ".join(f"{k} {v}" for k, v in r["outcomes"].items())
+    print(f"  outcomes: {outcomes}", file=out)
+    s = r["scheduler"]
+    print(
+        f"  scheduler: {s['launches']} launches ({s['requests_per_launch_mean']:.1f} "
+        f"requests each), executor hit rate {s['executor_hit_rate']:.1%}",
+        file=out,
+    )
+    print(
+        f"  caps met: queue peak {s['queued_peak']} (callers capped at "
+        f"{s['max_queued_requests']}, {s['backpressure_waits']} backpressure waits; graph "
+        f"nodes are admitted past it), pool peak "
+        f"{s['pool_peak_bytes'] >> 20} of {s['workspace_limit_bytes'] >> 20} MiB",
+        file=out,
+    )
+    print(f"  {'check':<40}{'':<8}detail", file=out)
+    for name, check in r["checks"].items():
+        verdict = "ok" if check["held"] else "FAILED"
+        print(f"  {name:<40}{verdict:<8}{check['detail']}", file=out)
+    if r["discrepancies"]:
+        print("  first discrepancies (rerun one with --seed S --replay INDEX):", file=out)
+        for line in r["discrepancies"][:10]:
+            print(f"    {line}", file=out)
+    print(f"  verdict: {'PASS' if r['ok'] else 'FAIL'}", file=out)

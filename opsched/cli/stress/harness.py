@@ -1,0 +1,285 @@
+"""The stress verdict: submitting each request and checking what came back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from typing import Any
+
+import attrs
+import numpy as np
+
+import opsched
+import opsched.sync
+from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
+from opsched.cli.stress.workload import _TOLERANCE, StressOptions, _Case, _corrupt, _Template
+from opsched.ops import DTYPE_NAMES
+from opsched.ops.products import Product
+
+# ------------------------------------------------------------------------------ the run
+
+
+@attrs.define(eq=False)
+class _Tally:
+    """What the harness saw. Mutated from the loop and the sync threads (under ``lock``)."""
+
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    outcomes: dict[str, int] = attrs.field(factory=dict)
+    resolved: set[int] = attrs.field(factory=set)
+    discrepancies: list[str] = attrs.field(factory=list)
+    latencies: array = attrs.field(factory=lambda: array("d"))
+    launched_expired: int = 0
+
+    def record(
+        self, case: _Case, outcome: str, problem: str | None = None, latency: float | None = None
+    ) -> None:
+        with self.lock:
+            if case.index in self.resolved:
+                self.outcomes["duplicated"] = self.outcomes.get("duplicated", 0) + 1
+                self._note(f"request {case.index} resolved twice")
+                return
+            self.resolved.add(case.index)
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            if problem is not None:
+                where = f"request {case.index} ({case.fate}, template {case.template})"
+                self._note(f"{where}: {problem}")
+            if latency is not None:
+                self.latencies.append(latency)
+
+    def _note(self, text: str) -> None:
+        if len(self.discrepancies) < 50:
+            self.discrepancies.append(text)
+
+
+class _Harness:
+    """Submits the cases and checks each outcome."""
+
+    def __init__(
+        self, opts: StressOptions, templates: list[_Template], tally: _Tally, product: Product
+    ) -> None:
+        self.opts = opts
+        self.templates = templates
+        #: per template: the status the product answers it with (None: supported)
+        self.unsupported = [_product_verdict(product, t) for t in templates]
+        self.tally = tally
+        # The out arrays of fault and deadline cases, by id(), kept alive until checked:
+        # an id is only unique while its array lives.
+        self.faulty: dict[int, np.ndarray] = {}
+        self.expiring: dict[int, np.ndarray] = {}
+        self.sample = np.random.default_rng([opts.seed, 7])
+
+    def injector(self, requests: Any) -> bool:
+        """Fault injector: fails launches with a fault case; notes launched expired ones."""
+        fail = False
+        for r in requests:
+            out = id(next(r.tensors[n] for n in r.op.outputs if r.tensors[n] is not None))
+            if out in self.expiring:
+                self.tally.launched_expired += 1
+            fail = fail or out in self.faulty
+        return fail
+
+    def prepare(self, case: _Case) -> tuple[str, tuple[Any, ...], dict[str, Any], Any]:
+        """The call for ``case``: (op, args, kwargs, what to expect: a status for a request
+        that must be rejected, else None)."""
+        t = self.templates[case.template]
+        unsupported = self.unsupported[case.template]
+        if case.fate == "invalid" and t.kind != "graph":
+            op, args, broken, status = _corrupt(t, case.corruption)
+            # The product's verdict comes first: a missing operator before any check, an
+            # unsupported dtype before everything but a missing tensor.
+            if unsupported == 561003 or (unsupported == 161002 and status != 161001):
+                status = unsupported
+            return op, args, broken, status
+        kw: dict[str, Any] = {"priority": case.index % 3}
+        if t.kind != "graph":
+            outs = [None if e is None else np.empty(e.shape, e.dtype) for e in t.entries]
+            kw["out"] = tuple(outs) if t.kind == "gnb" else outs[0]
+            out = next(o for o in outs if o is not None)  # the array the injector sees
+            if case.fate == "fault":
+                self.faulty[id(out)] = out
+            if case.fate == "deadline":
+                self.expiring[id(out)] = out
+                kw["deadline"] = time.monotonic() - 1.0  # already passed: must never launch
+        elif case.fate == "deadline":
+            kw["deadline"] = time.monotonic() - 1.0
+        return t.kind, t.args, kw, unsupported
+
+    def check(
+        self,
+        case: _Case,
+        status: Any,
+        result: Any,
+        error: BaseException | None,
+        latency: float,
+        out: Any = None,
+    ) -> None:
+        """Compare what happened with what should have."""
+        t = self.templates[case.template]
+        if isinstance(out, tuple):
+            out = next(o for o in out if o is not None)
+        if out is not None:  # unmark: once checked, its id may be reused by a new array
+            self.faulty.pop(id(out), None)
+            self.expiring.pop(id(out), None)
+        fate = case.fate
+        if t.kind == "graph" and fate in ("invalid", "fault"):
+            fate = "valid"  # graphs are not corrupted nor faulted: they run as valid work
+        if status is not None and fate != "invalid":
+            fate = "unsupported"  # the product rejects it at submit, whatever its fate
+        if fate == "fault" and not any(e.size for e in t.expected_arrays):
+            fate = "valid"  # an empty request launches nothing, so nothing can fault
+        if fate in ("invalid", "unsupported"):
+            if isinstance(error, AclnnError) and error.status == status:
+                self.tally.record(case, fate if fate == "invalid" else f"unsupported {status}")
+            else:
+                self.tally.record(case, "wrong", f"expected status {status}, got {error!r}")
+        elif fate == "cancel":
+            if error is None and result is None:
+                self.tally.record(case, "cancelled")
+            else:
+                self.tally.record(
+                    case, "wrong", f"cancelled request produced {error or 'a result'}"
+                )
+        elif fate == "deadline":
+            expired = isinstance(error, DeadlineExceededError) or (
+                isinstance(error, opsched.GraphExecutionError)
+                and any(isinstance(e, DeadlineExceededError) for e in error.failed.values())
+            )
+            if expired:
+                self.tally.record(case, "expired")
+            else:
+                self.tally.record(
+                    case, "wrong", f"expected DeadlineExceededError, got {error or 'a result'}"
+                )
+        elif fate == "fault":
+            if isinstance(error, RuntimeLaunchError) and isinstance(
+                error.__cause__, opsched.InjectedFault
+            ):
+                self.tally.record(case, "faulted")
+            else:
+                self.tally.record(
+                    case, "wrong", f"expected RuntimeLaunchError, got {error or 'a result'}"
+                )
+        elif error is not None:
+            self.tally.record(case, "wrong", f"{t.describe}: raised {error!r}")
+        elif not _same_result(result, t.expected):
+            self.tally.record(case, "wrong", f"{t.describe}: result differs from the solo oracle")
+        else:
+            if self.sample.random() < 0.01 and any(e.size for e in t.expected_arrays):
+                self._reference_check(case, t, result)
+            self.tally.record(case, "completed", latency=latency)
+
+    def _reference_check(self, case: _Case, t: _Template, result: Any) -> None:
+        """A sample is also compared with the reference kernels, within SPEC tolerances."""
+        if t.kind == "graph":
+            return
+        if t.kind == "gnb":
+            names = ("grad_out", "input", "mean", "rstd", "gamma")
+            scalars = dict(zip(("N", "C", "HxW", "group"), t.args[5:9], strict=True))
+            ref = opsched.ops.GROUP_NORM_BACKWARD.reference(
+                dict(zip(names, t.args[:5], strict=True)), scalars
+            )
+            for got, want in zip(result, ref, strict=True):
+                if got is None:
+                    continue
+                rtol, atol = _TOLERANCE[got.dtype]
+                scale = max(1.0, float(np.abs(want.astype(np.float64)).max(initial=0.0)))
+                if not np.allclose(
+                    got.astype(np.float64), want.reshape(got.shape).astype(np.float64),
+                    rtol, atol * scale, equal_nan=True,
+                ):  # fmt: skip
+                    self.tally._note(
+                        f"request {case.index}: outside SPEC tolerance of the reference"
+                    )
+            return
+        op = opsched.ops.GLU_BACKWARD if t.kind == "glu" else opsched.ops.GROUP_NORM_GRAD
+        if t.kind == "glu":
+            g, x, dim = t.args
+            ref = op.reference({"grad_out": g, "self": x}, {"dim": dim % x.ndim})
+        else:
+            names = ("x", "dy", "gamma", "mean", "rstd")
+            ref = op.reference(dict(zip(names, t.args, strict=True)), {})
+        rtol, atol = _TOLERANCE[result.dtype]
+        if result.dtype == np.float16 and t.kind == "glu":
+            rtol, atol = 1e-3, 1e-3
+        if not np.allclose(
+            result.astype(np.float64), ref.astype(np.float64), rtol, atol, equal_nan=True
+        ):
+            self.tally._note(f"request {case.index}: outside SPEC tolerance of the reference")
+
+
+#: The operators each kind of template calls, in the order a graph's nodes are checked.
+_KIND_OPS = {
+    "glu": ("GluBackward",),
+    "gn": ("GroupNormalizationGrad",),
+    "gnb": ("GroupNormBackward",),
+    "graph": ("GroupNormalizationGrad", "GluBackward"),
+}
+
+
+def _product_verdict(product: Product, t: _Template) -> int | None:
+    """What ``product`` answers the template's requests with, from its table alone: 561003
+    for an operator it lacks, 161002 for a dtype outside its list, None when supported."""
+    x = t.args[1] if t.kind in ("glu", "gnb") else t.args[0]
+    dtype = DTYPE_NAMES[x.dtype]
+    for op in _KIND_OPS[t.kind]:
+        support = product.ops.get(op)
+        if support is None:
+            return 561003
+        if dtype not in support.dtypes:
+            return 161002
+    return None
+
+
+def _same_result(result: Any, expected: Any) -> bool:
+    """Bit-identical results: an array, or a tuple of arrays and Nones."""
+    if isinstance(expected, tuple):
+        if not isinstance(result, tuple) or len(result) != len(expected):
+            return False
+        return all(
+            (r is None and e is None) or (r is not None and e is not None and _same_bits(r, e))
+            for r, e in zip(result, expected, strict=True)
+        )
+    return isinstance(result, np.ndarray) and _same_bits(result, expected)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-identical: same dtype and shape, every element's bits equal (NaNs included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return bool(
+        np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits))
+    )
+
+
+async def _submit_async(
+    sched: opsched.Scheduler, kind: str, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    if kind == "glu":
+        return await sched.glu_backward(*args, **kw)
+    if kind == "gn":
+        return await sched.group_norm_grad(*args, **kw)
+    if kind == "gnb":
+        return await sched.group_norm_backward(*args, **kw)
+    g = opsched.Graph()
+    x, dy, gamma, mean, rstd, gate = args
+    a = g.group_norm_grad(x, dy, gamma, mean, rstd)
+    b = g.glu_backward(a, gate, dim=-1)
+    kw = {k: v for k, v in kw.items() if k in ("priority", "deadline")}
+    (out,) = await sched.run(g, outputs=[b], **kw)
+    return out
+
+
+def _submit_sync(
+    sched: opsched.sync.SyncScheduler, kind: str, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    if kind == "glu":
+        return sched.submit_glu_backward(*args, **kw)
+    if kind == "gn":
+        return sched.submit_group_norm_grad(*args, **kw)
+    if kind == "gnb":
+        return sched.submit_group_norm_backward(*args, **kw)
+    return None  # graphs go through the async clients
+
+

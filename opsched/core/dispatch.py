@@ -1,0 +1,297 @@
+"""Dispatch: queued requests to launches on idle streams, and launches back to requests.
+
+The :class:`Dispatcher` runs the pure :func:`form_batches` over the idle streams, has the
+device prepare each batch (executor and workspace are the device's business), starts it on
+its stream (inline when tiny and the stream is idle, else through the stream's FIFO, waiting
+on the device for graph producers), and, when the stream hands the launch back, finishes
+every request of it through :func:`~opsched.core.requests.finish`. Batch formation and
+launch start each run inside an exception boundary that fails only the requests concerned.
+Everything here runs on the loop thread and never awaits.
+
+It knows devices only through their interface and operators not at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from opsched._errors import InnerError, RuntimeLaunchError
+from opsched.core.batching import Batch, RequestQueue, form_batches
+from opsched.core.config import SchedulerConfig
+from opsched.core.loop import LoopEvent, LoopHandle
+from opsched.core.requests import Request, RequestState, finish
+from opsched.core.stats import Counters
+from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
+from opsched.devices import Device, Prepared
+
+__all__ = ["Dispatcher"]
+
+
+@attrs.define(eq=False)
+class _Launch:
+    """A started batch: what its completion needs."""
+
+    batch: Batch
+    prepared: Prepared
+
+
+@attrs.define(eq=False)
+class Dispatcher:
+    """One scheduler's dispatcher (see the module docstring).
+
+    Args:
+        expired: finishes a request whose deadline passed (the scheduler's).
+        room: called after requests left the queue (wakes parked submitters).
+        arm_timer: asks for a dispatch at a ``time.monotonic()`` instant.
+    """
+
+    config: SchedulerConfig
+    device: Device
+    loop: LoopHandle
+    queue: RequestQueue
+    counters: Counters
+    tracer: Tracer | None
+    expired: Callable[[Request], None]
+    room: Callable[[], None]
+    arm_timer: Callable[[float], None]
+    #: Requests inside launches now.
+    running: int = attrs.field(default=0, init=False)
+    #: Launches started and not yet handed back.
+    inflight: int = attrs.field(default=0, init=False)
+    #: Set once the scheduler has shut down: dispatches do nothing.
+    closed: bool = attrs.field(default=False, init=False)
+    _idle: list[int] = attrs.field(init=False)
+    _pending: bool = attrs.field(default=False, init=False)
+    _memory_wait: bool = attrs.field(default=False, init=False)
+    _launching: dict[int, _Launch] = attrs.field(factory=dict, init=False)
+    _quiet: LoopEvent | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._idle = list(range(len(self.device.streams)))
+
+    @property
+    def pending(self) -> bool:
+        """Whether a dispatch is already scheduled."""
+        return self._pending
+
+    def schedule(self) -> None:
+        """Dispatch at the next loop turn (once, however many ask)."""
+        if not self._pending:
+            self._pending = True
+            self.loop.call_soon(self.dispatch)
+
+    async def drained(self) -> None:
+        """Wait until nothing is queued or in flight."""
+        while len(self.queue) or self.inflight:
+            self._quiet = self.loop.new_event()
+            self.schedule()
+            await self._quiet.wait()
+
+    def dispatch(self) -> None:
+        """Start launches on the idle streams (runs on the loop thread, never awaits)."""
+        self._pending = False
+        if self.closed:
+            return
+        queue, tracer = self.queue, self.tracer
+        if tracer is not None:
+            tracer.counters(len(queue), *self.device.memory_usage())
+        while self._idle and len(queue) and not self._memory_wait:
+            taken: list[Request] = []
+            queue.taken = taken
+            try:
+                batches, expired, wake_at = form_batches(
+                    queue, self._idle, self.config, time.monotonic()
+                )
+            except Exception as exc:  # a bug in batch formation fails its requests only
+                self.fail_requests(taken, exc, "batch formation failed")
+                self._idle = sorted(set(range(len(self.device.streams))) - set(self._launching))
+                continue
+            finally:
+                queue.taken = None
+            for request in expired:
+                self.expired(request)
+            if wake_at is not None:
+                self.arm_timer(wake_at)
+            if not batches:
+                break
+            groups = [list(g) for _, g in itertools.groupby(batches, key=_group_key)]
+            for i, group in enumerate(groups):
+                if not self._start(group):  # out of workspace: the rest waits too
+                    for later in groups[i + 1 :]:
+                        self._requeue(later)
+                    break
+        self.room()  # launched requests left the queue: backpressured callers go on
+        if tracer is not None:
+            tracer.counters(len(queue), *self.device.memory_usage())
+        self._check_quiet()
+
+    def _requeue(self, group: list[Batch]) -> None:
+        """Put a group's requests back in the queue and its streams back to idle."""
+        for request in group[0].requests:
+            request.state = RequestState.QUEUED
+            self.queue.push(request)
+        for batch in group:
+            bisect.insort(self._idle, batch.stream)
+
+    def _start(self, group: list[Batch], *, overflow: bool = False) -> bool:
+        """Start a fused batch, a solo request, or every part of a split request.
+
+        Returns False when the device is out of workspace: the group went back to the
+        queue. With ``overflow``, workspace may exceed the cap (see :meth:`_out_of_memory`).
+        """
+        device = self.device
+        prepared: list[tuple[Batch, Prepared]] = []
+        try:
+            for batch in group:
+                ready = device.prepare(batch, overflow=overflow)
+                if ready is None:
+                    for _, p in prepared:
+                        device.release(p.token)
+                    return self._out_of_memory(group)
+                prepared.append((batch, ready))
+        except Exception as exc:  # boundary: fail this group's requests, keep dispatching
+            for _, p in prepared:
+                device.release(p.token)
+            self._idle.extend(b.stream for b in group)
+            self._idle.sort()
+            self.fail_requests(group[0].requests, exc, "starting the launch failed")
+            return True
+        now = time.monotonic()
+        requests = group[0].requests
+        for request in requests:
+            request.state = RequestState.RUNNING
+            request.launched_at = now
+            request.parts_left = len(group)
+        self.running += len(requests)
+        for batch, ready in prepared:
+            self._launch(batch, ready)
+        return True
+
+    def _launch(self, batch: Batch, prepared: Prepared) -> None:
+        launch = _Launch(batch, prepared)
+        self.inflight += 1
+        self._launching[batch.stream] = launch
+        self.counters.launched(len(batch.requests))
+        stream = self.device.streams[batch.stream]
+        # Graph nodes: wait on the device for producers still running (no Python wait), and
+        # tell each run when its node is launched, so its consumers can be queued at once.
+        waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
+        nodes = [r for r in batch.requests if r.graph is not None]
+        inline = (
+            self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
+            and not waits
+        )  # fmt: skip
+        if inline:
+            # Consumers queued by launched() are dispatched only after this returns, when
+            # the inline run is over: they need no event to wait on.
+            for r in nodes:
+                r.graph[0].launched(r.graph[1], None)
+            stream.run_inline(
+                prepared.work, lambda result, error: self.complete(launch, result, error)
+            )
+            return
+        self.device.wait_events(stream, waits)
+        post = self.loop.post
+
+        def done(result: Any, error: BaseException | None) -> None:
+            post(self.complete, launch, result, error)  # False: the loop ended, drop it
+
+        stream.enqueue(prepared.work, done)
+        if nodes:
+            event = stream.record_event()
+            for r in nodes:
+                r.graph[0].launched(r.graph[1], event)
+
+    def _out_of_memory(self, group: list[Batch]) -> bool:
+        batch = group[0]
+        if self.inflight == 0 and batch.fused and len(batch.requests) > 1:
+            # Nothing in flight will return memory: launch fewer requests, requeue the rest.
+            half = len(batch.requests) // 2
+            for request in batch.requests[half:]:
+                self.queue.push(request)
+            smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
+            return self._start([smaller])
+        if self.inflight == 0:
+            # Still nothing in flight: the memory is held by graph intermediates that only
+            # this work would free. Waiting would never end; overflow the cap instead.
+            log_overflow(len(batch.requests))
+            return self._start(group, overflow=True)
+        self._requeue(group)
+        self._memory_wait = True  # until a launch completes and returns its workspace
+        return False
+
+    def complete(self, launch: _Launch, result: Any, error: BaseException | None) -> None:
+        """One launch finished (called on the loop thread): finish its requests."""
+        self.inflight -= 1
+        batch = launch.batch
+        self._launching.pop(batch.stream, None)
+        self.device.release(launch.prepared.token)
+        self._memory_wait = False
+        bisect.insort(self._idle, batch.stream)
+        errors: dict[int, BaseException] = result[0] if error is None else {}
+        for request in batch.requests:
+            cause = error if error is not None else errors.get(request.id)
+            if cause is not None and request.error is None:
+                request.error = _launch_error(request, cause)
+            request.parts_left -= 1
+            if request.parts_left <= 0:
+                self.running -= 1
+                self._resolve(request)
+        op = batch.requests[0].op
+        outcome = result if error is None else None
+        log_launch(op, batch, outcome)
+        if self.tracer is not None:
+            trace_launch(self.tracer, op, batch, launch.prepared.cache_hit, outcome)
+            self.tracer.counters(len(self.queue), *self.device.memory_usage())
+        if len(self.queue):
+            self.schedule()  # a stream and workspace came free for what waits
+        else:
+            self._check_quiet()
+
+    def _resolve(self, request: Request) -> None:
+        """A launched request's launch is over: its outcome."""
+        if request.abandoned:
+            finish(request, RequestState.CANCELLED, self.counters)
+        elif request.error is not None:
+            finish(request, RequestState.FAILED, self.counters)
+        else:
+            finish(request, RequestState.DONE, self.counters)
+
+    def fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
+        """Fail ``requests`` with an InnerError naming ``what`` went wrong."""
+        for request in requests:
+            if request.done.is_set():
+                continue
+            if request.state is RequestState.RUNNING:
+                self.running -= 1
+            error = InnerError(f"{request.op.name}: {what}: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            request.error = error
+            self._resolve(request)
+        log_failure(what, exc, len(requests))
+
+    def _check_quiet(self) -> None:
+        if self._quiet is not None and not len(self.queue) and not self.inflight:
+            self._quiet.set()
+            self._quiet = None
+
+
+def _group_key(batch: Batch) -> int:
+    """Batches started together: every part of one split request, else each batch alone."""
+    return id(batch.requests[0]) if batch.part is not None else id(batch)
+
+
+def _launch_error(request: Request, cause: BaseException) -> BaseException:
+    if isinstance(cause, RuntimeLaunchError):
+        return cause
+    error = RuntimeLaunchError(
+        f"{request.op.name}: the launch failed: {type(cause).__name__}: {cause}"
+    )
+    error.__cause__ = cause
+    return error
