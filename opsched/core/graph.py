@@ -60,7 +60,7 @@ class Placeholder:
 class Node:
     """One operator call in a graph; stands for its output array in later nodes.
 
-    An operator with several outputs (GroupNormBackward) stands for its first requested
+    An operator with several outputs stands for its first requested
     output (``dx``) in later nodes; a run returns its whole tuple of outputs.
     """
 
@@ -118,12 +118,7 @@ class GraphBuilder:
     """A graph of operator calls; see the module docstring. The public
     :class:`opsched.Graph` adds one method per operator.
 
-    Example::
-
-        g = opsched.Graph()
-        a = g.group_norm_grad(x, dy, gamma, mean, rstd)
-        b = g.glu_backward(a, gate, dim=-1)
-        outs = await sched.run(g, outputs=[a, b])
+    See :class:`opsched.Graph` for an example.
     """
 
     nodes: list[Node] = attrs.field(factory=list, init=False)

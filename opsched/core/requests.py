@@ -156,8 +156,7 @@ class Pending:
         return self._request.done.is_set()
 
     async def wait(self) -> Any:
-        """Wait for the result; see :meth:`opsched.Scheduler.glu_backward` for what it
-        raises."""
+        """Wait for the result; see :meth:`Scheduler.submit` for what it raises."""
         return await self._scheduler._wait(self._request)
 
     def __await__(self) -> Any:

@@ -114,7 +114,7 @@ class Scheduler:
         timeout: float | None = None,
     ) -> Any:
         """Run ``op`` on ``args`` (its parameters, in order) through the scheduler; the
-        per-operator methods (``sched.glu_backward(...)``) are this with named arguments.
+        per-operator methods of :class:`opsched.Scheduler` are this with named arguments.
 
         Raises:
             ParamNullptrError, ParamInvalidError, InnerError, TypeError: bad arguments, at
