@@ -115,6 +115,13 @@ def _args_tuple(op: Operator) -> str:
     return f"({', '.join(names)},)" if len(names) == 1 else f"({', '.join(names)})"
 
 
+def _dict(name: str, items: Sequence[str], indent: str) -> list[str]:
+    """``name = {items}`` (annotated when empty, for the type checker)."""
+    if not items:
+        return [f"{indent}{name}: dict[str, Any] = {{}}"]
+    return _call(f"{name} = {{", items, indent, "}")
+
+
 def _doc(lines: Sequence[str], indent: str) -> list[str]:
     """A docstring of ``lines``, each wrapped to the line width (continuations of an
     indented line, such as an ``Args:`` entry, indented four more)."""
@@ -208,7 +215,7 @@ def graph_methods(op: Operator) -> list[str]:
     tensors = [f'"{p.name}": {p.name}' for p in op.parameters if p.name in op.tensor_names]
     scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
     lines += _call("args = {", tensors, i * 2, "}")
-    lines += _call("scalars = {", scalars, i * 2, "}") if scalars else [f"{i * 2}scalars: dict[str, Any] = {{}}"]
+    lines += _dict("scalars", scalars, i * 2)
     lines.append(f"{i * 2}return graph.add({_const(op)}, args, scalars, name)")
     return lines
 
@@ -285,7 +292,7 @@ def aclnn_functions(op: Operator) -> list[str]:
     tensors = [f'"{n}": {n}' for n in op.tensor_names]
     scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
     lines += _call("tensors = {", tensors, "    ", "}")
-    lines += _call("scalars = {", scalars, "    ", "}") if scalars else ["    scalars: dict[str, Any] = {}"]
+    lines += _dict("scalars", scalars, "    ")
     lines.append(f"    return get_workspace_size({_const(op)}, tensors, scalars, product)")
     lines += ["", ""]
     launch_params = [

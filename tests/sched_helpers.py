@@ -8,7 +8,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
-from opsched import aclnn
+from opsched.cli.solo import solo_glu, solo_gn  # noqa: F401 - the shared oracle
 from tests.helpers import BF16, gn_inputs, rand
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16, np.dtype(np.float64)]
@@ -35,21 +35,6 @@ def random_gn(rng: np.random.Generator, dtype=None):
     m = [4, 16, 30][rng.integers(3)]
     shape = (int(rng.integers(1, 4)), int(rng.integers(1, 4)), m)
     return gn_inputs(rng, shape, dtype)
-
-
-def solo_glu(grad_out, x, dim):
-    """The oracle: one request alone through the two-phase API."""
-    out = np.empty(x.shape, x.dtype)
-    size, ex = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, out)
-    aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-    return out
-
-
-def solo_gn(x, dy, gamma, mean, rstd):
-    dx = np.empty(x.shape, x.dtype)
-    size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
-    aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
-    return dx
 
 
 class Gate:

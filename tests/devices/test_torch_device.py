@@ -228,7 +228,7 @@ def test_demo_runs_on_torch_cpu(tmp_path):
 
 
 def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_torch_device.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
     proc = subprocess.run(
         [sys.executable, str(script), "torch:cpu"],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,

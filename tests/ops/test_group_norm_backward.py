@@ -8,15 +8,15 @@ import tracemalloc
 
 import numpy as np
 import pytest
+
+import opsched
+import opsched.sync
+from opsched import ParamInvalidError, ParamNullptrError, aclnn
 from opsched.kernels.group_norm_backward import (
     CHUNK,
     group_norm_backward_fast,
     plan_group_norm_backward,
 )
-
-import opsched
-import opsched.sync
-from opsched import ParamInvalidError, ParamNullptrError, aclnn
 from opsched.ops import GROUP_NORM_BACKWARD
 from tests.helpers import BF16, GN_DTYPES, rand, tolerance
 

@@ -13,7 +13,7 @@ from opsched.devices import Event
 from opsched.devices.cache import ExecutorCache
 from opsched.devices.pool import WorkspacePool, size_class
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------- pool

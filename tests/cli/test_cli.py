@@ -12,7 +12,7 @@ import pytest
 
 from opsched.core.trace import load_trace
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def opsched_cmd(*args, cwd, timeout=120):

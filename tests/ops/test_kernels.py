@@ -7,6 +7,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+
+from opsched import aclnn
 from opsched.kernels.glu import glu_backward_fast, glu_backward_reference, plan_glu_backward
 from opsched.kernels.group_norm import (
     CHUNK,
@@ -14,8 +16,6 @@ from opsched.kernels.group_norm import (
     group_norm_grad_reference,
     plan_group_norm_grad,
 )
-
-from opsched import aclnn
 from tests.helpers import (
     GLU_DTYPES,
     GN_DTYPES,

@@ -14,7 +14,7 @@ from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_kernel_benchmark_reports_every_row():
