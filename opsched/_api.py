@@ -8,9 +8,12 @@ loop (a plain task on asyncio, a system task on trio); when the loop ends, that 
 cancelled and closes the scheduler: queued requests fail, stream threads are joined, nothing
 is left pending or running.
 
-The per-operator methods and functions are generated from the operator descriptions
-(``scripts/gen_entry_points.py``) over the core's generic ``submit`` / ``submit_nowait`` /
-``GraphBuilder.add``; only the regions between the markers are rewritten.
+Each operator's typed signature is written once, as its :class:`Scheduler` method, generated
+from the operator's description (``scripts/gen_entry_points.py`` rewrites the regions between
+the markers) over the core's generic :meth:`~opsched.core.scheduler.Scheduler.submit`. Its
+twins (``_nowait``, the module-level function, the graph builder method, and the sync
+facade's) are one-line wrappers typed from that method (``ParamSpec``), over the matching
+generic call.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import contextvars
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import anyio
 import numpy as np
@@ -33,6 +36,7 @@ from opsched.core.requests import Pending
 from opsched.core.scheduler import SchedulerState
 from opsched.core.trace import Tracer
 from opsched.devices import make_device
+from opsched.ops import Operator, entry_point
 
 __all__ = [
     "Graph",
@@ -45,6 +49,39 @@ __all__ = [
     "resolve_config",
     "run",
 ]
+
+
+S = TypeVar("S", bound=_core.Scheduler)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _nowait(
+    op: Operator, method: Callable[Concatenate[S, P], Coroutine[Any, Any, R]]
+) -> Callable[Concatenate[S, P], Pending]:
+    """``method``'s twin that queues without waiting and returns a :class:`Pending`."""
+
+    def nowait(
+        sched: S,
+        /,
+        *args: Any,
+        out: Any = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **named: Any,
+    ) -> Pending:
+        if named:  # operator arguments given by name
+            args = op.bind(args, named)
+        return sched.submit_nowait(op, args, out, priority, deadline, timeout)
+
+    doc = (
+        f"Queue a {op.name} without waiting; ``await`` the returned :class:`Pending`.\n\n"
+        f"Arguments as :meth:`{op.method}`. Raises QueueFullError when "
+        "``max_queued_requests`` are queued (and the argument errors)."
+    )
+    name = f"{op.method}_nowait"
+    return cast(Any, entry_point(nowait, method, name, doc, first="sched", returns="Pending"))
 
 
 class Scheduler(_core.Scheduler):
@@ -74,10 +111,7 @@ class Scheduler(_core.Scheduler):
             grad_out: the upstream gradient: self's shape, shape[dim] halved.
             self: the GLU input, split in halves a, b along dim.
             dim: the split dimension, in [-self.ndim, self.ndim - 1].
-            out: where to write the result (allocated when None).
-            priority: higher runs first; FIFO among equal priorities.
-            deadline: absolute ``time.monotonic()`` by which the request must have launched.
-            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+            out, priority, deadline, timeout: as :meth:`submit` (``out`` allocated when None).
 
         Raises: as :meth:`submit`.
         """
@@ -85,24 +119,7 @@ class Scheduler(_core.Scheduler):
             ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
-    def glu_backward_nowait(
-        sched,
-        grad_out: np.ndarray,
-        self: np.ndarray,
-        dim: int = -1,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Pending:
-        """Queue a GluBackward without waiting; ``await`` the returned :class:`Pending`.
-
-        Arguments as :meth:`glu_backward`; raises as :meth:`submit_nowait`.
-        """
-        return sched.submit_nowait(
-            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
-        )
+    glu_backward_nowait = _nowait(ops.GLU_BACKWARD, glu_backward)
 
     async def group_norm_grad(
         sched,
@@ -125,10 +142,7 @@ class Scheduler(_core.Scheduler):
             gamma: already broadcast to x's shape.
             mean: (N, G).
             rstd: (N, G).
-            out: where to write the result (allocated when None).
-            priority: higher runs first; FIFO among equal priorities.
-            deadline: absolute ``time.monotonic()`` by which the request must have launched.
-            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+            out, priority, deadline, timeout: as :meth:`submit` (``out`` allocated when None).
 
         Raises: as :meth:`submit`.
         """
@@ -136,27 +150,7 @@ class Scheduler(_core.Scheduler):
             ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
-    def group_norm_grad_nowait(
-        sched,
-        x: np.ndarray,
-        dy: np.ndarray,
-        gamma: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Pending:
-        """Queue a GroupNormalizationGrad without waiting; ``await`` the returned
-        :class:`Pending`.
-
-        Arguments as :meth:`group_norm_grad`; raises as :meth:`submit_nowait`.
-        """
-        return sched.submit_nowait(
-            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
-        )
+    group_norm_grad_nowait = _nowait(ops.GROUP_NORM_GRAD, group_norm_grad)
 
     async def group_norm_backward(
         sched,
@@ -190,10 +184,7 @@ class Scheduler(_core.Scheduler):
             HxW: the elements per channel.
             group: the groups; it divides C.
             output_mask: compute (dx, dgamma, dbeta).
-            out: where to write the result (allocated when None).
-            priority: higher runs first; FIFO among equal priorities.
-            deadline: absolute ``time.monotonic()`` by which the request must have launched.
-            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+            out, priority, deadline, timeout: as :meth:`submit` (``out`` allocated when None).
 
         Raises: as :meth:`submit`.
         """
@@ -206,37 +197,29 @@ class Scheduler(_core.Scheduler):
             timeout,
         )
 
-    def group_norm_backward_nowait(
-        sched,
-        grad_out: np.ndarray,
-        input: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        gamma: np.ndarray | None,
-        N: int,
-        C: int,
-        HxW: int,
-        group: int,
-        output_mask: Sequence[bool] = (True, True, True),
-        *,
-        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Pending:
-        """Queue a GroupNormBackward without waiting; ``await`` the returned :class:`Pending`.
-
-        Arguments as :meth:`group_norm_backward`; raises as :meth:`submit_nowait`.
-        """
-        return sched.submit_nowait(
-            ops.GROUP_NORM_BACKWARD,
-            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-            out,
-            priority,
-            deadline,
-            timeout,
-        )
+    group_norm_backward_nowait = _nowait(ops.GROUP_NORM_BACKWARD, group_norm_backward)
     # END GENERATED scheduler
+
+
+def _node(op: Operator, method: Callable[..., Any]) -> Callable[..., Node]:
+    """``method``'s twin that adds a graph node (its arguments may be nodes and
+    placeholders; ``name=`` names the node)."""
+
+    def add(graph: GraphBuilder, /, *args: Any, name: str | None = None, **named: Any) -> Node:
+        if named:
+            args = op.bind(args, named)
+        tensors, scalars = op.arguments(args, None)
+        for output in op.outputs:
+            del tensors[output]
+        return graph.add(op, tensors, scalars, name)
+
+    doc = (
+        f"Add a {op.name} node (arguments as :meth:`Scheduler.{op.method}`; nodes and "
+        "placeholders may stand for arrays).\n\nRaises:\n    ParamNullptrError, "
+        "ParamInvalidError, TypeError: the SPEC checks, at once, naming the node."
+    )
+    return entry_point(add, method, op.method, doc, first="graph", keywords=("name",),
+                       returns="Node")  # fmt: skip
 
 
 class Graph(GraphBuilder):
@@ -251,73 +234,9 @@ class Graph(GraphBuilder):
     """
 
     # BEGIN GENERATED graph: scripts/gen_entry_points.py writes this; do not edit
-    def glu_backward(
-        graph,
-        grad_out: Any,
-        self: Any,
-        dim: int = -1,
-        *,
-        name: str | None = None,
-    ) -> Node:
-        """Add a GluBackward node (arguments as :meth:`Scheduler.glu_backward`; nodes and
-        placeholders may stand for arrays).
-
-        Raises:
-            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
-                naming the node.
-        """
-        args = {"grad_out": grad_out, "self": self}
-        scalars = {"dim": dim}
-        return graph.add(ops.GLU_BACKWARD, args, scalars, name)
-
-    def group_norm_grad(
-        graph,
-        x: Any,
-        dy: Any,
-        gamma: Any,
-        mean: Any,
-        rstd: Any,
-        *,
-        name: str | None = None,
-    ) -> Node:
-        """Add a GroupNormalizationGrad node (arguments as :meth:`Scheduler.group_norm_grad`;
-        nodes and
-        placeholders may stand for arrays).
-
-        Raises:
-            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
-                naming the node.
-        """
-        args = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd}
-        scalars: dict[str, Any] = {}
-        return graph.add(ops.GROUP_NORM_GRAD, args, scalars, name)
-
-    def group_norm_backward(
-        graph,
-        grad_out: Any,
-        input: Any,
-        mean: Any,
-        rstd: Any,
-        gamma: Any,
-        N: int,
-        C: int,
-        HxW: int,
-        group: int,
-        output_mask: Sequence[bool] = (True, True, True),
-        *,
-        name: str | None = None,
-    ) -> Node:
-        """Add a GroupNormBackward node (arguments as :meth:`Scheduler.group_norm_backward`;
-        nodes and
-        placeholders may stand for arrays).
-
-        Raises:
-            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
-                naming the node.
-        """
-        args = {"grad_out": grad_out, "input": input, "mean": mean, "rstd": rstd, "gamma": gamma}
-        scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-        return graph.add(ops.GROUP_NORM_BACKWARD, args, scalars, name)
+    glu_backward = _node(ops.GLU_BACKWARD, Scheduler.glu_backward)
+    group_norm_grad = _node(ops.GROUP_NORM_GRAD, Scheduler.group_norm_grad)
+    group_norm_backward = _node(ops.GROUP_NORM_BACKWARD, Scheduler.group_norm_backward)
     # END GENERATED graph
 
 
@@ -466,68 +385,21 @@ async def run(
     )
 
 
+def _module_level(
+    method: Callable[Concatenate[Scheduler, P], Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``method`` on the current scheduler (:func:`current_scheduler`)."""
+
+    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        scheduler = await current_scheduler()
+        return await method(scheduler, *args, **kwargs)
+
+    doc = f"{method.__name__} on the current scheduler; see :meth:`Scheduler.{method.__name__}`."
+    return entry_point(call, method, method.__name__, doc)
+
+
 # BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
-async def glu_backward(
-    grad_out: np.ndarray,
-    self: np.ndarray,
-    dim: int = -1,
-    *,
-    out: np.ndarray | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> np.ndarray:
-    """GluBackward on the current scheduler; see :meth:`Scheduler.glu_backward`."""
-    scheduler = await current_scheduler()
-    return await scheduler.submit(
-        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
-    )
-
-
-async def group_norm_grad(
-    x: np.ndarray,
-    dy: np.ndarray,
-    gamma: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    *,
-    out: np.ndarray | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> np.ndarray:
-    """GroupNormalizationGrad on the current scheduler; see :meth:`Scheduler.group_norm_grad`."""
-    scheduler = await current_scheduler()
-    return await scheduler.submit(
-        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
-    )
-
-
-async def group_norm_backward(
-    grad_out: np.ndarray,
-    input: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    gamma: np.ndarray | None,
-    N: int,
-    C: int,
-    HxW: int,
-    group: int,
-    output_mask: Sequence[bool] = (True, True, True),
-    *,
-    out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """GroupNormBackward on the current scheduler; see :meth:`Scheduler.group_norm_backward`."""
-    scheduler = await current_scheduler()
-    return await scheduler.submit(
-        ops.GROUP_NORM_BACKWARD,
-        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-        out,
-        priority,
-        deadline,
-        timeout,
-    )
+glu_backward = _module_level(Scheduler.glu_backward)
+group_norm_grad = _module_level(Scheduler.group_norm_grad)
+group_norm_backward = _module_level(Scheduler.group_norm_backward)
 # END GENERATED functions

@@ -14,12 +14,14 @@ lacks is 561003, a dtype outside its list 161002.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from opsched import ops
+from opsched.ops import Operator
 from opsched.ops.executor import Executor, get_workspace_size, launch
 
 __all__ = [
@@ -33,179 +35,88 @@ __all__ = [
 ]
 
 
+class Launch(Protocol):
+    """Phase two of an operator: ``launch(workspace, workspace_size, executor)``."""
+
+    def __call__(
+        self,
+        workspace: np.ndarray | None,
+        workspace_size: int,
+        executor: Executor,
+        stream: Any = None,
+    ) -> None: ...
+
+
+def _planner(op: Operator) -> Callable[..., tuple[int, Executor]]:
+    """Phase one of ``op``: its parameters, then its outputs, all positional (as on the
+    device), and ``product=``."""
+    names = [p.name for p in op.parameters] + list(op.outputs)
+    tensor_names = set(op.tensor_names)
+    kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature(
+        [inspect.Parameter(p.name, kinds, annotation=p.annotation) for p in op.parameters]
+        + [inspect.Parameter(n, kinds, annotation=op.output_annotation) for n in op.outputs]
+        + [inspect.Parameter("product", inspect.Parameter.KEYWORD_ONLY, default="generic")],
+        return_annotation="tuple[int, Executor]",
+    )
+
+    def plan(*args: Any, **named: Any) -> tuple[int, Executor]:
+        product = named.pop("product", "generic")
+        if named or len(args) != len(names):  # keywords, or a wrong count: bind (or raise)
+            bound = signature.bind(*args, **named)
+            args = tuple(bound.arguments[n] for n in names)
+        tensors: dict[str, Any] = {}
+        scalars: dict[str, Any] = {}
+        for name, value in zip(names, args, strict=True):
+            (tensors if name in tensor_names else scalars)[name] = value
+        return get_workspace_size(op, tensors, scalars, product)
+
+    outputs = ", ".join(f"``{name}``" for name in op.outputs)
+    plan.__doc__ = (
+        f"Check a {op.name} call and plan it (``aclnn{op.name}GetWorkspaceSize``).\n\n"
+        f"Arguments as :meth:`opsched.Scheduler.{op.method}`, then the outputs ({outputs}) "
+        "the launch writes; ``product`` checks the call as that Ascend product's runtime "
+        "would (``opsched products``).\n\n"
+        "Returns:\n    ``(workspace_size, executor)``.\n\n"
+        "Raises:\n"
+        "    InnerError: ``product`` lacks the operator (561003).\n"
+        "    ParamNullptrError: a required tensor is None (161001).\n"
+        "    ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC "
+        "order.\n"
+        "    TypeError: an argument of the wrong kind, or a wrong number of arguments."
+    )
+    plan.__signature__ = signature  # type: ignore[attr-defined]
+    plan.__name__ = plan.__qualname__ = f"{op.method}_get_workspace_size"
+    return plan
+
+
+def _launcher(op: Operator) -> Launch:
+    """Phase two of ``op``: launch a planned executor in the calling thread."""
+
+    def run(
+        workspace: np.ndarray | None,
+        workspace_size: int,
+        executor: Executor,
+        stream: Any = None,
+    ) -> None:
+        launch(op, workspace, workspace_size, executor, stream)
+
+    run.__doc__ = (
+        f"Launch a planned {op.name} (``aclnn{op.name}``).\n\n"
+        "Raises:\n"
+        "    ParamInvalidError: executor misuse or a too-small workspace (161002).\n"
+        "    InnerError: ``executor`` is None (561103).\n"
+        "    RuntimeLaunchError: the kernel failed (361001), its exception chained."
+    )
+    run.__name__ = run.__qualname__ = op.method
+    return run
+
+
 # BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
-def glu_backward_get_workspace_size(
-    grad_out: np.ndarray,
-    self: np.ndarray,
-    dim: int,
-    out: np.ndarray,
-    *,
-    product: str = "generic",
-) -> tuple[int, Executor]:
-    """Check a GluBackward call and plan it (``aclnnGluBackwardGetWorkspaceSize``).
-
-    Args:
-        grad_out: the upstream gradient: self's shape, shape[dim] halved.
-        self: the GLU input, split in halves a, b along dim.
-        dim: the split dimension, in [-self.ndim, self.ndim - 1].
-        out: an output, written by the launch.
-        product: check as this Ascend product's runtime would (``opsched products``).
-
-    Returns:
-        ``(workspace_size, executor)``.
-
-    Raises:
-        InnerError: ``product`` lacks the operator (561003).
-        ParamNullptrError: a required tensor is None (161001).
-        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
-            order.
-        TypeError: an argument of the wrong kind.
-    """
-    tensors = {"grad_out": grad_out, "self": self, "out": out}
-    scalars = {"dim": dim}
-    return get_workspace_size(ops.GLU_BACKWARD, tensors, scalars, product)
-
-
-def glu_backward(
-    workspace: np.ndarray | None,
-    workspace_size: int,
-    executor: Executor,
-    stream: Any = None,
-) -> None:
-    """Launch a planned GluBackward (``aclnnGluBackward``).
-
-    Raises:
-        ParamInvalidError: executor misuse or a too-small workspace (161002).
-        InnerError: ``executor`` is None (561103).
-        RuntimeLaunchError: the kernel failed (361001), its exception chained.
-    """
-    launch(ops.GLU_BACKWARD, workspace, workspace_size, executor, stream)
-
-
-def group_norm_grad_get_workspace_size(
-    x: np.ndarray,
-    dy: np.ndarray,
-    gamma: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    dx: np.ndarray,
-    *,
-    product: str = "generic",
-) -> tuple[int, Executor]:
-    """Check a GroupNormalizationGrad call and plan it
-    (``aclnnGroupNormalizationGradGetWorkspaceSize``).
-
-    Args:
-        x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
-        dy: the upstream gradient, x's shape and dtype.
-        gamma: already broadcast to x's shape.
-        mean: (N, G).
-        rstd: (N, G).
-        dx: an output, written by the launch.
-        product: check as this Ascend product's runtime would (``opsched products``).
-
-    Returns:
-        ``(workspace_size, executor)``.
-
-    Raises:
-        InnerError: ``product`` lacks the operator (561003).
-        ParamNullptrError: a required tensor is None (161001).
-        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
-            order.
-        TypeError: an argument of the wrong kind.
-    """
-    tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
-    scalars: dict[str, Any] = {}
-    return get_workspace_size(ops.GROUP_NORM_GRAD, tensors, scalars, product)
-
-
-def group_norm_grad(
-    workspace: np.ndarray | None,
-    workspace_size: int,
-    executor: Executor,
-    stream: Any = None,
-) -> None:
-    """Launch a planned GroupNormalizationGrad (``aclnnGroupNormalizationGrad``).
-
-    Raises:
-        ParamInvalidError: executor misuse or a too-small workspace (161002).
-        InnerError: ``executor`` is None (561103).
-        RuntimeLaunchError: the kernel failed (361001), its exception chained.
-    """
-    launch(ops.GROUP_NORM_GRAD, workspace, workspace_size, executor, stream)
-
-
-def group_norm_backward_get_workspace_size(
-    grad_out: np.ndarray,
-    input: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    gamma: np.ndarray | None,
-    N: int,
-    C: int,
-    HxW: int,
-    group: int,
-    output_mask: Sequence[bool],
-    dx: np.ndarray | None,
-    dgamma: np.ndarray | None,
-    dbeta: np.ndarray | None,
-    *,
-    product: str = "generic",
-) -> tuple[int, Executor]:
-    """Check a GroupNormBackward call and plan it (``aclnnGroupNormBackwardGetWorkspaceSize``).
-
-    Args:
-        grad_out: N * C * HxW elements (e.g. (N, C, H, W)).
-        input: the forward input, grad_out's shape and dtype.
-        mean: N * group elements, laid out as (N, group).
-        rstd: N * group elements, laid out as (N, group).
-        gamma: C elements, or None (ones).
-        N: the batch size.
-        C: the channels.
-        HxW: the elements per channel.
-        group: the groups; it divides C.
-        output_mask: compute (dx, dgamma, dbeta).
-        dx: an output, written by the launch.
-        dgamma: an output, written by the launch.
-        dbeta: an output, written by the launch.
-        product: check as this Ascend product's runtime would (``opsched products``).
-
-    Returns:
-        ``(workspace_size, executor)``.
-
-    Raises:
-        InnerError: ``product`` lacks the operator (561003).
-        ParamNullptrError: a required tensor is None (161001).
-        ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC
-            order.
-        TypeError: an argument of the wrong kind.
-    """
-    tensors = {
-        "grad_out": grad_out,
-        "input": input,
-        "mean": mean,
-        "rstd": rstd,
-        "gamma": gamma,
-        "dx": dx,
-        "dgamma": dgamma,
-        "dbeta": dbeta,
-    }
-    scalars = {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask}
-    return get_workspace_size(ops.GROUP_NORM_BACKWARD, tensors, scalars, product)
-
-
-def group_norm_backward(
-    workspace: np.ndarray | None,
-    workspace_size: int,
-    executor: Executor,
-    stream: Any = None,
-) -> None:
-    """Launch a planned GroupNormBackward (``aclnnGroupNormBackward``).
-
-    Raises:
-        ParamInvalidError: executor misuse or a too-small workspace (161002).
-        InnerError: ``executor`` is None (561103).
-        RuntimeLaunchError: the kernel failed (361001), its exception chained.
-    """
-    launch(ops.GROUP_NORM_BACKWARD, workspace, workspace_size, executor, stream)
+glu_backward_get_workspace_size = _planner(ops.GLU_BACKWARD)
+glu_backward = _launcher(ops.GLU_BACKWARD)
+group_norm_grad_get_workspace_size = _planner(ops.GROUP_NORM_GRAD)
+group_norm_grad = _launcher(ops.GROUP_NORM_GRAD)
+group_norm_backward_get_workspace_size = _planner(ops.GROUP_NORM_BACKWARD)
+group_norm_backward = _launcher(ops.GROUP_NORM_BACKWARD)
 # END GENERATED functions

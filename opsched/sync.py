@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import anyio.from_thread
 import numpy as np
@@ -37,6 +38,7 @@ from opsched._api import open_scheduler as _open_async
 from opsched.core.config import SchedulerConfig
 from opsched.core.graph import Node
 from opsched.core.stats import SchedulerStatistics
+from opsched.ops import Operator, entry_point
 
 __all__ = [
     "SyncScheduler",
@@ -73,6 +75,55 @@ class _Portal:
             raise RuntimeError(msg)
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _threadsafe(
+    op: Operator, method: Callable[Concatenate[Scheduler, P], Coroutine[Any, Any, R]]
+) -> Callable[Concatenate[SyncScheduler, P], Future[R]]:
+    """``method``'s twin for threads: queue, return a ``concurrent.futures.Future``."""
+
+    def submit(
+        facade: SyncScheduler,
+        /,
+        *args: Any,
+        out: Any = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **named: Any,
+    ) -> Future[Any]:
+        facade._portal.check_thread()
+        if named:  # operator arguments given by name
+            args = op.bind(args, named)
+        return facade.scheduler.submit_threadsafe(
+            op, args, out, priority=priority, deadline=deadline, timeout=timeout
+        )
+
+    doc = (
+        f"Queue a {op.name}; the future resolves with its result (or raises its error).\n\n"
+        f"Arguments as :meth:`Scheduler.{op.method}`. Bad arguments raise here, at once; "
+        "``future.cancel()`` withdraws a queued request."
+    )
+    returns = f"Future[{inspect.signature(method).return_annotation}]"
+    name = f"submit_{op.method}"
+    return cast(Any, entry_point(submit, method, name, doc, first="facade", returns=returns))
+
+
+def _blocking(
+    op: Operator, method: Callable[Concatenate[Scheduler, P], Coroutine[Any, Any, R]]
+) -> Callable[Concatenate[SyncScheduler, P], R]:
+    """``method``'s blocking twin: its :func:`_threadsafe` future's result."""
+    submit: Callable[..., Future[Any]] = _threadsafe(op, method)
+
+    def call(facade: SyncScheduler, /, *args: Any, **kwargs: Any) -> Any:
+        return submit(facade, *args, **kwargs).result()
+
+    doc = f"Blocking :meth:`Scheduler.{op.method}` (same arguments and errors)."
+    return cast(Any, entry_point(call, method, op.method, doc, first="facade"))
+
+
 class SyncScheduler:
     """Blocking methods over a :class:`~opsched.Scheduler` running in a portal thread.
 
@@ -90,160 +141,12 @@ class SyncScheduler:
         return self._scheduler
 
     # BEGIN GENERATED sync scheduler: scripts/gen_entry_points.py writes this; do not edit
-    def glu_backward(
-        facade,
-        grad_out: np.ndarray,
-        self: np.ndarray,
-        dim: int = -1,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> np.ndarray:
-        """Blocking :meth:`Scheduler.glu_backward` (same arguments and errors)."""
-        return facade.submit_glu_backward(
-            grad_out, self, dim, out=out, priority=priority, deadline=deadline, timeout=timeout
-        ).result()
-
-    def submit_glu_backward(
-        facade,
-        grad_out: np.ndarray,
-        self: np.ndarray,
-        dim: int = -1,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Future[np.ndarray]:
-        """Queue a GluBackward; the future resolves with its result (or raises its error).
-
-        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
-        """
-        facade._portal.check_thread()
-        return facade.scheduler.submit_threadsafe(
-            ops.GLU_BACKWARD,
-            (grad_out, self, dim),
-            out,
-            priority=priority,
-            deadline=deadline,
-            timeout=timeout,
-        )
-
-    def group_norm_grad(
-        facade,
-        x: np.ndarray,
-        dy: np.ndarray,
-        gamma: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> np.ndarray:
-        """Blocking :meth:`Scheduler.group_norm_grad` (same arguments and errors)."""
-        return facade.submit_group_norm_grad(
-            x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
-        ).result()
-
-    def submit_group_norm_grad(
-        facade,
-        x: np.ndarray,
-        dy: np.ndarray,
-        gamma: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        *,
-        out: np.ndarray | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Future[np.ndarray]:
-        """Queue a GroupNormalizationGrad; the future resolves with its result (or raises its
-        error).
-
-        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
-        """
-        facade._portal.check_thread()
-        return facade.scheduler.submit_threadsafe(
-            ops.GROUP_NORM_GRAD,
-            (x, dy, gamma, mean, rstd),
-            out,
-            priority=priority,
-            deadline=deadline,
-            timeout=timeout,
-        )
-
-    def group_norm_backward(
-        facade,
-        grad_out: np.ndarray,
-        input: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        gamma: np.ndarray | None,
-        N: int,
-        C: int,
-        HxW: int,
-        group: int,
-        output_mask: Sequence[bool] = (True, True, True),
-        *,
-        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-        """Blocking :meth:`Scheduler.group_norm_backward` (same arguments and errors)."""
-        return facade.submit_group_norm_backward(
-            grad_out,
-            input,
-            mean,
-            rstd,
-            gamma,
-            N,
-            C,
-            HxW,
-            group,
-            output_mask,
-            out=out,
-            priority=priority,
-            deadline=deadline,
-            timeout=timeout,
-        ).result()
-
-    def submit_group_norm_backward(
-        facade,
-        grad_out: np.ndarray,
-        input: np.ndarray,
-        mean: np.ndarray,
-        rstd: np.ndarray,
-        gamma: np.ndarray | None,
-        N: int,
-        C: int,
-        HxW: int,
-        group: int,
-        output_mask: Sequence[bool] = (True, True, True),
-        *,
-        out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-    ) -> Future[tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]:
-        """Queue a GroupNormBackward; the future resolves with its result (or raises its error).
-
-        Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.
-        """
-        facade._portal.check_thread()
-        return facade.scheduler.submit_threadsafe(
-            ops.GROUP_NORM_BACKWARD,
-            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-            out,
-            priority=priority,
-            deadline=deadline,
-            timeout=timeout,
-        )
+    glu_backward = _blocking(ops.GLU_BACKWARD, Scheduler.glu_backward)
+    submit_glu_backward = _threadsafe(ops.GLU_BACKWARD, Scheduler.glu_backward)
+    group_norm_grad = _blocking(ops.GROUP_NORM_GRAD, Scheduler.group_norm_grad)
+    submit_group_norm_grad = _threadsafe(ops.GROUP_NORM_GRAD, Scheduler.group_norm_grad)
+    group_norm_backward = _blocking(ops.GROUP_NORM_BACKWARD, Scheduler.group_norm_backward)
+    submit_group_norm_backward = _threadsafe(ops.GROUP_NORM_BACKWARD, Scheduler.group_norm_backward)
     # END GENERATED sync scheduler
 
     def run(self, graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
@@ -303,79 +206,22 @@ def run(graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
     return _default_scheduler().run(graph, outputs, **kw)
 
 
+def _on_default(method: Callable[Concatenate[SyncScheduler, P], R]) -> Callable[P, R]:
+    """``method`` on the process-wide default scheduler (started on first use, stopped at
+    interpreter exit)."""
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return method(_default_scheduler(), *args, **kwargs)
+
+    doc = (
+        f"Blocking {method.__name__} on the process-wide default scheduler (started on first "
+        f"use, stopped at interpreter exit); see :meth:`Scheduler.{method.__name__}`."
+    )
+    return entry_point(call, method, method.__name__, doc)
+
+
 # BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
-def glu_backward(
-    grad_out: np.ndarray,
-    self: np.ndarray,
-    dim: int = -1,
-    *,
-    out: np.ndarray | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> np.ndarray:
-    """Blocking GluBackward on the process-wide default scheduler (started on first
-    use, stopped at interpreter exit); see :meth:`Scheduler.glu_backward`.
-    """
-    return _default_scheduler().glu_backward(
-        grad_out, self, dim, out=out, priority=priority, deadline=deadline, timeout=timeout
-    )
-
-
-def group_norm_grad(
-    x: np.ndarray,
-    dy: np.ndarray,
-    gamma: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    *,
-    out: np.ndarray | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> np.ndarray:
-    """Blocking GroupNormalizationGrad on the process-wide default scheduler (started on first
-    use, stopped at interpreter exit); see :meth:`Scheduler.group_norm_grad`.
-    """
-    return _default_scheduler().group_norm_grad(
-        x, dy, gamma, mean, rstd, out=out, priority=priority, deadline=deadline, timeout=timeout
-    )
-
-
-def group_norm_backward(
-    grad_out: np.ndarray,
-    input: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    gamma: np.ndarray | None,
-    N: int,
-    C: int,
-    HxW: int,
-    group: int,
-    output_mask: Sequence[bool] = (True, True, True),
-    *,
-    out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
-    priority: int = 0,
-    deadline: float | None = None,
-    timeout: float | None = None,
-) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """Blocking GroupNormBackward on the process-wide default scheduler (started on first
-    use, stopped at interpreter exit); see :meth:`Scheduler.group_norm_backward`.
-    """
-    return _default_scheduler().group_norm_backward(
-        grad_out,
-        input,
-        mean,
-        rstd,
-        gamma,
-        N,
-        C,
-        HxW,
-        group,
-        output_mask,
-        out=out,
-        priority=priority,
-        deadline=deadline,
-        timeout=timeout,
-    )
+glu_backward = _on_default(SyncScheduler.glu_backward)
+group_norm_grad = _on_default(SyncScheduler.group_norm_grad)
+group_norm_backward = _on_default(SyncScheduler.group_norm_backward)
 # END GENERATED functions

@@ -155,10 +155,7 @@ def _args_doc(op: Operator, extra: Sequence[tuple[str, str]] = ()) -> list[str]:
 
 
 _WAIT_DOCS = (
-    ("out", "where to write the result (allocated when None)."),
-    ("priority", "higher runs first; FIFO among equal priorities."),
-    ("deadline", "absolute ``time.monotonic()`` by which the request must have launched."),
-    ("timeout", "seconds from now, an alternative to ``deadline`` (the earlier wins)."),
+    ("out, priority, deadline, timeout", "as :meth:`submit` (``out`` allocated when None)."),
 )
 
 
@@ -166,6 +163,8 @@ _WAIT_DOCS = (
 
 
 def scheduler_methods(op: Operator) -> list[str]:
+    """The one typed signature of the operator: its awaitable Scheduler method (and the
+    ``_nowait`` twin, typed from it)."""
     i, params = "    ", [_param(op, p) for p in op.parameters] + _keywords(op)
     call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
     lines = _signature(op.method, "sched", params, op.result_annotation, i, is_async=True)
@@ -174,147 +173,36 @@ def scheduler_methods(op: Operator) -> list[str]:
     )
     lines += _call("return await sched.submit(", call, i * 2)
     lines.append("")
-    lines += _signature(f"{op.method}_nowait", "sched", params, "Pending", i)
-    lines += _doc(
-        [
-            f"Queue a {op.name} without waiting; ``await`` the returned :class:`Pending`.",
-            "",
-            f"Arguments as :meth:`{op.method}`; raises as :meth:`submit_nowait`.",
-        ],
-        i * 2,
-    )
-    lines += _call("return sched.submit_nowait(", call, i * 2)
-    return lines
-
-
-def module_functions(op: Operator) -> list[str]:
-    params = [_param(op, p) for p in op.parameters] + _keywords(op)
-    lines = _signature(op.method, None, params, op.result_annotation, "", is_async=True)
-    text = f"{op.name} on the current scheduler; see :meth:`Scheduler.{op.method}`."
-    lines += _doc([text], "    ")
-    lines.append("    scheduler = await current_scheduler()")
-    call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
-    lines += _call("return await scheduler.submit(", call, "    ")
+    lines.append(f"{i}{op.method}_nowait = _nowait({_const(op)}, {op.method})")
     return lines
 
 
 def graph_methods(op: Operator) -> list[str]:
-    i = "    "
-    params = [_param(op, p, tensor_type="Any") for p in op.parameters]
-    params += ["*", "name: str | None = None"]
-    lines = _signature(op.method, "graph", params, "Node", i)
-    text = [
-        f"Add a {op.name} node (arguments as :meth:`Scheduler.{op.method}`; nodes and",
-        "placeholders may stand for arrays).",
-        "",
-        "Raises:",
-        "    ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,",
-        "        naming the node.",
-    ]
-    lines += _doc(text, i * 2)
-    tensors = [f'"{p.name}": {p.name}' for p in op.parameters if p.name in op.tensor_names]
-    scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
-    lines += _call("args = {", tensors, i * 2, "}")
-    lines += _dict("scalars", scalars, i * 2)
-    lines.append(f"{i * 2}return graph.add({_const(op)}, args, scalars, name)")
-    return lines
+    return [f"    {op.method} = _node({_const(op)}, Scheduler.{op.method})"]
+
+
+def module_functions(op: Operator) -> list[str]:
+    return [f"{op.method} = _module_level(Scheduler.{op.method})"]
 
 
 def sync_methods(op: Operator) -> list[str]:
-    i, params = "    ", [_param(op, p) for p in op.parameters] + _keywords(op)
-    names = [p.name for p in op.parameters]
-    kw = ["out=out", *(f"{k}={k}" for k in WAIT_KW)]
-    lines = _signature(op.method, "facade", params, op.result_annotation, i)
-    lines += _doc([f"Blocking :meth:`Scheduler.{op.method}` (same arguments and errors)."], i * 2)
-    lines += _call(f"return facade.submit_{op.method}(", [*names, *kw], i * 2, ").result()")
-    lines.append("")
-    future = f"Future[{op.result_annotation}]"
-    lines += _signature(f"submit_{op.method}", "facade", params, future, i)
-    lines += _doc(
-        [
-            f"Queue a {op.name}; the future resolves with its result (or raises its error).",
-            "",
-            "Bad arguments raise here, at once. ``future.cancel()`` withdraws a queued request.",
-        ],
-        i * 2,
-    )
-    lines.append(f"{i * 2}facade._portal.check_thread()")
-    call = [_const(op), _args_tuple(op), "out", *(f"{k}={k}" for k in WAIT_KW)]
-    lines += _call("return facade.scheduler.submit_threadsafe(", call, i * 2)
-    return lines
+    m, const = op.method, _const(op)
+    return [
+        f"    {m} = _blocking({const}, Scheduler.{m})",
+        f"    submit_{m} = _threadsafe({const}, Scheduler.{m})",
+    ]
 
 
 def sync_functions(op: Operator) -> list[str]:
-    params = [_param(op, p) for p in op.parameters] + _keywords(op)
-    names = [p.name for p in op.parameters]
-    kw = ["out=out", *(f"{k}={k}" for k in WAIT_KW)]
-    lines = _signature(op.method, None, params, op.result_annotation, "")
-    lines += _doc(
-        [
-            f"Blocking {op.name} on the process-wide default scheduler (started on first",
-            "use, stopped at interpreter exit); see :meth:`Scheduler."
-            f"{op.method}`.",
-        ],
-        "    ",
-    )
-    lines += _call(f"return _default_scheduler().{op.method}(", [*names, *kw], "    ")
-    return lines
+    return [f"{op.method} = _on_default(SyncScheduler.{op.method})"]
 
 
 def aclnn_functions(op: Operator) -> list[str]:
-    params = [_param(op, p, defaults=False) for p in op.parameters]
-    params += [f"{name}: {op.output_annotation}" for name in op.outputs]
-    params += ["*", 'product: str = "generic"']
-    aclnn = f"aclnn{op.name}"
-    lines = _signature(
-        f"{op.method}_get_workspace_size", None, params, "tuple[int, Executor]", ""
-    )
-    outs = [(name, "an output, written by the launch.") for name in op.outputs]
-    outs.append(("product", "check as this Ascend product's runtime would (``opsched products``)."))
-    lines += _doc(
-        [
-            f"Check a {op.name} call and plan it (``{aclnn}GetWorkspaceSize``).",
-            "",
-            *_args_doc(op, outs),
-            "",
-            "Returns:",
-            "    ``(workspace_size, executor)``.",
-            "",
-            "Raises:",
-            "    InnerError: ``product`` lacks the operator (561003).",
-            "    ParamNullptrError: a required tensor is None (161001).",
-            "    ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC",
-            "        order.",
-            "    TypeError: an argument of the wrong kind.",
-        ],
-        "    ",
-    )
-    tensors = [f'"{n}": {n}' for n in op.tensor_names]
-    scalars = [f'"{p.name}": {p.name}' for p in op.parameters if p.name not in op.tensor_names]
-    lines += _call("tensors = {", tensors, "    ", "}")
-    lines += _dict("scalars", scalars, "    ")
-    lines.append(f"    return get_workspace_size({_const(op)}, tensors, scalars, product)")
-    lines += ["", ""]
-    launch_params = [
-        "workspace: np.ndarray | None",
-        "workspace_size: int",
-        "executor: Executor",
-        "stream: Any = None",
+    const = _const(op)
+    return [
+        f"{op.method}_get_workspace_size = _planner({const})",
+        f"{op.method} = _launcher({const})",
     ]
-    lines += _signature(op.method, None, launch_params, "None", "")
-    lines += _doc(
-        [
-            f"Launch a planned {op.name} (``{aclnn}``).",
-            "",
-            "Raises:",
-            "    ParamInvalidError: executor misuse or a too-small workspace (161002).",
-            "    InnerError: ``executor`` is None (561103).",
-            "    RuntimeLaunchError: the kernel failed (361001), its exception chained.",
-        ],
-        "    ",
-    )
-    lines.append(f"    launch({_const(op)}, workspace, workspace_size, executor, stream)")
-    return lines
 
 
 Region = Callable[["Operator"], list[str]]
@@ -335,12 +223,14 @@ REGIONS: dict[str, dict[str, Region]] = {
 
 
 def render(region: str, writer: Region) -> list[str]:
+    """Each operator's part of a region, blank lines between multi-line parts as ruff
+    wants them (one in a class, two at module level)."""
     lines: list[str] = []
-    indented = writer(next(iter(OPERATORS.values())))[0].startswith("    ")
     for k, op in enumerate(OPERATORS.values()):
-        if k:
-            lines += [""] if indented else ["", ""]
-        lines += writer(op)
+        part = writer(op)
+        if k and len(part) > 2:
+            lines += [""] if part[0].startswith("    ") else ["", ""]
+        lines += part
     return lines
 
 

@@ -116,6 +116,18 @@ class Scheduler:
         """Run ``op`` on ``args`` (its parameters, in order) through the scheduler; the
         per-operator methods of :class:`opsched.Scheduler` are this with named arguments.
 
+        Args:
+            op: the operator's description.
+            args: its parameters, in order (trailing ones may be left to their defaults).
+            out: where to write the result (a tuple for several outputs); allocated when
+                None.
+            priority: higher runs first; FIFO among equal priorities.
+            deadline: absolute ``time.monotonic()`` by which the request must have launched.
+            timeout: seconds from now, an alternative to ``deadline`` (the earlier wins).
+
+        Returns:
+            The result: ``out``, or the operator's tuple of outputs.
+
         Raises:
             ParamNullptrError, ParamInvalidError, InnerError, TypeError: bad arguments, at
                 submit time.

@@ -9,7 +9,7 @@ regenerated set of entry points.
 This room never imports the scheduler core, the devices or the CLI.
 """
 
-from opsched.ops._base import DTYPE_NAMES, Operator, Parameter
+from opsched.ops._base import DTYPE_NAMES, Operator, Parameter, entry_point
 from opsched.ops.glu_backward import GLU_BACKWARD
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
@@ -22,6 +22,7 @@ __all__ = [
     "OPERATORS",
     "Operator",
     "Parameter",
+    "entry_point",
 ]
 
 #: Every operator, by its aclnn name, in the order of the generated entry points.

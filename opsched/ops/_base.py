@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import abc
 import ast
+import inspect
 import itertools
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -36,6 +37,7 @@ __all__ = [
     "check_types",
     "cuts",
     "dtype_name",
+    "entry_point",
     "index_value",
 ]
 
@@ -147,14 +149,46 @@ class Parameter:
     annotation: str
     doc: str
     default: str | None = None
+    #: The default as a value (evaluated once, here: calls never parse anything).
+    default_value: Any = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def default_value(self) -> Any:
-        """The default as a value (a Python literal)."""
-        if self.default is None:
-            msg = f"argument {self.name!r} has no default"
-            raise TypeError(msg)
-        return ast.literal_eval(self.default)
+    def __attrs_post_init__(self) -> None:
+        value = None if self.default is None else ast.literal_eval(self.default)
+        object.__setattr__(self, "default_value", value)
+
+
+def entry_point(
+    fn: Callable[..., Any],
+    like: Callable[..., Any],
+    name: str,
+    doc: str,
+    *,
+    first: str | None = None,
+    keywords: Sequence[str] | None = None,
+    returns: str | None = None,
+) -> Callable[..., Any]:
+    """Give a generic wrapper the look of one operator's entry point (for ``help()``,
+    ``inspect.signature`` and docs): ``like``'s signature without its first parameter,
+    ``first`` put back in front, only ``keywords`` of its keyword-only parameters kept
+    (all when None), and ``returns`` as the return annotation."""
+    signature = inspect.signature(like)
+    params = list(signature.parameters.values())[1:]
+    if keywords is not None:
+        params = [p for p in params if p.kind is not p.KEYWORD_ONLY or p.name in keywords]
+        params += [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for k in keywords
+            if k not in {p.name for p in params}
+        ]
+    if first is not None:
+        params.insert(0, inspect.Parameter(first, inspect.Parameter.POSITIONAL_ONLY))
+    returned = signature.return_annotation if returns is None else returns
+    fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=params, return_annotation=returned
+    )
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
 
 
 class Operator(abc.ABC):
@@ -208,18 +242,50 @@ class Operator(abc.ABC):
             TypeError: an argument of the wrong kind (not an array, dim not an integer).
         """
 
-    def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A public call's ``(tensors, scalars)``: positional ``args`` in the order of
-        :attr:`parameters`, ``out`` the output (a tuple of them for several outputs).
+    def bind(self, args: Sequence[Any], named: dict[str, Any]) -> tuple[Any, ...]:
+        """The public call's positional arguments, completed from ``named`` and the
+        defaults, as Python binds a call of the generated signature.
 
         Raises:
-            TypeError: ``out`` is not None nor a tuple of one entry per output.
+            TypeError: too many positional arguments, a missing or unknown argument, or
+                one given twice.
+        """
+        params = self.parameters
+        if len(args) > len(params):
+            msg = f"{self.method}() takes {len(params)} arguments but {len(args)} were given"
+            raise TypeError(msg)
+        for p in params[: len(args)]:
+            if p.name in named:
+                msg = f"{self.method}() got multiple values for argument {p.name!r}"
+                raise TypeError(msg)
+        values = list(args)
+        for p in params[len(args) :]:
+            if p.name in named:
+                values.append(named.pop(p.name))
+            elif p.default is not None:
+                values.append(p.default_value)
+            else:
+                msg = f"{self.method}() missing required argument {p.name!r}"
+                raise TypeError(msg)
+        if named:
+            msg = f"{self.method}() got an unexpected keyword argument {next(iter(named))!r}"
+            raise TypeError(msg)
+        return tuple(values)
+
+    def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A public call's ``(tensors, scalars)``: positional ``args`` in the order of
+        :attr:`parameters` (trailing ones may be left to their defaults), ``out`` the
+        output (a tuple of them for several outputs).
+
+        Raises:
+            TypeError: a wrong number of arguments, or ``out`` neither None nor a tuple of
+                one entry per output.
         """
         tensors: dict[str, Any] = {}
         scalars: dict[str, Any] = {}
         names = self.tensor_names
-        if len(args) < len(self.parameters):  # calls without the generated defaults
-            args = (*args, *(p.default_value for p in self.parameters[len(args) :]))
+        if len(args) != len(self.parameters):
+            args = self.bind(args, {})
         for parameter, value in zip(self.parameters, args, strict=True):
             (tensors if parameter.name in names else scalars)[parameter.name] = value
         outputs = self.outputs
