@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from opsched.__main__ import main
+from opsched.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "scheduler", *sys.argv[1:]]))

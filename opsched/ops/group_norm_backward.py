@@ -2,7 +2,7 @@
 
 ``(dx, dgamma, dbeta) = group_norm_backward(grad_out, input, mean, rstd, gamma, N, C, HxW,
 group, output_mask)``; each output is None where its ``output_mask`` entry is False. The
-formula and its determinism are in :mod:`kernels.group_norm_backward`.
+formula and its determinism are in :mod:`opsched.kernels.group_norm_backward`.
 """
 
 from __future__ import annotations
