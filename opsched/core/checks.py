@@ -14,7 +14,7 @@ scheduler state but the cache, whose one writer is :meth:`Checks.check`.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,12 +49,15 @@ class Checked(NamedTuple):
 class Checks:
     """A scheduler's checks for one device and product, with the signature cache."""
 
-    __slots__ = ("_device", "_known", "_meta", "_product")
+    __slots__ = ("_calls", "_device", "_known", "_meta", "_product")
 
     def __init__(self, device: Device, product: Product) -> None:
         self._device = device
         self._product = product
         self._known: dict[Hashable, tuple[Any, ...]] = {}
+        #: The same, keyed by the positional call (``Operator.call_signature``): the fast
+        #: path of a repeated call without outputs, which builds no argument dicts to look.
+        self._calls: dict[Hashable, tuple[Any, ...]] = {}
         # Host devices check the arrays themselves: skip the copy on the hot path.
         self._meta = type(device).meta is not Device.meta
 
@@ -94,6 +97,29 @@ class Checks:
         return Checked(
             op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
         )
+
+
+    def remember_call(self, op: Operator, args: Sequence[Any], checked: Checked) -> None:
+        """After ``checked`` passed for a call of ``args`` without outputs: let
+        :meth:`known` find it by the call itself."""
+        call = op.call_signature(args)
+        if call is not None and checked.signature is not None:
+            spec = self._known.get(checked.signature)
+            if spec is not None:
+                if len(self._calls) >= SIGNATURES_KEPT:
+                    self._calls.clear()
+                self._calls[call] = (op, *spec, checked.signature)
+
+    def known(self, op: Operator, args: Sequence[Any], priority: int) -> Checked | None:
+        """A call without outputs, deadline or timeout whose checks passed before, checked
+        by one lookup; None when it is not known (the caller then checks it in full)."""
+        call = op.call_signature(args)
+        hit = self._calls.get(call) if call is not None else None
+        if hit is None or hit[0] is not op:
+            return None
+        _, scalars, spec, key, units, nbytes, signature = hit
+        tensors, convert = self._device.bind(op, op.arguments(args, None)[0], scalars, spec)
+        return Checked(op, tensors, scalars, key, units, nbytes, priority, None, signature, convert)
 
 
 def priority_of(priority: object) -> int:

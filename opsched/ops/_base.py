@@ -157,6 +157,10 @@ class Parameter:
         object.__setattr__(self, "default_value", value)
 
 
+#: Scalar types whose value a cached signature may hold as it is.
+_PLAIN = frozenset((int, bool, float, str))
+
+
 def entry_point(
     fn: Callable[..., Any],
     like: Callable[..., Any],
@@ -271,6 +275,25 @@ class Operator(abc.ABC):
             msg = f"{self.method}() got an unexpected keyword argument {next(iter(named))!r}"
             raise TypeError(msg)
         return tuple(values)
+
+    def call_signature(self, args: Sequence[Any]) -> Hashable | None:
+        """What the checks of a call with these positional arguments (and no outputs)
+        depend on: each array's shape and dtype, each scalar's type and value; None when an
+        argument is neither an exact ndarray nor a plain scalar (then nothing is cached)."""
+        parts: list[Any] = [self.name]
+        for value in args:
+            kind = type(value)
+            if kind is np.ndarray:
+                parts.append((value.shape, value.dtype))
+            elif (
+                value is None
+                or kind in _PLAIN
+                or (kind is tuple and all(type(v) in _PLAIN for v in value))
+            ):
+                parts.append((kind, value))
+            else:
+                return None
+        return tuple(parts)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """A public call's ``(tensors, scalars)``: positional ``args`` in the order of

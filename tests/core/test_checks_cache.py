@@ -1,0 +1,55 @@
+"""The signature caches: a call seen before skips its checks, and never lets a bad one in."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import opsched
+from opsched import ParamInvalidError
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD
+from tests.helpers import rand
+from tests.sched_helpers import solo_glu
+
+pytestmark = pytest.mark.asyncio
+F32 = np.dtype(np.float32)
+
+
+async def test_a_repeated_call_is_served_by_the_call_cache_and_stays_exact():
+    rng = np.random.default_rng(1)
+    g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    async with opsched.open_scheduler(streams=1) as sched:
+        first = await sched.glu_backward(g, x)
+        assert sched._checks.known(GLU_BACKWARD, (g, x, -1), 0) is not None
+        g2, x2 = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+        second = await sched.glu_backward(g2, x2)
+    np.testing.assert_array_equal(first.view(np.uint32), solo_glu(g, x, -1).view(np.uint32))
+    np.testing.assert_array_equal(second.view(np.uint32), solo_glu(g2, x2, -1).view(np.uint32))
+
+
+async def test_a_known_shape_with_another_value_or_kind_is_checked_again():
+    rng = np.random.default_rng(2)
+    g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    async with opsched.open_scheduler(streams=1) as sched:
+        await sched.glu_backward(g, x, -1)
+        with pytest.raises(ParamInvalidError, match="self.shape"):
+            await sched.glu_backward(g, x, 0)  # dim 0: 8 rows split in 4 + 4, grad_out wrong
+        with pytest.raises(TypeError, match="dim must be an integer"):
+            await sched.glu_backward(g, x, True)
+        with pytest.raises(ParamInvalidError, match="dtype"):
+            await sched.glu_backward(g.astype(np.float16), x)
+        assert sched._checks.known(GLU_BACKWARD, (g, x, 0), 0) is None
+        assert sched.statistics().rejected == 3
+
+
+async def test_calls_with_outputs_or_arrays_of_other_kinds_are_not_cached():
+    rng = np.random.default_rng(3)
+    g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    masked = np.ma.masked_array(x)
+    assert GLU_BACKWARD.call_signature((g, masked, -1)) is None
+    assert GLU_BACKWARD.call_signature((g, [1.0], -1)) is None
+    out = np.empty_like(x)
+    async with opsched.open_scheduler(streams=1) as sched:
+        assert await sched.glu_backward(g, x, out=out) is out
+    sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
+    assert sig is not None and sig[-1] == (tuple, (True, False, True))
