@@ -30,7 +30,10 @@ __all__ = ["Admission"]
 class Admission:
     """The cap and the parked submitters of one scheduler."""
 
-    __slots__ = ("_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_waits")
+    __slots__ = (
+        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_refused",
+        "thread_waits",
+    )  # fmt: skip
 
     def __init__(self, cap: int, queue: Sized, loop: LoopHandle) -> None:
         self._cap = cap
@@ -43,6 +46,13 @@ class Admission:
         self.open = True
         #: Threads that waited for room (counted under the lock).
         self.thread_waits = 0
+        #: Calls from threads refused at submit (counted under the lock).
+        self.thread_refused = 0
+
+    def refused_in_thread(self) -> None:
+        """Count a call from a thread that its checks refused (any thread)."""
+        with self._lock:
+            self.thread_refused += 1
 
     def has_room(self) -> bool:
         """Whether a task may queue now: below the cap, and nobody parked ahead of it."""

@@ -110,6 +110,11 @@ def finish(
         counters: the scheduler's counters; the outcome is counted there.
         error: the error its waiter raises (kept if one was already recorded).
     """
+    if request.done.is_set():  # finished before: an internal error, counted, never delivered
+        counters.finished_twice += 1
+        if enabled():
+            _log.error("request finished twice", op=request.op.name, request=request.id)
+        return
     request.state = state
     if error is not None and request.error is None:
         request.error = error

@@ -143,8 +143,7 @@ class Scheduler:
                 known = self._checks.known(op, args, priority)
                 if known is not None:
                     return await self._wait(self._admit(known))
-        tensors, scalars = op.arguments(args, out)
-        checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
+        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if out is None:
             self._checks.remember_call(op, args, checked)
         if not self._admission.has_room():
@@ -169,8 +168,7 @@ class Scheduler:
             QueueFullError: ``max_queued_requests`` are already queued.
             (and the argument errors of :meth:`submit`)
         """
-        tensors, scalars = op.arguments(args, out)
-        checked = self._checked_counted(op, tensors, scalars, priority, deadline, timeout)
+        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self._admission.has_room():
             self._counters.rejected += 1
             msg = f"{len(self._queue)} requests are queued (max_queued_requests)"
@@ -203,8 +201,12 @@ class Scheduler:
         if threading.get_ident() == self._loop_thread:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
             raise RuntimeError(msg)
-        tensors, scalars = op.arguments(args, out)
-        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+        try:
+            tensors, scalars = op.arguments(args, out)
+            checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+        except BaseException:
+            self._admission.refused_in_thread()
+            raise
         future: Future[Any] = Future()
         if not self._admission.put_threadsafe(checked, future, self._drain_inbox):
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
@@ -247,7 +249,7 @@ class Scheduler:
             failed=c.failed,
             cancelled=c.cancelled,
             expired=c.expired,
-            rejected=c.rejected,
+            rejected=c.rejected + self._admission.thread_refused,
             queued=len(self._queue),
             queued_peak=self._queue.peak,
             running=self._dispatcher.running,
@@ -257,6 +259,7 @@ class Scheduler:
             backpressure_waits=c.backpressure_waits + self._admission.thread_waits,
             graph_runs=c.graph_runs,
             graph_nodes=c.graph_nodes,
+            finished_twice=c.finished_twice,
             streams=tuple(s.statistics() for s in self.device.streams),
             pool=self.device.memory_statistics(),
             executor_cache=self.device.executor_statistics(),
@@ -357,10 +360,20 @@ class Scheduler:
         deadline = deadline_of(deadline, timeout)
         return self._checks.check(op, tensors, scalars, priority_of(priority), deadline)
 
-    def _checked_counted(self, *args: Any) -> Checked:
-        """:meth:`_checked`, counting a refusal as rejected."""
+    def _checked_counted(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Checked:
+        """A public call's arguments checked (on the loop thread), a refusal counted as
+        rejected."""
         try:
-            return self._checked(*args)
+            tensors, scalars = op.arguments(args, out)
+            return self._checked(op, tensors, scalars, priority, deadline, timeout)
         except BaseException:
             self._counters.rejected += 1
             raise

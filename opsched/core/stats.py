@@ -30,6 +30,7 @@ class Counters:
     backpressure_waits: int = 0
     graph_runs: int = 0
     graph_nodes: int = 0
+    finished_twice: int = 0
 
     def count(self, outcome: str) -> None:
         """Count one request's final outcome (a :class:`RequestState` value other than
@@ -75,6 +76,8 @@ class SchedulerStatistics:
         backpressure_waits: submissions that waited for room in a full queue.
         graph_runs: graph runs started.
         graph_nodes: graph nodes submitted as requests.
+        finished_twice: requests something tried to finish a second time (an internal
+            error: the second outcome was neither counted nor delivered). Always 0.
         streams: per-stream launches and busy seconds.
         pool: the device memory's counters (the workspace pool on the host devices, the
             framework's allocator on torch devices).
@@ -96,6 +99,7 @@ class SchedulerStatistics:
     backpressure_waits: int
     graph_runs: int
     graph_nodes: int
+    finished_twice: int
     streams: tuple[StreamStatistics, ...]
     pool: PoolStatistics
     executor_cache: CacheStatistics

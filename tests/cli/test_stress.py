@@ -7,10 +7,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from opsched.cli.stress import StressOptions, run_stress
 from opsched.core.dispatch import Dispatcher
+from opsched.core.scheduler import Scheduler
 from opsched.devices.pool import WorkspacePool
 from opsched.ops.glu_backward import GluBackward
 
@@ -63,7 +65,7 @@ def broken(monkeypatch, what: str) -> None:
         def twice(self, request):
             real(self, request)
             if request.id % 97 == 5:
-                self.counters.completed += 1  # resolved (counted) a second time
+                real(self, request)  # a second delivery of the same request
 
         monkeypatch.setattr(Dispatcher, "_resolve", twice)
     elif what == "corrupts":
@@ -77,6 +79,17 @@ def broken(monkeypatch, what: str) -> None:
                     out.reshape(-1)[0] += 1  # one wrong element
 
         monkeypatch.setattr(GluBackward, "scatter", corrupt)
+    elif what == "counts a refusal twice":
+        real_checked = Scheduler._checked_counted
+
+        def counted(self, op, *args):
+            try:
+                return real_checked(self, op, *args)
+            except Exception:
+                self._counters.rejected += 1  # counted twice: the sums still add up
+                raise
+
+        monkeypatch.setattr(Scheduler, "_checked_counted", counted)
     elif what == "leaks":
         real = WorkspacePool.release
         calls = {"n": 0}
@@ -94,7 +107,8 @@ def broken(monkeypatch, what: str) -> None:
     ("what", "check"),
     [
         ("drops", "every request resolved exactly once"),
-        ("duplicates", "statistics add up"),
+        ("duplicates", "counters match the harness's"),
+        ("counts a refusal twice", "counters match the harness's"),
         ("corrupts", "every result right"),
         ("leaks", "workspace blocks all returned"),
     ],
@@ -135,3 +149,48 @@ def test_bad_options_are_clear_errors(args, words):
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
+    """Make GluBackward's kernel negate its output, on every path: fused launches, solo
+    launches and the solo two-phase oracle alike (so results stay bit-identical to the
+    solo call, and only an independent oracle can tell). ``graphs_only``: only when the
+    launch serves a graph node (a wrong result on graphs alone)."""
+    from opsched.devices.host import HostDevice
+    from opsched.ops.glu_backward import GluBackward
+
+    real = GluBackward.run
+    real_fused = HostDevice._run_fused
+
+    def negated(self, plan, tensors, workspace):
+        real(self, plan, tensors, workspace)
+        if not graphs_only:
+            np.negative(tensors["out"], out=tensors["out"])
+
+    def fused(self, op, plan, arrays, workspace, requests, errors):
+        real_fused(self, op, plan, arrays, workspace, requests, errors)
+        if graphs_only and op.name == "GluBackward":
+            for r in requests:
+                if r.graph is not None:
+                    np.negative(r.tensors["out"], out=r.tensors["out"])
+
+    monkeypatch.setattr(GluBackward, "run", negated)
+    monkeypatch.setattr(HostDevice, "_run_fused", fused)
+
+
+def test_a_wrong_kernel_on_every_path_fails_the_verdict(monkeypatch):
+    _negate_glu_kernels(monkeypatch)
+    status, text = stress(**SMALL)
+    assert status == 1, text
+    line = next(line for line in text.splitlines() if "every result right" in line)
+    assert "FAILED" in line and "verdict: FAIL" in text
+    assert "outside SPEC's tolerance of the float64 oracle" in text
+    assert "replay: opsched stress --seed 0" in text and "--replay " in text
+
+
+def test_a_wrong_result_on_graphs_only_fails_the_verdict(monkeypatch):
+    _negate_glu_kernels(monkeypatch, graphs_only=True)
+    status, text = stress(graphs=0.5, **SMALL)
+    assert status == 1, text
+    wrong = [line for line in text.splitlines() if "graph GN" in line]
+    assert wrong and all("replay:" in line for line in wrong), text

@@ -80,7 +80,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
         raise ValueError(msg)
     started = time.perf_counter()
     templates = [make_template(opts.seed, i, opts) for i in range(opts.templates)]
-    tally = _Tally()
+    tally = _Tally(replay=_replay_command(opts))
     clock = _Clock(opts)
     overrides: dict[str, Any] = {
         "max_queued_requests": opts.max_queued_requests,
@@ -271,6 +271,54 @@ class _Progress:
         self._bar.close()
 
 
+def _replay_command(opts: StressOptions) -> str:
+    """The command that reruns one request of this run (``{index}`` to fill in)."""
+    defaults = StressOptions()
+    words = ["opsched stress", f"--seed {opts.seed}"]
+    for name in ("templates", "large", "graphs", "invalid", "cancel", "deadline", "fault"):
+        value = getattr(opts, name)
+        if value != getattr(defaults, name):
+            words.append(f"--{name} {value}")
+    for name in ("device", "product", "config"):
+        value = getattr(opts, name)
+        if value is not None and value != getattr(defaults, name):
+            words.append(f"--{name} {value}")
+    return " ".join([*words, "--replay {index}"])
+
+
+def _accounting(stats: opsched.SchedulerStatistics, tally: _Tally) -> tuple[bool, str]:
+    """The scheduler's counters against what the harness itself submitted and got back.
+
+    Exact where the harness knows the truth: requests refused at submit, launches failed by
+    the injector, requests (not graph nodes) the scheduler accepted, graph runs started.
+    Bounds where a cancellation may race a completion (a request cancelled after it
+    finished counts as completed for the scheduler, cancelled for its caller).
+    """
+    o, g = tally.outcomes, tally.graph_outcomes
+
+    def plain(*names: str) -> int:  # outcomes of single requests, not graph runs
+        return sum(o.get(n, 0) - g.get(n, 0) for n in names)
+
+    refused = plain("invalid") + sum(
+        v - g.get(k, 0) for k, v in o.items() if k.startswith("unsupported")
+    )
+    single = sum(o.values()) - sum(g.values()) - o.get("duplicated", 0) - o.get("lost", 0)
+    graph_runs = sum(g.values()) - sum(v for k, v in g.items() if k.startswith("unsupported"))
+    accepted = stats.submitted - stats.graph_nodes
+    expired_low = plain("expired") + g.get("expired", 0)
+    checks = [
+        ("rejected", stats.rejected, refused, stats.rejected == refused),
+        ("failed", stats.failed, plain("faulted"), stats.failed == plain("faulted")),
+        ("accepted", accepted, single - refused, accepted == single - refused),
+        ("graph runs", stats.graph_runs, graph_runs, stats.graph_runs == graph_runs),
+        ("expired", stats.expired, expired_low, expired_low <= stats.expired),
+        ("completed", stats.completed, plain("completed"), plain("completed") <= stats.completed),
+        ("finished twice", stats.finished_twice, 0, stats.finished_twice == 0),
+    ]
+    detail = ", ".join(f"{name} {got} (harness {want})" for name, got, want, _ in checks)
+    return all(ok for *_, ok in checks), detail
+
+
 def _final_checks(
     stats: opsched.SchedulerStatistics, tally: _Tally, clock: _Clock, bound: int
 ) -> dict[str, tuple[bool, str]]:
@@ -294,6 +342,7 @@ def _final_checks(
             tally.launched_expired == 0,
             f"{tally.launched_expired} launched after their deadline",
         ),
+        "counters match the harness's": _accounting(stats, tally),
         "statistics add up": (
             stats.submitted == total and stats.queued == 0 and stats.running == 0,
             f"submitted {stats.submitted} = completed {stats.completed} + failed "

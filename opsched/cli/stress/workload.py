@@ -10,18 +10,10 @@ import ml_dtypes
 import numpy as np
 
 from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
+from opsched.cli.stress import oracle
 
 _F16, _BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 _DTYPES = [np.dtype(np.float32), _F16, _BF16, np.dtype(np.float64)]
-#: SPEC tolerances (rtol, atol) against the reference kernels.
-_TOLERANCE = {
-    np.dtype(np.float64): (1e-10, 1e-10),
-    np.dtype(np.float32): (1e-4, 1e-4),
-    _F16: (1e-2, 1e-3),
-    _BF16: (2e-2, 2e-3),
-}
-
-
 @attrs.frozen(kw_only=True)
 class StressOptions:
     """What a stress run does (the command's options)."""
@@ -69,6 +61,8 @@ class _Template:
     #: The solo oracle's result: an array, or (dx, dgamma, dbeta) with None where not asked.
     expected: Any
     describe: str
+    #: The independent float64 oracle's result (:mod:`opsched.cli.stress.oracle`).
+    oracle: Any = None
 
     @property
     def entries(self) -> list[np.ndarray | None]:
@@ -145,7 +139,14 @@ def _gn_args(rng: np.random.Generator, large: bool) -> tuple[np.ndarray, ...]:
 
 
 def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
-    """Template ``index`` of a run seeded ``seed`` (deterministic)."""
+    """Template ``index`` of a run seeded ``seed`` (deterministic), with both oracles'
+    results computed once: the solo two-phase call's and the independent float64 one."""
+    t = _make_template(seed, index, opts)
+    dtype = t.expected_arrays[0].dtype if t.expected_arrays else np.dtype(np.float32)
+    return attrs.evolve(t, oracle=oracle.expected(t.kind, t.args, dtype))
+
+
+def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
     rng = np.random.default_rng([seed, index])
     large = rng.random() < opts.large
     roll = rng.random()
