@@ -244,6 +244,8 @@ _current: contextvars.ContextVar[Scheduler | None] = contextvars.ContextVar(
     "opsched_scheduler", default=None
 )
 _defaults: dict[Hashable, Scheduler] = {}
+# A forked child has none of the parent's loops' default schedulers: it makes its own.
+os.register_at_fork(after_in_child=_defaults.clear)
 
 
 def resolve_config(

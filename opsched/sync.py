@@ -20,13 +20,14 @@ loop thread would deadlock, so it raises RuntimeError instead.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import os
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import anyio.from_thread
@@ -35,6 +36,7 @@ import numpy as np
 from opsched import ops
 from opsched._api import Graph, Scheduler
 from opsched._api import open_scheduler as _open_async
+from opsched._errors import SchedulerClosedError
 from opsched.core.config import SchedulerConfig
 from opsched.core.graph import Node
 from opsched.core.stats import SchedulerStatistics
@@ -51,22 +53,67 @@ __all__ = [
 
 
 class _Portal:
-    """A blocking portal and the identity of its loop thread."""
+    """An event loop on a daemon thread of its own, reached through anyio's blocking portal,
+    and whether it can still be called: not after it closed, and not from a process forked
+    after it started (its thread does not exist there: a call would wait forever).
 
-    def __init__(self, cm: AbstractContextManager[anyio.from_thread.BlockingPortal]) -> None:
-        self._cm = cm
-        self.portal = cm.__enter__()
-        self.thread_id = self.portal.call(threading.get_ident)
+    The thread is ours rather than ``anyio.from_thread.start_blocking_portal``'s so that
+    nothing but :meth:`close` ever stops it: a generator's cleanup run by the garbage
+    collector in a forked child, or while Python finalizes, would wait for that thread.
+    """
+
+    def __init__(self) -> None:
+        ready: Future[anyio.from_thread.BlockingPortal] = Future()
+
+        async def serve() -> None:
+            async with anyio.from_thread.BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve)
+            except BaseException as exc:  # reported to the opener, not lost in the thread
+                if not ready.done():
+                    ready.set_exception(exc)
+
+        self._thread = threading.Thread(target=run, name="opsched-portal", daemon=True)
+        self._thread.start()
+        self.portal = ready.result()
+        self.thread_id = self._thread.ident
+        self.pid = os.getpid()
+        self.closed = False
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.check_thread()
         return self.portal.call(lambda: fn(*args, **kwargs))
 
     def close(self) -> None:
-        self._cm.__exit__(None, None, None)
+        """Stop the loop and join its thread (in this process only; idempotent)."""
+        already, self.closed = self.closed, True
+        if already or self.pid != os.getpid():  # a forked child has no thread to stop
+            return
+        with contextlib.suppress(RuntimeError):  # the loop already ended
+            self.portal.call(self.portal.stop)
+        self._thread.join()
 
     def check_thread(self) -> None:
-        """RuntimeError when called from the portal's own loop thread (it would deadlock)."""
+        """Raise unless this thread may call through the portal now.
+
+        Raises:
+            SchedulerClosedError: the scheduler is closed, or belongs to the process this
+                one was forked from.
+            RuntimeError: called from the portal's own loop thread (it would deadlock).
+        """
+        if self.closed:
+            raise SchedulerClosedError("this opsched.sync scheduler is closed")
+        if self.pid != os.getpid():
+            msg = (
+                f"this opsched.sync scheduler belongs to process {self.pid}; its threads did "
+                f"not survive the fork into process {os.getpid()}: open a new one here (the "
+                "opsched.sync functions use a fresh default scheduler)"
+            )
+            raise SchedulerClosedError(msg)
         if threading.get_ident() == self.thread_id:
             msg = (
                 "opsched.sync was called from the scheduler's own event-loop thread, where "
@@ -150,54 +197,115 @@ class SyncScheduler:
     # END GENERATED sync scheduler
 
     def run(self, graph: Graph, outputs: Sequence[Node], **kw: Any) -> list[np.ndarray]:
-        """Blocking :meth:`Scheduler.run` of a graph (same arguments and errors)."""
+        """Blocking :meth:`Scheduler.run` of a graph (same arguments and errors; a closed
+        scheduler raises SchedulerClosedError)."""
         result: list[np.ndarray] = self._portal.call(
             functools.partial(self._scheduler.run, graph, outputs, **kw)
         )
         return result
 
     def statistics(self) -> SchedulerStatistics:
-        """The scheduler's statistics snapshot."""
+        """The scheduler's statistics snapshot (after it closed: ``.scheduler.statistics()``
+        gives the final counters)."""
         stats: SchedulerStatistics = self._portal.call(self._scheduler.statistics)
         return stats
 
 
-@contextmanager
+class _Session(AbstractContextManager[SyncScheduler]):
+    """One sync scheduler's life: its portal thread and the async scheduler in it.
+
+    Every open session is kept (strongly) until it closes, and closed at interpreter exit
+    if its owner never did: a portal closed later, while Python finalizes, would wait for a
+    daemon thread that no longer runs.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig | str | os.PathLike[str] | None,
+        device: str,
+        trace: str | os.PathLike[str] | None,
+        overrides: dict[str, Any],
+    ) -> None:
+        self._args = (config, device, trace, overrides)
+        self._portal: _Portal | None = None
+        self._cm: AbstractContextManager[Scheduler] | None = None
+
+    def __enter__(self) -> SyncScheduler:
+        config, device, trace, overrides = self._args
+        portal = _Portal()
+        try:
+            cm = portal.portal.wrap_async_context_manager(
+                _open_async(config, device=device, trace=trace, **overrides)
+            )
+            scheduler = cm.__enter__()
+        except BaseException:
+            portal.close()
+            raise
+        self._portal, self._cm = portal, cm
+        _OPEN.add(self)
+        return SyncScheduler(portal, scheduler)
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPEN.discard(self)
+        portal, cm = self._portal, self._cm
+        if portal is None or cm is None or portal.closed:
+            return
+        if portal.pid != os.getpid():  # a forked child: the threads are the parent's
+            portal.closed = True
+            return
+        try:
+            cm.__exit__(*exc)  # drains (or, on an exception, cancels) pending requests
+        finally:
+            portal.close()
+
+
+#: Sessions opened and not yet closed (in this process).
+_OPEN: set[_Session] = set()
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    for session in list(_OPEN):
+        session.__exit__(None, None, None)
+
+
 def open_scheduler(
     config: SchedulerConfig | str | os.PathLike[str] | None = None,
     *,
     device: str = "cpu",
     trace: str | os.PathLike[str] | None = None,
     **overrides: Any,
-) -> Iterator[SyncScheduler]:
+) -> AbstractContextManager[SyncScheduler]:
     """Open a scheduler on its own event-loop thread for the ``with`` block.
 
     Arguments as :func:`opsched.open_scheduler`. Leaving the block drains pending requests
-    and stops the loop thread and the stream threads.
+    and stops the loop thread and the stream threads; a scheduler never closed is closed
+    (drained) at interpreter exit.
     """
-    portal = _Portal(anyio.from_thread.start_blocking_portal())
-    try:
-        cm = portal.portal.wrap_async_context_manager(
-            _open_async(config, device=device, trace=trace, **overrides)
-        )
-        with cm as scheduler:
-            yield SyncScheduler(portal, scheduler)
-    finally:
-        portal.close()
+    return _Session(config, device, trace, overrides)
 
 
 _default_lock = threading.Lock()
 _default: SyncScheduler | None = None
 
 
+def _forget_default_in_child() -> None:
+    """After a fork, in the child: the parent's default scheduler (and the lock, which a
+    parent thread may have held) are not this process's; the next call starts a fresh one."""
+    global _default, _default_lock
+    _default = None
+    _default_lock = threading.Lock()
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forget_default_in_child)
+
+
 def _default_scheduler() -> SyncScheduler:
     global _default
     with _default_lock:
         if _default is None:
-            cm = open_scheduler()
-            facade = cm.__enter__()
-            atexit.register(cm.__exit__, None, None, None)
-            _default = facade
+            _default = open_scheduler().__enter__()  # closed at exit with the other sessions
         return _default
 
 

@@ -13,6 +13,7 @@ scheduler state but the cache, whose one writer is :meth:`Checks.check`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ import numpy as np
 from opsched.devices import Device
 from opsched.devices.base import Converter
 from opsched.ops import Operator
+from opsched.ops._base import check_writable
 from opsched.ops.products import Product
 
 __all__ = ["Checked", "Checks", "deadline_of", "priority_of"]
@@ -93,6 +95,7 @@ class Checks:
                 self._known[signature] = (scalars, spec, key, units, nbytes)
         else:
             scalars, spec, key, units, nbytes = known
+            check_writable(op.name, op.outputs, tensors)  # not part of the signature
             tensors, convert = device.bind(op, tensors, scalars, spec)
         return Checked(
             op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
@@ -146,9 +149,14 @@ def deadline_of(deadline: float | None, timeout: float | None) -> float | None:
     if deadline is None and timeout is None:
         return None
     for name, value in (("deadline", deadline), ("timeout", timeout)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
             msg = f"{name} must be a number of seconds or None, got {value!r}"
             raise TypeError(msg)
+        if not math.isfinite(value):
+            msg = f"{name}={value!r} must be a finite number of seconds (None: no {name})"
+            raise ValueError(msg)
     if timeout is not None:
         if timeout < 0:
             msg = f"timeout={timeout} must be >= 0 seconds"

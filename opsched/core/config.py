@@ -18,26 +18,32 @@ from opsched.ops.products import product_named
 __all__ = ["SchedulerConfig"]
 
 
-def _int_range(lo: int, hi: int | None = None) -> Any:
+#: Upper bounds: every knob has one, so no value can stall the scheduler (a delay of
+#: hours, a queue no memory holds) or overflow the arithmetic built on it.
+_MAX_BYTES = 1 << 48  # 256 TiB
+_MAX_COUNT = 1 << 24
+_MAX_DELAY_US = 1_000_000.0  # one second
+
+
+def _int_range(lo: int, hi: int) -> Any:
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             msg = f"SchedulerConfig.{attribute.name} must be an integer, got {value!r}"
             raise TypeError(msg)
-        if value < lo or (hi is not None and value > hi):
-            bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected {bound}"
+        if not lo <= value <= hi:
+            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected [{lo}, {hi}]"
             raise ValueError(msg)
 
     return check
 
 
-def _float_min(lo: float) -> Any:
+def _float_range(lo: float, hi: float) -> Any:
     def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             msg = f"SchedulerConfig.{attribute.name} must be a number, got {value!r}"
             raise TypeError(msg)
-        if not value >= lo:  # also rejects NaN
-            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected >= {lo}"
+        if not lo <= value <= hi:  # also rejects NaN and infinities
+            msg = f"SchedulerConfig.{attribute.name}={value} is out of range; expected [{lo}, {hi}]"
             raise ValueError(msg)
 
     return check
@@ -87,15 +93,15 @@ class SchedulerConfig:
     """
 
     streams: int = attrs.field(factory=_default_streams, validator=_int_range(1, 256))
-    max_delay_us: float = attrs.field(default=0.0, validator=_float_min(0.0))
-    max_batch_requests: int = attrs.field(default=1024, validator=_int_range(1))
-    max_batch_bytes: int = attrs.field(default=64 << 20, validator=_int_range(1))
-    fuse_max_bytes: int = attrs.field(default=1 << 20, validator=_int_range(0))
-    split_min_bytes: int = attrs.field(default=8 << 20, validator=_int_range(1))
-    inline_max_bytes: int = attrs.field(default=64 << 10, validator=_int_range(0))
-    max_queued_requests: int = attrs.field(default=65536, validator=_int_range(1))
-    workspace_limit_bytes: int = attrs.field(default=1 << 30, validator=_int_range(1))
-    executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1))
+    max_delay_us: float = attrs.field(default=0.0, validator=_float_range(0.0, _MAX_DELAY_US))
+    max_batch_requests: int = attrs.field(default=1024, validator=_int_range(1, _MAX_COUNT))
+    max_batch_bytes: int = attrs.field(default=64 << 20, validator=_int_range(1, _MAX_BYTES))
+    fuse_max_bytes: int = attrs.field(default=1 << 20, validator=_int_range(0, _MAX_BYTES))
+    split_min_bytes: int = attrs.field(default=8 << 20, validator=_int_range(1, _MAX_BYTES))
+    inline_max_bytes: int = attrs.field(default=64 << 10, validator=_int_range(0, _MAX_BYTES))
+    max_queued_requests: int = attrs.field(default=65536, validator=_int_range(1, _MAX_COUNT))
+    workspace_limit_bytes: int = attrs.field(default=1 << 30, validator=_int_range(1, _MAX_BYTES))
+    executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1, _MAX_COUNT))
     product: str = attrs.field(default="generic", validator=_product)
 
     @classmethod
@@ -104,11 +110,22 @@ class SchedulerConfig:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: a key that is not a knob (named with the valid ones), or a bad value.
+            ValueError: not valid TOML, a key that is not a knob (named with the valid
+                ones), or a bad value; the message starts with the file's path.
+            TypeError: a value of the wrong kind (the message starts with the path).
         """
         with pathlib.Path(path).open("rb") as f:
-            data = tomllib.load(f)
-        return cls.from_mapping(data, source=str(path))
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                msg = f"{path}: not valid TOML: {exc}"
+                raise ValueError(msg) from exc
+        try:
+            return cls.from_mapping(data, source=str(path))
+        except (TypeError, ValueError) as exc:
+            if str(exc).startswith(str(path)):
+                raise
+            raise type(exc)(f"{path}: {exc}") from exc
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], *, source: str = "overrides") -> SchedulerConfig:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -48,6 +50,19 @@ from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
 __all__ = ["Scheduler", "SchedulerState"]
+
+#: Every scheduler not yet collected, to orphan them in a forked child.
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+_PID = [os.getpid()]
+
+
+def _orphan_in_child() -> None:
+    parent, _PID[0] = _PID[0], os.getpid()
+    for scheduler in list(_LIVE):
+        scheduler._orphan(parent)
+
+
+os.register_at_fork(after_in_child=_orphan_in_child)
 
 
 class SchedulerState(enum.Enum):
@@ -85,8 +100,11 @@ class Scheduler:
     _service: Any = attrs.field(default=None, init=False)
     #: Records a timeline trace when set (``open_scheduler(trace=...)``).
     _tracer: Tracer | None = attrs.field(default=None, kw_only=True)
+    #: Set in a process forked from the one that made this scheduler: that process's pid.
+    _forked_from: int | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
+        _LIVE.add(self)
         self._product = resolve_product(
             self.config.product, self.device.reported_product, self.device.name
         )
@@ -302,7 +320,22 @@ class Scheduler:
             raise RuntimeError(msg)
         self._state = SchedulerState.OPEN
 
+    def _orphan(self, parent: int) -> None:
+        """In a forked child: this scheduler's loop and stream threads stayed in the parent
+        (``parent``), so every call must fail clearly instead of waiting for them."""
+        self._forked_from = parent
+        self._state = SchedulerState.CLOSED
+        # a parent thread may have held the admission lock at the fork: never touch it
+        self._admission = Admission(self.config.max_queued_requests, self._queue, self._loop)
+        self._admission.open = False
+
     def _require_open(self, what: str) -> None:
+        if self._forked_from is not None:
+            msg = (
+                f"this scheduler belongs to process {self._forked_from}; its threads did not "
+                f"survive the fork into process {os.getpid()}: open a new scheduler here"
+            )
+            raise SchedulerClosedError(msg)
         if self._state is not SchedulerState.OPEN:
             msg = f"the scheduler is {self._state.value}; it accepts no {what}"
             raise SchedulerClosedError(msg)

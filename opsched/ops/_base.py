@@ -34,7 +34,9 @@ __all__ = [
     "Tensors",
     "check_dtype",
     "check_present",
+    "check_array_kind",
     "check_types",
+    "check_writable",
     "cuts",
     "dtype_name",
     "entry_point",
@@ -69,15 +71,51 @@ def check_present(op: str, **tensors: object) -> None:
             raise ParamNullptrError(msg)
 
 
+#: The array kinds opsched computes on: plain arrays and memory-mapped ones (plain data
+#: in a file). Other ndarray subclasses carry meaning the kernels would silently drop (a
+#: masked array's mask, a matrix's algebra), so they are refused.
+ARRAY_KINDS = (np.ndarray, np.memmap)
+
+
+def check_array_kind(op: str, name: str, value: object) -> None:
+    """Raise TypeError unless ``value`` is a plain numpy array (or a memmap)."""
+    kind = type(value)
+    if kind is np.ndarray or kind is np.memmap:
+        return
+    what = f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(value, np.ma.MaskedArray):
+        msg = (
+            f"{op}: {name} is a masked array ({what}); opsched would ignore its mask. Pass "
+            f"{name}.filled(value) or numpy.asarray({name}) to compute on its data"
+        )
+    elif isinstance(value, np.ndarray):
+        msg = (
+            f"{op}: {name} is a {what}, a numpy.ndarray subclass opsched does not compute on; "
+            f"pass numpy.asarray({name})"
+        )
+    else:
+        msg = f"{op}: {name} must be a numpy.ndarray, got {what}"
+    raise TypeError(msg)
+
+
 def check_types(op: str, **tensors: object) -> None:
-    """Raise TypeError for the first argument that is neither None nor a numpy array."""
+    """Raise TypeError for the first argument that is neither None nor a plain numpy
+    array (:func:`check_array_kind`)."""
     for name, value in tensors.items():
-        if value is not None and not isinstance(value, np.ndarray):
+        if value is not None:
+            check_array_kind(op, name, value)
+
+
+def check_writable(op: str, outputs: Sequence[str], tensors: Mapping[str, Any]) -> None:
+    """Raise ParamInvalidError (161002) for an output numpy array that cannot be written."""
+    for name in outputs:
+        value = tensors.get(name)
+        if isinstance(value, np.ndarray) and not value.flags.writeable:
             msg = (
-                f"{op}: {name} must be a numpy.ndarray, got {type(value).__module__}."
-                f"{type(value).__qualname__}"
+                f"{op}: {name} is read-only (its writeable flag is False); pass a writeable "
+                "array, or None to have one allocated"
             )
-            raise TypeError(msg)
+            raise ParamInvalidError(msg)
 
 
 def check_dtype(
@@ -374,7 +412,9 @@ class Operator(abc.ABC):
         """:meth:`check` as ``product``'s runtime would: 561003 when the product lacks the
         operator, then the checks with the product's dtypes."""
         support = check_product(product, self.name)
-        return self.check(tensors, scalars, allocate=allocate, support=support)
+        checked = self.check(tensors, scalars, allocate=allocate, support=support)
+        check_writable(self.name, self.outputs, tensors)
+        return checked
 
     def allowed_dtypes(self, support: OpSupport | None) -> tuple[tuple[np.dtype, ...], str]:
         """The dtypes a request may have, and the product whose list it is."""

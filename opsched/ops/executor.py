@@ -22,7 +22,7 @@ import numpy as np
 
 from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
 from opsched.kernels._common import DEFAULT_BLOCK
-from opsched.ops._base import Operator, check_present, dtype_name
+from opsched.ops._base import Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
 
 __all__ = ["Executor", "ExecutorState", "geometry_of", "get_workspace_size", "launch"]
@@ -117,9 +117,7 @@ class Executor:
                 msg = f"{op}.bind: unknown argument {name!r}; expected one of {names}"
                 raise TypeError(msg)
             check_present(op, **{name: array})
-            if not isinstance(array, np.ndarray):
-                msg = f"{op}.bind: {name} must be a numpy.ndarray, got {type(array).__qualname__}"
-                raise TypeError(msg)
+            check_array_kind(f"{op}.bind", name, array)
             want, got = geometry_of(self.tensors[name]), geometry_of(array)
             if want is None:
                 msg = f"{op}.bind: the executor was planned without {name}; it cannot bind one"

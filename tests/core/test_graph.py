@@ -351,10 +351,12 @@ def test_module_level_run_under_trio_and_sync_run():
 
     trio.run(main)
     np.testing.assert_array_equal(got["trio"][0], want[-1])
+    before = set(threading.enumerate())  # other tests' default schedulers live on
     with opsched.sync.open_scheduler(streams=2) as sched:
         (out,) = sched.run(graph, outputs=[nodes[-1]])
     np.testing.assert_array_equal(out, want[-1])
-    assert not [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
+    left = set(threading.enumerate()) - before
+    assert not [t for t in left if t.name.startswith("opsched-stream")]
 
 
 @pytest.mark.asyncio

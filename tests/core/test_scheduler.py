@@ -50,8 +50,12 @@ def assert_adds_up(stats):
     assert stats.queued == 0 and stats.running == 0
 
 
-def stream_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("opsched-stream")]
+def stream_threads(before=frozenset()):
+    """Live stream threads, but those in ``before`` (other tests' default schedulers, which
+    live until the interpreter exits)."""
+    return [
+        t for t in threading.enumerate() if t.name.startswith("opsched-stream") and t not in before
+    ]
 
 
 # -------------------------------------------------------------------- results and fusion
@@ -366,6 +370,7 @@ async def test_invalid_requests_rejected_at_submit_with_their_status(device):
 async def test_leaving_the_block_drains_pending_requests(device):
     rng = np.random.default_rng(14)
     args = [small_glu(rng) for _ in range(30)]
+    before = set(threading.enumerate())
     async with opsched.open_scheduler(device=device, streams=2) as sched:
         pending = [sched.glu_backward_nowait(g, x) for g, x in args]
     assert all(p.done() for p in pending)
@@ -374,7 +379,7 @@ async def test_leaving_the_block_drains_pending_requests(device):
     assert sched.state is opsched.SchedulerState.CLOSED
     with pytest.raises(SchedulerClosedError, match="closed"):
         await sched.glu_backward(*args[0])
-    assert not stream_threads()
+    assert not stream_threads(before)
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)
@@ -382,6 +387,7 @@ async def test_aclose_cancel_pending_fails_queued_requests(device):
     rng = np.random.default_rng(15)
     blocker = small_glu(rng)
     gate = Gate(hold=blocker[1])
+    before = set(threading.enumerate())
     async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
@@ -398,19 +404,20 @@ async def test_aclose_cancel_pending_fails_queued_requests(device):
     stats = sched.statistics()
     assert stats.cancelled == 3 and stats.completed == 1
     assert_adds_up(stats)
-    assert not stream_threads()
+    assert not stream_threads(before)
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)
 async def test_exception_in_block_cancels_pending_and_closes(device):
     rng = np.random.default_rng(16)
+    before = set(threading.enumerate())
     with pytest.raises(ZeroDivisionError):
         async with opsched.open_scheduler(device=device) as sched:
             sched.glu_backward_nowait(*small_glu(rng))
             1 / 0  # noqa: B018
     assert sched.state is opsched.SchedulerState.CLOSED
     assert_adds_up(sched.statistics())
-    assert not stream_threads()
+    assert not stream_threads(before)
 
 
 # --------------------------------------------------------- workspace pool and executors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import tomllib
 
 import attrs
 import numpy as np
@@ -138,7 +139,17 @@ def test_config_defaults_and_overrides():
         ("max_delay_us", -1.0, ValueError, "max_delay_us=-1.0 is out of range"),
         ("max_delay_us", float("nan"), ValueError, "max_delay_us=nan"),
         ("max_queued_requests", True, TypeError, "must be an integer"),
-        ("workspace_limit_bytes", 0, ValueError, "expected >= 1"),
+        ("workspace_limit_bytes", 0, ValueError, "expected [1, 281474976710656]"),
+        # no knob without an upper bound: none of these may stall or overflow the scheduler
+        ("max_delay_us", 1e12, ValueError, "max_delay_us=1000000000000.0 is out of range"),
+        ("max_delay_us", float("inf"), ValueError, "max_delay_us=inf is out of range"),
+        ("max_queued_requests", 1 << 40, ValueError, "expected [1, 16777216]"),
+        ("max_batch_requests", 1 << 40, ValueError, "expected [1, 16777216]"),
+        ("executor_cache_limit", 1 << 40, ValueError, "expected [1, 16777216]"),
+        ("max_batch_bytes", 1 << 60, ValueError, "expected [1, 281474976710656]"),
+        ("fuse_max_bytes", -1, ValueError, "expected [0, 281474976710656]"),
+        ("split_min_bytes", 1 << 60, ValueError, "expected [1, 281474976710656]"),
+        ("inline_max_bytes", 1 << 60, ValueError, "expected [0, 281474976710656]"),
     ],
 )
 def test_config_validation_names_field_value_and_range(field, value, error, words):
@@ -158,9 +169,35 @@ def test_config_from_toml_rejects_unknown_keys(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["default", "throughput", "latency"])
-def test_shipped_configs_load(name):
-    cfg = SchedulerConfig.from_toml(ROOT / "configs" / f"{name}.toml")
-    assert isinstance(cfg, SchedulerConfig)
+def test_shipped_configs_load_with_the_values_they_write(name):
+    path = ROOT / "configs" / f"{name}.toml"
+    written = tomllib.loads(path.read_text())
+    cfg = SchedulerConfig.from_toml(path)
+    assert written  # each profile sets knobs
+    for key, value in written.items():
+        assert getattr(cfg, key) == value, key
+    defaults = SchedulerConfig()
+    for field in attrs.fields(SchedulerConfig):
+        if field.name not in written:
+            assert getattr(cfg, field.name) == getattr(defaults, field.name), field.name
+
+
+@pytest.mark.parametrize(
+    ("text", "error", "words"),
+    [
+        ("streams = 2\nmax_delay_us = [", ValueError, "not valid TOML"),
+        ('streams = "two"\n', TypeError, "SchedulerConfig.streams must be an integer"),
+        ("max_delay_us = inf\n", ValueError, "max_delay_us=inf is out of range"),
+        ("typo = 1\n", ValueError, "unknown scheduler setting(s) ['typo']"),
+    ],
+)
+def test_a_bad_toml_file_is_named_in_the_error(tmp_path, text, error, words):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(error) as info:
+        SchedulerConfig.from_toml(path)
+    assert str(info.value).startswith(str(path)), info.value
+    assert words in str(info.value)
 
 
 def test_overflow_block_beyond_the_cap_is_never_cached():

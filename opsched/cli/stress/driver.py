@@ -35,7 +35,7 @@ def _scheduler_threads() -> list[str]:
     return [
         t.name
         for t in threading.enumerate()
-        if t.name.startswith(("opsched-stream", "asyncio-portal"))
+        if t.name.startswith(("opsched-stream", "opsched-portal"))
     ]
 
 
