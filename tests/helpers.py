@@ -72,3 +72,25 @@ def gn_inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype)
     mean = rand(rng, shape[:2], dtype, 0.5)
     rstd = (rng.random(shape[:2]) + 0.5).astype(dtype)
     return x, dy, gamma, mean, rstd
+
+
+def assert_same_bits(got, want) -> None:
+    """Bit-identical: one dtype and shape, every element's bits equal (unsigned views: -0.0
+    and +0.0 differ, NaN payloads count); tuples of arrays and Nones element by element."""
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want), (type(got), got)
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None), (g, w)
+            if w is not None:
+                assert_same_bits(g, w)
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    g, w = np.ascontiguousarray(got).view(bits), np.ascontiguousarray(want).view(bits)
+    differ = np.flatnonzero(g != w)
+    assert not differ.size, (
+        f"{differ.size} of {got.size} elements differ in their bits; first at flat index "
+        f"{differ[0]}: {got.reshape(-1)[differ[0]]!r} vs {want.reshape(-1)[differ[0]]!r}"
+    )

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from opsched.cli.solo import solo_glu, solo_gn  # noqa: F401 - the shared oracle
-from tests.helpers import BF16, gn_inputs, rand
+from tests.helpers import BF16, assert_same_bits, gn_inputs, rand
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16, np.dtype(np.float64)]
 
@@ -113,7 +113,7 @@ def assert_result(device: str, got, want) -> None:
     """The numpy devices give the oracle's bits; a torch device (the framework's own
     operators) gives its values within SPEC tolerance, as a numpy array for numpy inputs."""
     if not device.startswith("torch"):
-        np.testing.assert_array_equal(got, want)
+        assert_same_bits(got, want)
         return
     assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape
     rtol, atol = _TORCH_TOL[want.dtype]

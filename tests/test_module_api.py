@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import opsched
-from tests.helpers import rand
+from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import solo_glu, solo_gn
 
 F32 = np.dtype(np.float32)
@@ -87,8 +87,8 @@ def test_module_functions_under_trio_match_solo():
             results["sched"] = await opsched.current_scheduler() is sched
 
     trio.run(main)
-    np.testing.assert_array_equal(results["glu"], solo_glu(g, x, -1))
-    np.testing.assert_array_equal(results["gn"], solo_gn(*gn))
+    assert_same_bits(results["glu"], solo_glu(g, x, -1))
+    assert_same_bits(results["gn"], solo_gn(*gn))
     assert results["sched"] is True
 
 

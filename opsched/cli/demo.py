@@ -23,7 +23,7 @@ import opsched
 import opsched.sync
 from opsched import SchedulerConfig
 from opsched.cli.seeds import glu_seed, group_norm_seed
-from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
+from opsched.cli.solo import same_bits, solo_glu, solo_gn, solo_gnb
 from opsched.ops.products import product_named
 
 __all__ = ["run_demo"]
@@ -135,7 +135,7 @@ async def _training_loop(
         solo = _Solo(device)
         dx = solo.gnb_dx(x, dy, mean, rstd) if full else solo.gn(x, dy, gamma, mean, rstd)
         expected = solo.glu(dx, gate, -1)
-        mismatches += sum(not np.array_equal(o, expected) for o in outs)
+        mismatches += sum(not same_bits(o, expected) for o in outs)
     return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
 
 
@@ -154,7 +154,7 @@ def _batch_script(
         elapsed = time.perf_counter() - start
         stats = sched.statistics()
     expected = [_Solo(device).glu(g, x, -1) for g, x in inputs]
-    mismatches = sum(not np.array_equal(r, expected[i % 64]) for i, r in enumerate(results))
+    mismatches = sum(not same_bits(r, expected[i % 64]) for i, r in enumerate(results))
     return {"stats": stats, "seconds": elapsed, "mismatches": mismatches}
 
 

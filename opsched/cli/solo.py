@@ -16,7 +16,7 @@ from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Oper
 from opsched.ops.executor import get_workspace_size, launch
 from opsched.ops.products import product_named
 
-__all__ = ["solo", "solo_glu", "solo_gn", "solo_gnb"]
+__all__ = ["same_bits", "solo", "solo_glu", "solo_gn", "solo_gnb"]
 
 
 def solo(op: Operator, *args: Any, product: str = "generic") -> Any:
@@ -28,6 +28,27 @@ def solo(op: Operator, *args: Any, product: str = "generic") -> Any:
     size, executor = get_workspace_size(op, tensors, scalars, product)
     launch(op, np.empty(size, np.uint8) if size else None, size, executor, None)
     return op.result(tensors)
+
+
+def same_bits(got: Any, want: Any) -> bool:
+    """Bit-identical results: arrays of one dtype and shape whose every element has the
+    same bits (compared as unsigned integers, so -0.0 differs from +0.0 and NaN payloads
+    count), or tuples of such arrays and Nones."""
+    if isinstance(want, tuple):
+        return (
+            isinstance(got, tuple)
+            and len(got) == len(want)
+            and all(
+                (g is None and w is None) or (g is not None and w is not None and same_bits(g, w))
+                for g, w in zip(got, want, strict=True)
+            )
+        )
+    if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    return bool(
+        np.array_equal(np.ascontiguousarray(got).view(bits), np.ascontiguousarray(want).view(bits))
+    )
 
 
 #: GluBackward of one request: ``solo_glu(grad_out, x, dim)``.

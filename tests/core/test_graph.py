@@ -22,7 +22,7 @@ from opsched import (
     RuntimeLaunchError,
     UpstreamFailedError,
 )
-from tests.helpers import gn_inputs, rand
+from tests.helpers import assert_same_bits, gn_inputs, rand
 from tests.sched_helpers import DEVICES, FailWhen, Gate, assert_result, solo_glu, solo_gn
 
 F32 = np.dtype(np.float32)
@@ -158,8 +158,8 @@ async def test_only_needed_nodes_run_and_fed_nodes_are_not_computed():
         fed = np.ascontiguousarray(want[1])
         (last,) = await sched.run(graph, outputs=[nodes[3]], inputs={nodes[1]: fed})
         assert sched.statistics().graph_nodes == 4  # nodes 2 and 3 only
-    np.testing.assert_array_equal(second, want[1])
-    np.testing.assert_array_equal(last, want[3])
+    assert_same_bits(second, want[1])
+    assert_same_bits(last, want[3])
 
 
 @pytest.mark.asyncio
@@ -178,7 +178,7 @@ async def test_rerun_with_new_placeholder_inputs_reuses_executors():
                      gate: rand(rng, (2, 4, 16), F32)}  # fmt: skip
             (out,) = await sched.run(g, outputs=[b], inputs=feeds)
             t = solo_gn(feeds[x], feeds[dy], gamma, mean, rstd)
-            np.testing.assert_array_equal(out, solo_glu(t, feeds[gate], -1))
+            assert_same_bits(out, solo_glu(t, feeds[gate], -1))
             if i == 0:
                 first = sched.statistics().executor_cache
         last = sched.statistics().executor_cache
@@ -217,8 +217,8 @@ async def test_graphs_fuse_with_each_other_and_with_single_calls():
         )
         stats = sched.statistics()
     for (out,) in results[:-1]:
-        np.testing.assert_array_equal(out, want[-1])
-    np.testing.assert_array_equal(results[-1], solo_glu(*single, -1))
+        assert_same_bits(out, want[-1])
+    assert_same_bits(results[-1], solo_glu(*single, -1))
     assert stats.requests_per_launch_max >= 20  # one node of every run in one launch
     assert stats.launches < 20 * 4
 
@@ -249,7 +249,7 @@ async def test_dependent_launches_on_another_stream_while_its_producer_runs():
             assert not gate.opened.is_set()
             gate.open()
     for got, want in zip(results[0], oracle(), strict=True):
-        np.testing.assert_array_equal(got, want)
+        assert_same_bits(got, want)
 
 
 # ---------------------------------------------------------------- failures, cancel
@@ -298,7 +298,7 @@ async def test_cancelling_a_run_stops_unlaunched_nodes_and_lets_running_ones_fin
             await sched.run(graph, outputs=[nodes[-1]])
         gate.open()
         other = (rand(rng, (4, 4), F32), rand(rng, (4, 8), F32))
-        np.testing.assert_array_equal(await sched.glu_backward(*other), solo_glu(*other, -1))
+        assert_same_bits(await sched.glu_backward(*other), solo_glu(*other, -1))
         stats = sched.statistics()
     assert stats.graph_nodes <= 2  # only the held node (and maybe the next) were submitted
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
@@ -350,11 +350,11 @@ def test_module_level_run_under_trio_and_sync_run():
         got["trio"] = await opsched.run(graph, outputs=[nodes[-1]])
 
     trio.run(main)
-    np.testing.assert_array_equal(got["trio"][0], want[-1])
+    assert_same_bits(got["trio"][0], want[-1])
     before = set(threading.enumerate())  # other tests' default schedulers live on
     with opsched.sync.open_scheduler(streams=2) as sched:
         (out,) = sched.run(graph, outputs=[nodes[-1]])
-    np.testing.assert_array_equal(out, want[-1])
+    assert_same_bits(out, want[-1])
     left = set(threading.enumerate()) - before
     assert not [t for t in left if t.name.startswith("opsched-stream")]
 

@@ -18,7 +18,7 @@ from opsched.kernels.group_norm_backward import (
     plan_group_norm_backward,
 )
 from opsched.ops import GROUP_NORM_BACKWARD
-from tests.helpers import BF16, GN_DTYPES, rand, tolerance
+from tests.helpers import BF16, GN_DTYPES, assert_same_bits, rand, tolerance
 
 F32 = np.dtype(np.float32)
 ALL = (True, True, True)
@@ -151,7 +151,7 @@ def test_masked_outputs_may_be_none_and_stay_none():
     args = case(rng, 2, 4, 3, 2)
     dx, dg, db = solo(args, (True, False, False))
     assert dg is None and db is None
-    np.testing.assert_array_equal(dx, solo(args)[0])
+    assert_same_bits(dx, solo(args)[0])
 
 
 # ------------------------------------------------------------------------ correctness
@@ -226,7 +226,7 @@ def test_without_gamma_is_gamma_of_ones():
     args = case(rng, 2, 4, 6, 2, gamma=False)
     with_ones = (*args[:4], np.ones(4, F32), *args[5:])
     for a, b in zip(solo(args), solo(with_ones), strict=True):
-        np.testing.assert_array_equal(a, b)
+        assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize(("n", "hxw"), [(0, 5), (3, 0)])
@@ -235,8 +235,8 @@ def test_empty_inputs_write_zero_dgamma_and_dbeta(n, hxw):
     args = case(rng, n, 4, hxw, 2)
     dx, dgamma, dbeta = solo(args)
     assert dx.size == 0
-    np.testing.assert_array_equal(dgamma, np.zeros(4, F32))
-    np.testing.assert_array_equal(dbeta, np.zeros(4, F32))
+    assert_same_bits(dgamma, np.zeros(4, F32))
+    assert_same_bits(dbeta, np.zeros(4, F32))
 
 
 def test_layouts_and_block_sizes_do_not_change_a_bit():
@@ -247,7 +247,7 @@ def test_layouts_and_block_sizes_do_not_change_a_bit():
     # an (N, C, H, W) input, transposed copies of the same values
     t = tuple(np.ascontiguousarray(a.swapaxes(0, -1)).swapaxes(0, -1) for a in args[:2])
     for a, b in zip(solo((*t, *args[2:])), base, strict=True):
-        np.testing.assert_array_equal(a, b)
+        assert_same_bits(a, b)
     for block in (1, 7, 40, 121, 1 << 20):
         plan = plan_group_norm_backward(
             args[0], args[1], base[0], n, c, hxw, group, ALL, True, block=block
@@ -256,7 +256,7 @@ def test_layouts_and_block_sizes_do_not_change_a_bit():
         ws = np.empty(plan.workspace_bytes, np.uint8)
         group_norm_backward_fast(plan, *args[:5], *outs, ws)
         for a, b in zip(outs, base, strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert_same_bits(a, b)
 
 
 def test_output_overlapping_an_input_is_computed_from_the_inputs():
@@ -268,7 +268,7 @@ def test_output_overlapping_an_input_is_computed_from_the_inputs():
         dy, *args[1:], ALL, dy, np.empty(4, F32), np.empty(4, F32)
     )
     aclnn.group_norm_backward(np.empty(size, np.uint8), size, ex)
-    np.testing.assert_array_equal(dy, expected[0])
+    assert_same_bits(dy, expected[0])
 
 
 def test_fast_kernel_memory_is_its_workspace_plus_a_constant():
@@ -324,7 +324,7 @@ def test_fused_results_are_bit_identical_to_solo_launches(dtype):
             if want is None:
                 assert got is None
             else:
-                np.testing.assert_array_equal(got, want)
+                assert_same_bits(got, want)
 
 
 def test_reference_device_fuses_to_the_reference_kernel_bit_for_bit():
@@ -342,7 +342,7 @@ def test_reference_device_fuses_to_the_reference_kernel_bit_for_bit():
             dict(zip(("N", "C", "HxW", "group"), r[5:], strict=True)),
         )
         for got, want in zip(out, ref, strict=True):
-            np.testing.assert_array_equal(got, want.reshape(got.shape))
+            assert_same_bits(got, want.reshape(got.shape))
 
 
 def test_out_arrays_are_written_in_place_and_errors_reach_the_caller():
@@ -360,7 +360,7 @@ def test_out_arrays_are_written_in_place_and_errors_reach_the_caller():
     result = asyncio.run(main())
     assert result[0] is dx and result[1] is dg and result[2] is db
     for a, b in zip(result, solo(args), strict=True):
-        np.testing.assert_array_equal(a, b)
+        assert_same_bits(a, b)
 
 
 def test_module_function_sync_facade_and_graph():
@@ -380,18 +380,18 @@ def test_module_function_sync_facade_and_graph():
     module, (node_out, glu_out) = asyncio.run(main())
     for outs in (module, node_out):
         for a, b in zip(outs, expected, strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert_same_bits(a, b)
     glu_expected = np.empty_like(gate)
     size, ex = aclnn.glu_backward_get_workspace_size(expected[0], gate, -1, glu_expected)
     aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-    np.testing.assert_array_equal(glu_out, glu_expected)
+    assert_same_bits(glu_out, glu_expected)
     with opsched.sync.open_scheduler(streams=1) as sched:
         futures = [sched.submit_group_norm_backward(*args) for _ in range(5)]
         for f in futures:
             for a, b in zip(f.result(), expected, strict=True):
-                np.testing.assert_array_equal(a, b)
+                assert_same_bits(a, b)
         for a, b in zip(sched.group_norm_backward(*args), expected, strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert_same_bits(a, b)
 
 
 def test_graph_refuses_to_consume_a_node_without_dx():
@@ -419,5 +419,5 @@ def test_graph_node_with_dx_only_feeds_its_consumer():
 
     (dx, dgamma, dbeta), out = asyncio.run(main())
     assert dgamma is None and dbeta is None
-    np.testing.assert_array_equal(dx, solo(args, (True, False, False))[0])
+    assert_same_bits(dx, solo(args, (True, False, False))[0])
     assert out.shape == gate.shape

@@ -20,6 +20,7 @@ from tests.helpers import (
     GLU_DTYPES,
     GN_DTYPES,
     assert_close,
+    assert_same_bits,
     glu_golden,
     gn_golden,
     gn_inputs,
@@ -96,7 +97,7 @@ def test_glu_non_contiguous_operands_bit_identical(layout, dtype):
     out = out_views[layout]
     got = run_glu(gs[layout], xs[layout], 1, out=out)
     assert got is out
-    np.testing.assert_array_equal(out, expected)
+    assert_same_bits(out, expected)
     # a strided out is written in place through its view
     if layout == "step-sliced":
         assert np.array_equal(out, expected)
@@ -109,14 +110,14 @@ def test_glu_out_overlapping_self(dtype):
     g = rand(rng, (4, 8, 3), dtype)
     expected = run_glu(g, x.copy(), -1)
     run_glu(g, x, -1, out=x)  # out=self
-    np.testing.assert_array_equal(x, expected)
+    assert_same_bits(x, expected)
     # a shifted view of one buffer: out starts one row after self
     buf = rand(rng, (10, 6), dtype)
     x2, out2 = buf[:8], buf[2:]
     g2 = rand(rng, (8, 3), dtype)
     expected = run_glu(g2, x2.copy(), -1)
     run_glu(g2, x2, -1, out=out2)
-    np.testing.assert_array_equal(out2, expected)
+    assert_same_bits(out2, expected)
 
 
 @pytest.mark.parametrize("shape_dim", [((0, 4), 1), ((3, 0, 2), -1), ((4, 0), 0)])
@@ -136,7 +137,7 @@ def test_glu_nan_and_inf_computed_through():
     out = run_glu(g, x, 0)
     with np.errstate(all="ignore"):
         expected = glu_backward_reference(g, x, 0)
-    np.testing.assert_array_equal(out, expected)  # NaN == NaN positions included
+    assert_same_bits(out, expected)  # NaN == NaN positions included
     assert np.isnan(out[1]) and np.isnan(out[5])  # b[1] = NaN poisons both of its outputs
     assert np.isnan(out[4]) and np.isfinite(out[0])  # a[0] = NaN: only grad_b[0]
 
@@ -153,7 +154,7 @@ def test_glu_block_size_never_changes_bits(block, dtype):
         plan = plan_glu_backward(g, x, 1, out, block=blk)
         glu_backward_fast(plan, g, x, out, np.empty(plan.workspace_bytes, np.uint8))
         results.append(out)
-    np.testing.assert_array_equal(*results)
+    assert_same_bits(*results)
 
 
 def test_glu_result_independent_of_position_in_buffer():
@@ -164,7 +165,7 @@ def test_glu_result_independent_of_position_in_buffer():
     whole = run_glu(g, x, 1)
     for lo, hi in [(0, 1), (3, 17), (49, 50)]:
         part = run_glu(g[lo:hi].copy(), x[lo:hi].copy(), 1)
-        np.testing.assert_array_equal(part, whole[lo:hi])
+        assert_same_bits(part, whole[lo:hi])
 
 
 # -------------------------------------------------------------------- GroupNormalizationGrad
@@ -200,7 +201,7 @@ def test_gn_non_contiguous_bit_identical(layout):
     expected = run_gn(*(v["contiguous"] for v in views), mean["contiguous"], rstd["contiguous"])
     dx = strided_views(rng, shape, f32)[layout]
     run_gn(*(v[layout] for v in views), mean[layout], rstd[layout], dx=dx)
-    np.testing.assert_array_equal(dx, expected)
+    assert_same_bits(dx, expected)
 
 
 def test_gn_dx_overlapping_inputs():
@@ -208,7 +209,7 @@ def test_gn_dx_overlapping_inputs():
     x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 3, 16), np.dtype(np.float32))
     expected = run_gn(x, dy, gamma, mean, rstd)
     run_gn(x, dy, gamma, mean, rstd, dx=dy)  # dx is dy
-    np.testing.assert_array_equal(dy, expected)
+    assert_same_bits(dy, expected)
 
 
 @pytest.mark.parametrize("shape", [(0, 3, 4), (2, 0, 4), (2, 3, 0), (2, 3, 4, 0)])
@@ -230,7 +231,7 @@ def test_gn_block_size_never_changes_bits(m):
         group_norm_grad_fast(plan, *args, dx, np.empty(plan.workspace_bytes, np.uint8))
         results.append(dx)
     for r in results[1:]:
-        np.testing.assert_array_equal(r, results[0])
+        assert_same_bits(r, results[0])
 
 
 def test_gn_group_result_independent_of_batch():
@@ -240,7 +241,7 @@ def test_gn_group_result_independent_of_batch():
     whole = run_gn(*args)
     for lo, hi in [(0, 1), (2, 5)]:
         part = run_gn(*(a[lo:hi].copy() for a in args))
-        np.testing.assert_array_equal(part, whole[lo:hi])
+        assert_same_bits(part, whole[lo:hi])
 
 
 def test_gn_nan_and_inf_computed_through():
@@ -332,4 +333,4 @@ def test_unaligned_workspace_still_exact(dims):
         out = np.empty(args[0].shape, dtype)
         size, ex = aclnn.group_norm_grad_get_workspace_size(*args, out)
         aclnn.group_norm_grad(np.empty(size + 5, np.uint8)[5:], size, ex)
-    np.testing.assert_array_equal(out, expected)
+    assert_same_bits(out, expected)

@@ -14,7 +14,7 @@ import opsched
 import opsched.sync
 from opsched import InnerError, ParamInvalidError, SchedulerConfig, aclnn
 from opsched.cli.stress import StressOptions, run_stress
-from tests.helpers import BF16
+from tests.helpers import BF16, assert_same_bits
 
 # The table of the issue, written out again here (independent of opsched/_products.py).
 ALL4 = {"DOUBLE", "FLOAT", "FLOAT16", "BFLOAT16"}
@@ -186,7 +186,7 @@ def test_scheduler_fuses_float_statistics_bit_identically():
         aclnn.group_norm_backward(np.empty(size, np.uint8), size, ex)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype
-            np.testing.assert_array_equal(a, b)
+            assert_same_bits(a, b)
 
 
 def test_stress_on_atlas_training_rejects_exactly_what_the_table_says():

@@ -1,10 +1,15 @@
 """Property tests: random shapes, dtypes, dims and layouts give either the right result or
-exactly the status an independent reading of SPEC predicts, never another exception."""
+exactly the status an independent reading of SPEC predicts, never another exception.
+
+Two kinds of strategy: bad-input ones (mostly invalid requests: each must get exactly the
+predicted status) and valid ones (every example valid and non-empty: each compares values
+with an independent float64 golden). The valid ones run more examples, so most examples of
+this file compare values."""
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opsched import AclnnError, Status, aclnn
@@ -140,3 +145,54 @@ def test_gn_result_or_exact_status(req):
     assert want == Status.SUCCESS
     if x.size:
         assert_close(req[5], gn_golden(*req[:5]), x.dtype, "gn")
+
+
+# ------------------------------------------------------------------- valid requests: values
+
+
+@st.composite
+def valid_glu_requests(draw):
+    """Always a valid, non-empty GluBackward call: every example compares values."""
+    ndim = draw(st.integers(1, 6))
+    shape = list(draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim)))
+    dim = draw(st.integers(-ndim, ndim - 1))
+    shape[dim] *= 2
+    dtype = draw(st.sampled_from(GLU_DTYPES))
+    g_shape = tuple(s // 2 if i == dim % ndim else s for i, s in enumerate(shape))
+    x = draw(arrays(tuple(shape), dtype))
+    g = draw(arrays(g_shape, dtype))
+    out = draw(arrays(tuple(shape), dtype))
+    return g, x, dim, out
+
+
+@settings(max_examples=400)  # most examples of this file compare values
+@given(valid_glu_requests())
+def test_valid_glu_requests_compare_values_every_time(req):
+    g, x, dim, out = req
+    assert glu_oracle(g, x, dim, out) == Status.SUCCESS and x.size  # by construction
+    size, ex = aclnn.glu_backward_get_workspace_size(g, x, dim, out)
+    aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    assert_close(out, glu_golden(g, x, dim), x.dtype, "glu")
+
+
+@st.composite
+def valid_gn_requests(draw):
+    """Always a valid, non-empty GroupNormalizationGrad call."""
+    ndim = draw(st.integers(3, 6))
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+    dtype = draw(st.sampled_from(GN_DTYPES))
+    x, dy, gamma = (draw(arrays(shape, dtype)) for _ in range(3))
+    mean = draw(arrays(shape[:2], dtype))
+    # rstd in [0.5, 1.5]: a normalised layer's; larger ones overflow FLOAT16 legitimately
+    rstd = (np.abs(draw(arrays(shape[:2], dtype))) / 4 + 0.5).astype(dtype)
+    dx = draw(arrays(shape, dtype))
+    return x, dy, gamma, mean, rstd, dx
+
+
+@settings(max_examples=400)
+@given(valid_gn_requests())
+def test_valid_gn_requests_compare_values_every_time(req):
+    assert gn_oracle(*req) == Status.SUCCESS and req[0].size  # by construction
+    size, ex = aclnn.group_norm_grad_get_workspace_size(*req)
+    aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
+    assert_close(req[5], gn_golden(*req[:5]), req[0].dtype, "gn")

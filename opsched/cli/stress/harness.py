@@ -14,6 +14,7 @@ import numpy as np
 import opsched
 import opsched.sync
 from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
+from opsched.cli.solo import same_bits
 from opsched.cli.stress import oracle
 from opsched.cli.stress.workload import StressOptions, _Case, _corrupt, _Template
 from opsched.ops import DTYPE_NAMES
@@ -177,7 +178,7 @@ class _Harness:
                 )
         elif error is not None:
             record(case, "wrong", f"{t.describe}: raised {error!r}")
-        elif not _same_result(result, t.expected):
+        elif not same_bits(result, t.expected):
             record(case, "wrong", f"{t.describe}: not bit-identical to the solo call")
         elif not oracle.within_tolerance(t.kind, result, t.oracle):
             problem = f"{t.describe}: outside SPEC's tolerance of the float64 oracle"
@@ -206,28 +207,6 @@ def _product_verdict(product: Product, t: _Template) -> int | None:
         if dtype not in support.dtypes:
             return 161002
     return None
-
-
-def _same_result(result: Any, expected: Any) -> bool:
-    """Bit-identical results: an array, or a tuple of arrays and Nones."""
-    if isinstance(expected, tuple):
-        if not isinstance(result, tuple) or len(result) != len(expected):
-            return False
-        return all(
-            (r is None and e is None) or (r is not None and e is not None and _same_bits(r, e))
-            for r, e in zip(result, expected, strict=True)
-        )
-    return isinstance(result, np.ndarray) and _same_bits(result, expected)
-
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bit-identical: same dtype and shape, every element's bits equal (NaNs included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    bits = np.dtype(f"u{a.dtype.itemsize}")
-    return bool(
-        np.array_equal(np.ascontiguousarray(a).view(bits), np.ascontiguousarray(b).view(bits))
-    )
 
 
 async def _submit_async(
