@@ -124,3 +124,38 @@ def assert_result(device: str, got, want) -> None:
     eps = float(ml_dtypes.finfo(want.dtype).eps)
     ulp = eps * float(np.abs(want64).max(initial=0.0))
     np.testing.assert_allclose(got.astype(np.float64), want64, 2 * rtol, 2 * atol + ulp)
+
+
+async def gather(*awaitables, return_exceptions: bool = False) -> list:
+    """``asyncio.gather`` for any backend (an anyio task group): results in order; with
+    ``return_exceptions`` an exception is returned in its place instead of raised."""
+    import anyio
+
+    results: list = [None] * len(awaitables)
+
+    async def run(i, awaitable):
+        try:
+            results[i] = await awaitable
+        except Exception as exc:
+            if not return_exceptions:
+                raise
+            results[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i, awaitable in enumerate(awaitables):
+            tg.start_soon(run, i, awaitable)
+    return results
+
+
+async def settle(condition, tries: int = 1000) -> None:
+    """Yield to the event loop until ``condition()`` holds: one checkpoint per try, no
+    sleeps (asyncio and trio schedule newly started tasks and callbacks differently, so
+    "after one checkpoint" is no promise on both). Fails after ``tries`` checkpoints."""
+    import anyio
+
+    for _ in range(tries):
+        if condition():
+            return
+        await anyio.lowlevel.checkpoint()
+    msg = f"still not true after {tries} checkpoints"
+    raise AssertionError(msg)

@@ -11,7 +11,7 @@ from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import solo_glu
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio
 F32 = np.dtype(np.float32)
 
 

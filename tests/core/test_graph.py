@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import anyio
@@ -23,7 +22,16 @@ from opsched import (
     UpstreamFailedError,
 )
 from tests.helpers import assert_same_bits, gn_inputs, rand
-from tests.sched_helpers import DEVICES, FailWhen, Gate, assert_result, solo_glu, solo_gn
+from tests.sched_helpers import (
+    DEVICES,
+    FailWhen,
+    Gate,
+    assert_result,
+    gather,
+    settle,
+    solo_glu,
+    solo_gn,
+)
 
 F32 = np.dtype(np.float32)
 
@@ -111,7 +119,7 @@ def test_placeholder_shapes_flow_through():
 # -------------------------------------------------------------------------- execution
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 @pytest.mark.parametrize("device", DEVICES)
 async def test_chain_bit_identical_to_calls_one_by_one(device):
     rng = np.random.default_rng(2)
@@ -124,7 +132,7 @@ async def test_chain_bit_identical_to_calls_one_by_one(device):
     assert stats.graph_runs == 1 and stats.graph_nodes == 8 and stats.completed == 8
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 @pytest.mark.parametrize("device", DEVICES)
 async def test_diamond_fan_out_fan_in(device):
     rng = np.random.default_rng(3)
@@ -147,7 +155,7 @@ async def test_diamond_fan_out_fan_in(device):
     assert stats.pool.allocated > 0 or device.startswith("torch")
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_only_needed_nodes_run_and_fed_nodes_are_not_computed():
     rng = np.random.default_rng(4)
     graph, nodes, oracle = chain(rng, length=4)
@@ -162,7 +170,7 @@ async def test_only_needed_nodes_run_and_fed_nodes_are_not_computed():
     assert_same_bits(last, want[3])
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_rerun_with_new_placeholder_inputs_reuses_executors():
     rng = np.random.default_rng(5)
     g = Graph()
@@ -186,7 +194,7 @@ async def test_rerun_with_new_placeholder_inputs_reuses_executors():
     assert last.hits > first.hits
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_input_errors():
     rng = np.random.default_rng(6)
     g = Graph()
@@ -204,14 +212,14 @@ async def test_input_errors():
             await sched.run(g, outputs=[])
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_graphs_fuse_with_each_other_and_with_single_calls():
     rng = np.random.default_rng(7)
     graph, nodes, oracle = chain(rng, length=4)
     want = oracle()
     single = (rand(rng, (4, 4), F32), rand(rng, (4, 8), F32))
     async with opsched.open_scheduler(streams=1) as sched:
-        results = await asyncio.gather(
+        results = await gather(
             *(sched.run(graph, outputs=[nodes[-1]]) for _ in range(20)),
             sched.glu_backward(*single),
         )
@@ -226,7 +234,7 @@ async def test_graphs_fuse_with_each_other_and_with_single_calls():
 # ------------------------------------------------------------- chaining on the device
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_dependent_launches_on_another_stream_while_its_producer_runs():
     rng = np.random.default_rng(8)
     graph, nodes, oracle = chain(rng, length=2)
@@ -241,8 +249,7 @@ async def test_dependent_launches_on_another_stream_while_its_producer_runs():
                 results.append(await sched.run(graph, outputs=nodes))
 
             tg.start_soon(go)
-            await anyio.lowlevel.checkpoint()
-            await anyio.lowlevel.checkpoint()
+            await settle(lambda: sched.statistics().launches == 2)
             # the producer is held on stream 0, yet its consumer is already launched on
             # stream 1, waiting on the producer's event: no trip back to Python between them
             assert sched.statistics().launches == 2
@@ -255,7 +262,7 @@ async def test_dependent_launches_on_another_stream_while_its_producer_runs():
 # ---------------------------------------------------------------- failures, cancel
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 @pytest.mark.parametrize("device", DEVICES)
 async def test_failure_fails_downstream_and_independent_branches_complete(device):
     rng = np.random.default_rng(9)
@@ -287,7 +294,7 @@ async def test_failure_fails_downstream_and_independent_branches_complete(device
     assert stats.pool.in_use == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_cancelling_a_run_stops_unlaunched_nodes_and_lets_running_ones_finish():
     rng = np.random.default_rng(10)
     graph, nodes, _ = chain(rng, length=6)
@@ -305,7 +312,7 @@ async def test_cancelling_a_run_stops_unlaunched_nodes_and_lets_running_ones_fin
     assert stats.pool.in_use == 0
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_run_deadline_applies_to_every_node():
     rng = np.random.default_rng(11)
     graph, nodes, _ = chain(rng, length=2)
@@ -324,7 +331,7 @@ async def test_run_deadline_applies_to_every_node():
     assert isinstance(failed["glu1"], UpstreamFailedError)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_launch_log_names_graph_nodes():
     rng = np.random.default_rng(12)
     graph, nodes, _ = chain(rng, length=2)
@@ -359,7 +366,7 @@ def test_module_level_run_under_trio_and_sync_run():
     assert not [t for t in left if t.name.startswith("opsched-stream")]
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_node_alone_over_the_workspace_cap_fails_its_run_clearly():
     rng = np.random.default_rng(14)
     x, dy, gamma, mean, rstd = gn_inputs(rng, (4, 8, 4096), F32)

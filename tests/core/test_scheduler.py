@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -30,13 +29,15 @@ from tests.sched_helpers import (
     FailWhen,
     Gate,
     assert_result,
+    gather,
     random_glu,
     random_gn,
+    settle,
     solo_glu,
     solo_gn,
 )
 
-pytestmark = pytest.mark.asyncio
+pytestmark = pytest.mark.anyio  # every test on asyncio and on trio (conftest)
 
 F32 = np.dtype(np.float32)
 
@@ -71,7 +72,7 @@ async def test_random_batches_bit_identical_to_solo(device, seed):
     async with opsched.open_scheduler(device=device, streams=streams) as sched:
         calls = [sched.glu_backward(*a) for a in glu] + [sched.group_norm_grad(*a) for a in gn]
         order = rng.permutation(len(calls))
-        results = await asyncio.gather(*(calls[i] for i in order))
+        results = await gather(*(calls[i] for i in order))
     by_call = dict(zip(order.tolist(), results, strict=True))
     for i, args in enumerate(glu):
         assert_result(device, by_call[i], solo_glu(*args))
@@ -87,7 +88,7 @@ async def test_concurrent_requests_fuse(device):
     rng = np.random.default_rng(0)
     args = [small_glu(rng) for _ in range(100)]
     async with opsched.open_scheduler(device=device, streams=2) as sched:
-        await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+        await gather(*(sched.glu_backward(g, x) for g, x in args))
     stats = sched.statistics()
     assert stats.launches < 10 and stats.requests_per_launch_max >= 50
     assert stats.requests_per_launch_mean == pytest.approx(100 / stats.launches)
@@ -99,7 +100,7 @@ async def test_out_is_written_in_place_and_results_belong_to_the_caller(device):
     g, x = small_glu(rng)
     out = np.zeros((4, 16), F32)[:, ::2]  # strided out, fused path
     async with opsched.open_scheduler(device=device) as sched:
-        got, fresh = await asyncio.gather(
+        got, fresh = await gather(
             sched.glu_backward(g, x, out=out), sched.glu_backward(g, x)
         )
     assert got is out
@@ -153,7 +154,7 @@ async def test_priorities_then_fifo(device):
     ) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
-        await anyio.lowlevel.checkpoint()  # the dispatch ran: the only stream is now busy
+        await settle(lambda: sched.statistics().running == 1)  # the only stream is busy
         prios = [0, 5, 0, 9, 5]
         pend = [sched.glu_backward_nowait(*small_glu(rng), priority=p) for p in prios]
         gate.open()
@@ -175,7 +176,7 @@ async def test_queue_full_nowait_raises_and_await_waits(device):
     ) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
-        await anyio.lowlevel.checkpoint()
+        await settle(lambda: sched.statistics().running == 1)  # held at the gate
         queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(2)]
         with pytest.raises(QueueFullError, match="2 requests are queued"):
             sched.glu_backward_nowait(*small_glu(rng))
@@ -191,7 +192,7 @@ async def test_queue_full_nowait_raises_and_await_waits(device):
                 results.append(await sched.glu_backward(*waiter))
 
             tg.start_soon(backpressured)
-            await anyio.lowlevel.checkpoint()
+            await settle(lambda: sched.statistics().backpressure_waits == 1)
             assert sched.statistics().queued == 2  # the third waits outside the queue
             gate.open()
         await first
@@ -212,7 +213,7 @@ async def test_deadline_expires_from_its_own_timer_and_never_launches(device):
     async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
-        await anyio.lowlevel.checkpoint()
+        await settle(lambda: sched.statistics().running == 1)  # held at the gate
         late = small_glu(rng)
         with pytest.raises(DeadlineExceededError, match="was not launched"):
             await sched.glu_backward(*late, deadline=time.monotonic() + 0.02)
@@ -244,12 +245,11 @@ async def test_cancel_queued_request_leaves_queue(device):
     async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
-        await anyio.lowlevel.checkpoint()
+        await settle(lambda: sched.statistics().running == 1)  # held at the gate
         victim = small_glu(rng)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sched.glu_backward, *victim)
-            await anyio.lowlevel.checkpoint()
-            assert sched.statistics().queued == 1  # submitted, waiting in the queue
+            await settle(lambda: sched.statistics().queued == 1)  # waiting in the queue
             tg.cancel_scope.cancel()
         assert sched.statistics().queued == 0 and sched.statistics().cancelled == 1
         survivor = small_glu(rng)
@@ -268,12 +268,16 @@ async def test_cancel_running_request_drops_result_and_others_complete(device):
     gate = Gate(hold=held[1])
     async with opsched.open_scheduler(device=device, streams=2, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
-        task = asyncio.ensure_future(sched.glu_backward(*held))
-        await asyncio.sleep(0)  # let it submit
-        await anyio.lowlevel.checkpoint()  # and be dispatched: now running, held at the gate
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        results = []
+        async with anyio.create_task_group() as tg:
+
+            async def call():
+                results.append(await sched.glu_backward(*held))
+
+            tg.start_soon(call)
+            await settle(lambda: sched.statistics().running == 1)  # launched, held at the gate
+            tg.cancel_scope.cancel()
+        assert results == []  # the caller was cancelled; the running launch goes on
         other = small_glu(rng)
         assert_result(device, await sched.glu_backward(*other), solo_glu(*other, -1))
         gate.open()
@@ -292,7 +296,7 @@ async def test_failing_request_is_isolated_in_its_fused_batch(device):
     bad = args[13]
     async with opsched.open_scheduler(device=device, streams=1) as sched:
         sched.device.inject_faults(FailWhen(bad[1]))
-        results = await asyncio.gather(
+        results = await gather(
             *(sched.glu_backward(g, x) for g, x in args), return_exceptions=True
         )
     for (g, x), r in zip(args, results, strict=True):
@@ -391,7 +395,7 @@ async def test_aclose_cancel_pending_fails_queued_requests(device):
     async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
         sched.device.inject_faults(gate)
         first = sched.glu_backward_nowait(*blocker)
-        await anyio.lowlevel.checkpoint()
+        await settle(lambda: sched.statistics().running == 1)  # held at the gate
         queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(3)]
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: sched.aclose(cancel_pending=True))
@@ -428,7 +432,7 @@ async def test_workspace_limit_bounds_the_pool_and_everything_completes():
     args = [small_glu(rng, rows=16, cols=256) for _ in range(200)]
     limit = 256 << 10
     async with opsched.open_scheduler(streams=2, workspace_limit_bytes=limit) as sched:
-        results = await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+        results = await gather(*(sched.glu_backward(g, x) for g, x in args))
         stats = sched.statistics()
     for (g, x), r in zip(args, results, strict=True):
         assert_same_bits(r, solo_glu(g, x, -1))
@@ -454,13 +458,13 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
 
     async def burst(sched, n):
         picks = rng.integers(len(pool_args), size=n)
-        await asyncio.gather(*(sched.glu_backward(*pool_args[i]) for i in picks))
+        await gather(*(sched.glu_backward(*pool_args[i]) for i in picks))
 
     async with opsched.open_scheduler(streams=2) as sched:
         for _ in range(300):  # warm up over the workload's whole range, largest bursts too
             await burst(sched, int(rng.integers(1, 64)))
         for _ in range(4):
-            await asyncio.gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
+            await gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
         for args in pool_args:  # bursts of one take the solo path: see each shape alone
             await sched.glu_backward(*args)
         before = sched.statistics()
@@ -480,8 +484,10 @@ async def test_statistics_and_launch_log_events():
     rng = np.random.default_rng(20)
     args = [small_glu(rng) for _ in range(10)]
     with structlog.testing.capture_logs() as logs:
+        start = time.perf_counter()
         async with opsched.open_scheduler(streams=1) as sched:
-            await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+            await gather(*(sched.glu_backward(g, x) for g, x in args))
+        wall = time.perf_counter() - start
     launches = [e for e in logs if e["event"] == "launch"]
     assert len(launches) == sched.statistics().launches
     first = launches[0]
@@ -490,7 +496,9 @@ async def test_statistics_and_launch_log_events():
     assert sum(e["requests"] for e in launches) == 10
     assert not [e for e in logs if e["event"] not in {"launch", "workspace pool grew"}]
     stats = sched.statistics()
-    assert stats.streams[0].launches == stats.launches and stats.streams[0].busy_seconds >= 0
+    assert stats.streams[0].launches == stats.launches
+    # the stream was busy at least while each launch's kernel ran, and within the block
+    assert sum(e["run_s"] for e in launches) <= stats.streams[0].busy_seconds <= wall
     assert stats.queued_peak >= 1
 
 

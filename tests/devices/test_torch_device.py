@@ -117,6 +117,12 @@ def test_graph_with_tensor_constants_returns_tensors():
 
     (result,) = asyncio.run(main())
     assert isinstance(result, torch.Tensor) and result.shape == (2, 3, 16)
+    # the chain's value: the framework's own calls, one after the other
+    from opsched.devices import torch_ops
+
+    expected = torch.ops.aten.glu_backward(torch_ops.group_norm_grad(x, dy, gamma, mean, rstd),
+                                           gate, -1)  # fmt: skip
+    assert torch.equal(result, expected)
 
 
 def test_one_thread_per_stream_whatever_the_launches():
@@ -216,6 +222,8 @@ def test_graph_placeholders_take_tensors_on_a_torch_device():
     as_tensor, as_array = asyncio.run(main())
     assert isinstance(as_tensor, torch.Tensor) and isinstance(as_array, np.ndarray)
     assert torch.equal(as_tensor, torch.from_numpy(as_array))
+    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(gate), -1)
+    assert torch.equal(as_tensor, expected)
 
 
 def test_demo_runs_on_torch_cpu(tmp_path):
