@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import attrs
 import numpy as np
@@ -29,7 +29,7 @@ from opsched._errors import ParamInvalidError
 from opsched.devices.base import Device, LaunchBatch, Prepared
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
-from opsched.devices.streams import InlineStream, ThreadStream
+from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched.ops import Operator
 from opsched.ops.executor import Executor, geometry_of
@@ -76,10 +76,32 @@ class FusedLayout:
 class HostDevice(Device):
     """A device whose data is numpy arrays in host memory (see the module docstring)."""
 
+    #: The name :func:`opsched.devices.make_device` knows it by, and its kind of stream.
+    device_name: ClassVar[str]
+    stream_class: ClassVar[type[Stream]]
     #: Launches at least this large run alone (the scheduler's ``fuse_max_bytes``).
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
+
+    @classmethod
+    def create(
+        cls,
+        streams: int,
+        *,
+        workspace_limit_bytes: int = 64 << 20,
+        executor_cache_limit: int = 1024,
+        fuse_max_bytes: int = 1 << 20,
+    ) -> Self:
+        """A device of this kind with ``streams`` streams, its workspace pool capped at
+        ``workspace_limit_bytes`` and its executor cache at ``executor_cache_limit``."""
+        return cls(
+            cls.device_name,
+            [cls.stream_class(i) for i in range(streams)],
+            fuse_max_bytes=fuse_max_bytes,
+            pool=WorkspacePool(workspace_limit_bytes),
+            cache=ExecutorCache(executor_cache_limit),
+        )
 
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
@@ -275,55 +297,21 @@ class HostDevice(Device):
         self._pool.empty_cache()
 
 
-def _pool_and_cache(workspace_limit_bytes: int, executor_cache_limit: int) -> dict[str, Any]:
-    return {
-        "pool": WorkspacePool(workspace_limit_bytes),
-        "cache": ExecutorCache(executor_cache_limit),
-    }
-
-
 @attrs.define(eq=False)
 class CpuDevice(HostDevice):
     """The default device: numpy fast kernels, one worker thread per stream."""
 
-    @classmethod
-    def create(
-        cls,
-        streams: int,
-        *,
-        workspace_limit_bytes: int = 64 << 20,
-        executor_cache_limit: int = 1024,
-        fuse_max_bytes: int = 1 << 20,
-    ) -> CpuDevice:
-        """A CPU device with ``streams`` worker streams."""
-        return cls(
-            "cpu",
-            [ThreadStream(i) for i in range(streams)],
-            fuse_max_bytes=fuse_max_bytes,
-            **_pool_and_cache(workspace_limit_bytes, executor_cache_limit),
-        )
+    device_name: ClassVar[str] = "cpu"
+    stream_class: ClassVar[type[Stream]] = ThreadStream
 
 
 @attrs.define(eq=False)
 class ReferenceDevice(HostDevice):
-    """The test device: reference kernels, inline streams, submission order."""
+    """The test device: reference kernels, inline streams, submission order (its streams
+    count for statistics only)."""
 
-    @classmethod
-    def create(
-        cls,
-        streams: int,
-        *,
-        workspace_limit_bytes: int = 64 << 20,
-        executor_cache_limit: int = 1024,
-        fuse_max_bytes: int = 1 << 20,
-    ) -> ReferenceDevice:
-        """A reference device; ``streams`` inline streams (for statistics only)."""
-        return cls(
-            "reference",
-            [InlineStream(i) for i in range(streams)],
-            fuse_max_bytes=fuse_max_bytes,
-            **_pool_and_cache(workspace_limit_bytes, executor_cache_limit),
-        )
+    device_name: ClassVar[str] = "reference"
+    stream_class: ClassVar[type[Stream]] = InlineStream
 
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
