@@ -161,11 +161,25 @@ def _threadsafe(
 def _blocking(
     op: Operator, method: Callable[Concatenate[Scheduler, P], Coroutine[Any, Any, R]]
 ) -> Callable[Concatenate[SyncScheduler, P], R]:
-    """``method``'s blocking twin: its :func:`_threadsafe` future's result."""
-    submit: Callable[..., Future[Any]] = _threadsafe(op, method)
+    """``method``'s blocking twin: a lone call on an idle scheduler runs in the calling
+    thread, a call on a busy one is queued and fuses (:meth:`Scheduler.call_threadsafe`)."""
 
-    def call(facade: SyncScheduler, /, *args: Any, **kwargs: Any) -> Any:
-        return submit(facade, *args, **kwargs).result()
+    def call(
+        facade: SyncScheduler,
+        /,
+        *args: Any,
+        out: Any = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        **named: Any,
+    ) -> Any:
+        facade._portal.check_thread()
+        if named:  # operator arguments given by name
+            args = op.bind(args, named)
+        return facade.scheduler.call_threadsafe(
+            op, args, out, priority=priority, deadline=deadline, timeout=timeout
+        )
 
     doc = f"Blocking :meth:`Scheduler.{op.method}` (same arguments and errors)."
     return cast(Any, entry_point(call, method, op.method, doc, first="facade"))

@@ -23,6 +23,7 @@ from typing import Any
 from opsched._errors import SchedulerClosedError
 from opsched.core.checks import Checked
 from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
+from opsched.core.stats import Counters
 
 __all__ = ["Admission"]
 
@@ -31,8 +32,8 @@ class Admission:
     """The cap and the parked submitters of one scheduler."""
 
     __slots__ = (
-        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_refused",
-        "thread_waits",
+        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_counts",
+        "thread_refused", "thread_waits",
     )  # fmt: skip
 
     def __init__(self, cap: int, queue: Sized, loop: LoopHandle) -> None:
@@ -48,6 +49,18 @@ class Admission:
         self.thread_waits = 0
         #: Calls from threads refused at submit (counted under the lock).
         self.thread_refused = 0
+        #: Requests run in their callers' threads (:meth:`Scheduler.call_threadsafe`),
+        #: finished under the lock.
+        self.thread_counts = Counters()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Guards the inbox, the FIFO and the thread-side counters."""
+        return self._lock
+
+    def inbox_empty(self) -> bool:
+        """Whether no thread's request waits to be queued (a racy read: a hint)."""
+        return not self._inbox
 
     def refused_in_thread(self) -> None:
         """Count a call from a thread that its checks refused (any thread)."""

@@ -30,7 +30,7 @@ from opsched.core.stats import Counters
 from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
 from opsched.devices import Device, Prepared
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "launch_error"]
 
 
 @attrs.define(eq=False)
@@ -238,7 +238,7 @@ class Dispatcher:
         for request in batch.requests:
             cause = error if error is not None else errors.get(request.id)
             if cause is not None and request.error is None:
-                request.error = _launch_error(request, cause)
+                request.error = launch_error(request, cause)
             request.parts_left -= 1
             if request.parts_left <= 0:
                 self.running -= 1
@@ -287,7 +287,9 @@ def _group_key(batch: Batch) -> int:
     return id(batch.requests[0]) if batch.part is not None else id(batch)
 
 
-def _launch_error(request: Request, cause: BaseException) -> BaseException:
+def launch_error(request: Request, cause: BaseException) -> BaseException:
+    """The error a request whose launch raised ``cause`` ends with: RuntimeLaunchError
+    (361001), the cause chained."""
     if isinstance(cause, RuntimeLaunchError):
         return cause
     error = RuntimeLaunchError(

@@ -41,6 +41,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.dispatch import Dispatcher
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
+from opsched.core.here import run_here, runs_here
 from opsched.core.loop import LoopEvent, LoopHandle
 from opsched.core.requests import Pending, Request, RequestState, finish
 from opsched.core.stats import Counters, SchedulerStatistics
@@ -230,6 +231,31 @@ class Scheduler:
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
         return future
 
+    def call_threadsafe(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any = None,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Run a request from a thread other than the loop's and return its result.
+
+        When the scheduler has nothing queued or running (nor a trace to record, nor a
+        ``max_delay_us`` to wait out), the request runs here, in the calling thread, as the
+        solo launch it would have been (the same bits), without a round trip through the
+        loop thread. Otherwise it is submitted (:meth:`submit_threadsafe`) and fuses with
+        the rest. Raises as :meth:`submit`.
+        """
+        if runs_here(self):
+            return run_here(self, op, args, out, priority, deadline, timeout)
+        future = self.submit_threadsafe(
+            op, args, out, priority=priority, deadline=deadline, timeout=timeout
+        )
+        return future.result()
+
     async def run(
         self,
         graph: GraphBuilder,
@@ -260,24 +286,25 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of the scheduler's counters."""
-        c = self._counters
+        c, t = self._counters, self._admission.thread_counts
+        launches = c.launches + t.launches
         return SchedulerStatistics(
-            submitted=c.submitted,
-            completed=c.completed,
-            failed=c.failed,
+            submitted=c.submitted + t.submitted,
+            completed=c.completed + t.completed,
+            failed=c.failed + t.failed,
             cancelled=c.cancelled,
-            expired=c.expired,
+            expired=c.expired + t.expired,
             rejected=c.rejected + self._admission.thread_refused,
             queued=len(self._queue),
             queued_peak=self._queue.peak,
             running=self._dispatcher.running,
-            launches=c.launches,
-            requests_per_launch_mean=c.served / c.launches if c.launches else 0.0,
-            requests_per_launch_max=c.per_launch_max,
+            launches=launches,
+            requests_per_launch_mean=(c.served + t.served) / launches if launches else 0.0,
+            requests_per_launch_max=max(c.per_launch_max, t.per_launch_max),
             backpressure_waits=c.backpressure_waits + self._admission.thread_waits,
             graph_runs=c.graph_runs,
             graph_nodes=c.graph_nodes,
-            finished_twice=c.finished_twice,
+            finished_twice=c.finished_twice + t.finished_twice,
             streams=tuple(s.statistics() for s in self.device.streams),
             pool=self.device.memory_statistics(),
             executor_cache=self.device.executor_statistics(),

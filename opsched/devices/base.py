@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import ml_dtypes
@@ -224,6 +224,15 @@ class Device(abc.ABC):
         """The work that runs ``batch`` on its stream, or None when the device is out of
         workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
         workspace beyond the cap when nothing in flight could return any."""
+
+    #: Whether :meth:`run_here` can run a lone request in the calling thread.
+    runs_in_caller: ClassVar[bool] = False
+
+    def run_here(self, request: LaunchRequest) -> None:
+        """Run one request now, in the calling thread, exactly as its solo launch would
+        (only where :attr:`runs_in_caller`): the sync facade's lone blocking calls."""
+        msg = f"{self.name} cannot run a request in the calling thread"
+        raise NotImplementedError(msg)
 
     def release(self, token: Any) -> None:  # noqa: B027 - optional hook
         """Take back what a finished launch or a graph intermediate held."""

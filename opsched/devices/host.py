@@ -40,6 +40,10 @@ __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"
 Outcome = tuple[dict[int, BaseException], float, float]
 
 
+#: Plans :meth:`HostDevice.run_here` keeps (cleared when full).
+_PLANS_KEPT = 1024
+
+
 def bucket(units: int) -> int:
     """Fused capacity for ``units``: a power of two (at least 256), so recurring work
     reuses a few executors. Only the used prefix is computed, so the padding is free."""
@@ -83,6 +87,8 @@ class HostDevice(Device):
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
+    #: Plans of :meth:`run_here`, by geometry (a dict: safe to share between threads).
+    _plans: dict[Hashable, Any] = attrs.field(factory=dict, init=False)
 
     @classmethod
     def create(
@@ -138,6 +144,31 @@ class HostDevice(Device):
             raise ParamInvalidError(msg)
 
     # ---------------------------------------------------------------------- launches
+
+    runs_in_caller: ClassVar[bool] = True
+
+    def run_here(self, request: Any) -> None:
+        """The solo launch of ``request`` in the calling thread: the same plan and kernel
+        as :meth:`_prepare_solo` (so the same bits), a fresh workspace instead of the
+        pool's (the pool belongs to the loop thread), plans cached by geometry."""
+        op: Operator = request.op
+        tensors = request.tensors
+        key = (
+            request.signature,
+            tuple(_strides(tensors[n]) for n in op.tensor_names),
+            op.overlaps_any(tensors),
+        )
+        plan = self._plans.get(key) if request.signature is not None else None
+        if plan is None:
+            plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
+            if request.signature is not None:
+                if len(self._plans) >= _PLANS_KEPT:
+                    self._plans.clear()
+                self._plans[key] = plan
+        size = op.workspace_size(plan)
+        workspace = np.empty(size, np.uint8) if size else None
+        self.check_fault([request])
+        self.run_kernel(op, plan, tensors, workspace)
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:
@@ -312,6 +343,8 @@ class ReferenceDevice(HostDevice):
 
     device_name: ClassVar[str] = "reference"
     stream_class: ClassVar[type[Stream]] = InlineStream
+    #: Everything runs on the loop thread, in submission order: callers' threads never.
+    runs_in_caller: ClassVar[bool] = False
 
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any

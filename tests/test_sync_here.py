@@ -1,0 +1,121 @@
+"""A lone blocking call on an idle scheduler runs in the caller's thread (no round trip
+through the loop thread), with the bits of its solo launch; a busy scheduler queues it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import opsched.sync
+from opsched import DeadlineExceededError, InjectedFault, RuntimeLaunchError
+from opsched.core.scheduler import Scheduler
+from tests.helpers import assert_same_bits, rand
+from tests.sched_helpers import Gate, solo_glu
+
+F32 = np.dtype(np.float32)
+
+
+class Where:
+    """A fault injector that injects nothing: it records the thread of each launch."""
+
+    def __init__(self, fail: np.ndarray | None = None) -> None:
+        self.threads: list[int] = []
+        self.fail = fail
+
+    def __call__(self, requests) -> bool:
+        self.threads.append(threading.get_ident())
+        return any(r.tensors["self"] is self.fail for r in requests)
+
+
+def args(seed: int):
+    rng = np.random.default_rng(seed)
+    return rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+
+
+def test_a_lone_blocking_call_runs_in_the_calling_thread_with_the_solo_bits():
+    g, x = args(1)
+    where = Where()
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        sched.scheduler.device.inject_faults(where)
+        got = sched.glu_backward(g, x)
+        again = opsched.sync.SyncScheduler.glu_backward(sched, g, x, dim=-1)
+        stats = sched.statistics()
+    assert where.threads == [threading.get_ident()] * 2  # ran here, twice
+    assert_same_bits(got, solo_glu(g, x, -1))
+    assert_same_bits(again, got)
+    assert (stats.submitted, stats.completed, stats.launches) == (2, 2, 2)
+    assert all(s.launches == 0 for s in stats.streams)  # no stream was used
+
+
+def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
+    blocker = args(2)
+    gate = Gate(hold=blocker[1])
+    g, x = args(3)
+    queued = threading.Event()
+    real = Scheduler.submit_threadsafe
+
+    def submit(self, *a, **kw):
+        future = real(self, *a, **kw)
+        if a[1][1] is x:
+            queued.set()
+        return future
+
+    monkeypatch.setattr(Scheduler, "submit_threadsafe", submit)
+    with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.scheduler.device.inject_faults(gate)
+        first = sched.submit_glu_backward(*blocker)  # holds the only stream
+        assert gate.entered.wait(10)  # launched, held at the gate: the scheduler is busy
+        result: list[np.ndarray] = []
+        caller = threading.Thread(target=lambda: result.append(sched.glu_backward(g, x)))
+        caller.start()
+        assert queued.wait(10)  # handed to the loop, not run in the caller's thread
+        gate.open()
+        caller.join(30)
+        first.result(30)
+        stats = sched.statistics()
+    assert_same_bits(result[0], solo_glu(g, x, -1))
+    assert gate.launched_array(x)  # it went through a stream's launch, not the caller
+    assert stats.streams[0].launches == stats.launches == 2
+
+
+def test_a_failing_lone_call_fails_alone_and_is_counted():
+    g, x = args(4)
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        sched.scheduler.device.inject_faults(Where(fail=x))
+        with pytest.raises(RuntimeLaunchError) as info:
+            sched.glu_backward(g, x)
+        assert isinstance(info.value.__cause__, InjectedFault)
+        ok = args(5)
+        assert_same_bits(sched.glu_backward(*ok), solo_glu(*ok, -1))
+        stats = sched.statistics()
+    assert (stats.submitted, stats.completed, stats.failed) == (2, 1, 1)
+
+
+def test_a_lone_call_past_its_deadline_expires_without_a_launch():
+    g, x = args(6)
+    where = Where()
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        sched.scheduler.device.inject_faults(where)
+        with pytest.raises(DeadlineExceededError, match="was not launched"):
+            sched.glu_backward(g, x, deadline=time.monotonic() - 1)
+        stats = sched.statistics()
+    assert where.threads == [] and (stats.submitted, stats.expired, stats.launches) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "setting", [{"max_delay_us": 200.0}, {"trace": "TRACE"}, {"device": "reference"}]
+)
+def test_no_caller_thread_launch_where_the_loop_must_see_it(tmp_path, setting):
+    """Waiting for company (max_delay_us), a trace to record: through the loop. The
+    reference device runs inline on the loop thread by design."""
+    if setting.get("trace") == "TRACE":
+        setting = {"trace": tmp_path / "t.json"}
+    g, x = args(7)
+    where = Where()
+    with opsched.sync.open_scheduler(streams=1, **setting) as sched:
+        sched.scheduler.device.inject_faults(where)
+        assert_same_bits(sched.glu_backward(g, x), solo_glu(g, x, -1))
+    assert where.threads and where.threads[0] != threading.get_ident()
