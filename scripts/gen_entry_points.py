@@ -115,13 +115,6 @@ def _args_tuple(op: Operator) -> str:
     return f"({', '.join(names)},)" if len(names) == 1 else f"({', '.join(names)})"
 
 
-def _dict(name: str, items: Sequence[str], indent: str) -> list[str]:
-    """``name = {items}`` (annotated when empty, for the type checker)."""
-    if not items:
-        return [f"{indent}{name}: dict[str, Any] = {{}}"]
-    return _call(f"{name} = {{", items, indent, "}")
-
-
 def _doc(lines: Sequence[str], indent: str) -> list[str]:
     """A docstring of ``lines``, each wrapped to the line width (continuations of an
     indented line, such as an ``Args:`` entry, indented four more)."""
