@@ -154,16 +154,20 @@ class Scheduler:
             RuntimeLaunchError: the launch failed; the kernel's exception is chained.
             SchedulerClosedError: the scheduler is closed, or closed with the request pending.
         """
-        if out is None and deadline is None and timeout is None and type(priority) is int:
+        cacheable = out is None and deadline is None and timeout is None
+        if (
+            cacheable
+            and type(priority) is int
+            and self._state is SchedulerState.OPEN
+            and self._admission.has_room()
+        ):
             # The common case: a call seen before, room in the queue. One cache lookup,
             # one record, one queue operation, then the wait.
-            admission = self._admission
-            if self._state is SchedulerState.OPEN and admission.has_room():
-                known = self._checks.known(op, args, priority)
-                if known is not None:
-                    return await self._wait(self._admit(known))
+            known = self._checks.known(op, args, priority)
+            if known is not None:
+                return await self._wait(self._admit(known))
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
-        if out is None:
+        if cacheable:  # only calls the fast path can serve are worth remembering
             self._checks.remember_call(op, args, checked)
         if not self._admission.has_room():
             if self._admission.full():
