@@ -145,3 +145,38 @@ def as_compute(buf: np.ndarray, view: np.ndarray) -> np.ndarray:
 def store(target: np.ndarray, result: np.ndarray) -> None:
     """Round ``result`` once into ``target`` (unbuffered cast)."""
     np.copyto(target, result, casting="unsafe")
+
+
+def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
+    """Describe a view whose rows have unit stride as ``(flat, offset, row stride)``.
+
+    ``flat`` is a 1-D array of the view's dtype over the memory the view spans (cut from the
+    C-contiguous array that owns it); ``offset`` and the row stride (of axis 0) count its
+    elements. None when the last axis is strided, a stride is negative or not a whole number
+    of elements, or the owner is not a C-contiguous array: the caller then stages the
+    operand. Compiled loops index ``flat`` directly, so every layout of rows runs through one
+    code path.
+    """
+    item = view.itemsize
+    shape, strides = view.shape, view.strides
+    if not shape:
+        return None
+    for n, s in zip(shape, strides, strict=True):
+        if n > 1 and (s < 0 or s % item):
+            return None
+    if shape[-1] > 1 and strides[-1] != item:
+        return None
+    row = strides[0] // item if shape[0] > 1 else 0
+    if view.flags.c_contiguous:
+        return view.reshape(-1), 0, row
+    owner = view
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if owner is view or not owner.flags.c_contiguous:
+        return None
+    start = view.ctypes.data - owner.ctypes.data
+    span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + item
+    if start < 0 or start + span > owner.nbytes:
+        return None
+    flat = owner.reshape(-1).view(np.uint8)[start : start + span].view(view.dtype)
+    return flat, 0, row

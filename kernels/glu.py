@@ -9,11 +9,13 @@ over the ``(outer, H)`` grid::
     grad_a = grad_out * s
     grad_b = grad_a * (a - a * s)
 
-The fast kernel walks that grid in blocks small enough to stay in L2, so each input element
-is read from memory once and each output element written once. Operands that cannot be
-viewed that way (transposed, some step-slices) are first copied into the workspace, and an
-``out`` that overlaps an input is computed into the workspace and copied at the end: both
-copies are part of the planned workspace size.
+For FLOAT, FLOAT16 and BFLOAT16 the fast kernel is one compiled loop (:mod:`._jit`): each
+element is loaded, converted, computed and stored in registers, in one pass over memory, with
+no scratch memory at all. Rows must have unit stride; operands whose rows do not (transposed,
+step-sliced) are first copied into the workspace, and an ``out`` that overlaps an input is
+computed into the workspace and copied at the end: both copies are part of the planned
+workspace size. DOUBLE keeps the numpy ufunc kernel: it walks the grid in blocks small enough
+to stay in L2, each ufunc over a contiguous buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import _jit
 from ._common import (
     DEFAULT_BLOCK,
     Carver,
@@ -30,6 +33,7 @@ from ._common import (
     blocks,
     compute_dtype,
     direct,
+    flat_rows,
     overlaps,
     rows_view,
     staged,
@@ -56,12 +60,15 @@ __all__ = [
 def glu_backward_reference(grad_out: np.ndarray, self: np.ndarray, dim: int) -> np.ndarray:
     """Return ``glu_backward(grad_out, self, dim)`` computed straight from the SPEC formula.
 
-    FLOAT16 / BFLOAT16 are computed in float32, DOUBLE in float64, and rounded once.
+    FLOAT16 / BFLOAT16 are computed in float32, DOUBLE in float64, and rounded once. The
+    float32 exp is the compiled kernels' :func:`._jit.expf`, so the reference device and the
+    compiled kernel agree bit for bit; the tests' float64 goldens stay independent of both.
     """
     ct = compute_dtype(self.dtype)
     a, b = np.split(self.astype(ct), 2, axis=dim)
     g = grad_out.astype(ct)
-    s = 1 / (1 + np.exp(-b))
+    exp = np.exp if ct == np.float64 else _jit.exp32  # the compiled kernels' exp (2 ulp)
+    s = 1 / (1 + exp(-b))
     grad_a = g * s
     grad_b = grad_a * (a - a * s)
     return np.concatenate([grad_a, grad_b], axis=dim).astype(self.dtype)
@@ -99,13 +106,21 @@ def plan_glu_backward(
     shape = self.shape
     dim %= self.ndim
     outer, half = glu_grid(shape, dim)
+    compiled = _jit.kind_of(self.dtype) is not None
+    g2 = rows_view(grad_out, (outer, half))
+    x3 = rows_view(self, (outer, 2, half))
+    o3 = rows_view(out, (outer, 2, half))
+    if compiled:  # the compiled loop needs unit-stride rows
+        g2 = g2 if g2 is not None and flat_rows(g2) is not None else None
+        x3 = x3 if x3 is not None and flat_rows(x3) is not None else None
+        o3 = o3 if o3 is not None and flat_rows(o3) is not None else None
     return make_glu_plan(
         shape,
         dim,
         self.dtype,
-        stage_grad=rows_view(grad_out, (outer, half)) is None,
-        stage_self=rows_view(self, (outer, 2, half)) is None,
-        stage_out=rows_view(out, (outer, 2, half)) is None or overlaps(out, grad_out, self),
+        stage_grad=g2 is None,
+        stage_self=x3 is None,
+        stage_out=o3 is None or overlaps(out, grad_out, self),
         block=block,
     )
 
@@ -129,11 +144,12 @@ def make_glu_plan(
     outer, half = glu_grid(shape, dim)
     n = outer * half
     ct = compute_dtype(dtype)
+    rows = 0 if _jit.kind_of(np.dtype(dtype)) is not None else ROW_BUFFERS  # compiled: none
     buffers = [
         (2 * n if stage_self else 0, dtype),
         (n if stage_grad else 0, dtype),
         (2 * n if stage_out else 0, dtype),
-    ] + [(min(block, n), ct)] * ROW_BUFFERS
+    ] + [(min(block, n), ct)] * rows
     nbytes = workspace_bytes(buffers) if n else 0
     return GluPlan(shape, dim, outer, half, dtype, block, stage_grad, stage_self, stage_out, nbytes)
 
@@ -166,6 +182,12 @@ def glu_backward_fast(
         out3 = target.reshape(outer, 2, half)
     else:
         out3 = out.reshape(outer, 2, half)  # viewable: the plan checked
+    kind = _jit.kind_of(plan.dtype)
+    if kind is not None:
+        _glu_compiled(kind, grad2, self3, out3, outer, half)
+        if plan.stage_out:
+            np.copyto(out, target.reshape(out.shape))
+        return
     ct = compute_dtype(plan.dtype)
     bufs = [carve.take(min(plan.block, outer * half), ct) for _ in range(ROW_BUFFERS)]
     glu_backward_rows(
@@ -214,3 +236,73 @@ def glu_backward_rows(
         else:
             np.multiply(t, v, out=v)
             store(ob, v)
+
+
+@_jit.body
+def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store):  # type: ignore[no-untyped-def]
+    """The compiled GluBackward loop (see :mod:`._jit`).
+
+    Operands are flat 1-D arrays with, per ``(outer, half)`` row ``i``: ``grad_out`` at
+    ``g[go + i * gs + j]``, ``a`` / ``b`` at ``x[xa / xb + i * xs + j]``, ``grad_a`` /
+    ``grad_b`` at ``o[oa / ob + i * os_ + j]``. The formula is the SPEC's, in float32, each
+    output rounded once.
+    """
+    one = np.float32(1.0)
+    for i in range(rows):
+        gi, ai, bi, oai, obi = go + i * gs, xa + i * xs, xb + i * xs, oa + i * os_, ob + i * os_
+        for j in range(cols):
+            s = one / (one + _jit.expf(-load(x[bi + j])))
+            grad_a = load(g[gi + j]) * s
+            a = load(x[ai + j])
+            o[oai + j] = store(grad_a)
+            o[obi + j] = store(grad_a * (a - a * s))
+
+
+def _signature(storage: str) -> str:
+    array = f"{storage}[::1]"
+    return f"void({array}, i8, i8, {array}, i8, i8, i8, {array}, i8, i8, i8, i8, i8)"
+
+
+@_jit.jit(_signature("float32"))
+def _glu_float32(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.same, _jit.same)
+
+
+@_jit.jit(_signature("uint16"))
+def _glu_float16(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_body(
+        g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.half_to_f32, _jit.f32_to_half
+    )
+
+
+@_jit.jit(_signature("uint16"))
+def _glu_bfloat16(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_body(
+        g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.bf16_to_f32, _jit.f32_to_bf16
+    )
+
+
+_LOOPS = {"float32": _glu_float32, "float16": _glu_float16, "bfloat16": _glu_bfloat16}
+
+
+def _glu_compiled(
+    kind: _jit.Kind, g2: np.ndarray, x3: np.ndarray, o3: np.ndarray, outer: int, half: int
+) -> None:
+    """Run the compiled loop on unit-stride row views (the plan staged anything else)."""
+    loop = _LOOPS[kind.name]
+    g, go, gs = _flat(g2, kind, half)
+    x, xo, xs = _flat(x3, kind, 2 * half)
+    o, oo, os_ = _flat(o3, kind, 2 * half)
+    xh = x3.strides[1] // x3.itemsize if outer and x3.shape[1] > 1 else half
+    oh = o3.strides[1] // o3.itemsize if outer and o3.shape[1] > 1 else half
+    loop(g, go, gs, x, xo, xo + xh, xs, o, oo, oo + oh, os_, outer, half)
+
+
+def _flat(view: np.ndarray, kind: _jit.Kind, row: int) -> tuple[np.ndarray, int, int]:
+    """``(flat, offset, row stride)`` of a unit-stride row view, in storage elements."""
+    if view.flags.c_contiguous:  # the usual case: no pointer arithmetic
+        return _jit.storage(view, kind), 0, row
+    found = flat_rows(view)
+    assert found is not None, "the plan stages views whose rows are not unit-stride"
+    base, offset, stride = found
+    return _jit.storage(base, kind), offset, stride

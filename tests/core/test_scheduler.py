@@ -40,6 +40,7 @@ from tests.sched_helpers import (
 pytestmark = pytest.mark.anyio  # every test on asyncio and on trio (conftest)
 
 F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
 
 
 def small_glu(rng, rows=4, cols=8):
@@ -441,7 +442,8 @@ async def test_workspace_limit_bounds_the_pool_and_everything_completes():
 
 async def test_request_larger_than_the_workspace_cap_is_invalid():
     rng = np.random.default_rng(18)
-    g, x = rand(rng, (64, 1024), F32), rand(rng, (64, 2048), F32)
+    # DOUBLE: its numpy kernel carves block buffers (FLOAT's compiled loop needs none)
+    g, x = rand(rng, (64, 1024), F64), rand(rng, (64, 2048), F64)
     async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
         with pytest.raises(
             ParamInvalidError,
@@ -506,7 +508,7 @@ async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
     """Memory held elsewhere (as graph intermediates can hold it) and nothing running that
     would return any: the launch gets workspace beyond the cap rather than waiting forever."""
     rng = np.random.default_rng(21)
-    g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
+    g, x = rand(rng, (64, 128), F64), rand(rng, (64, 256), F64)  # DOUBLE carves workspace
     async with opsched.open_scheduler(streams=1, workspace_limit_bytes=1 << 20) as sched:
         held = sched.device._pool.allocate(1 << 20, 0)  # the whole pool, held
         out = await sched.glu_backward(g, x)

@@ -173,7 +173,9 @@ def test_glu_non_array_is_type_error(name):
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16])
 def test_glu_every_dtype_accepted(dtype):
     size, ex = glu(**glu_args(dtype=dtype))
-    assert size > 0 and not ex.repeatable
+    # DOUBLE's numpy kernel carves block buffers; the compiled loops of the others need none
+    # for contiguous operands
+    assert (size > 0) == (dtype == F64) and not ex.repeatable
 
 
 # ------------------------------------------------------- GroupNormalizationGrad, SPEC order

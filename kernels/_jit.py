@@ -1,0 +1,238 @@
+"""Compiled element-wise pieces of the fast kernels (numba), and what keeps them exact.
+
+numpy runs a kernel as a chain of ufuncs, one pass over a tile per operation, and its
+float16 casts are a scalar loop (1.4 ns per element in, 2.7 ns out on our 2-core machine).
+A numba loop does every operation of an element in registers, in one pass over memory; this
+module holds the pieces those loops share: bit-exact dtype conversions, an ``expf`` and the
+per-dtype "kinds" a kernel is compiled for.
+
+Determinism (SPEC, DESIGN "batch invariance") rests on three rules here:
+
+- **One formula per element, no contraction.** The loops are compiled without ``fastmath``:
+  LLVM may not fuse a multiply and an add into an FMA or reorder an operation, so the
+  vectorised body of a loop and its scalar remainder compute the same IEEE operations and
+  give the same bits. Which element lands in which part depends on the launch's length and
+  position; the result must not (``tests/ops/test_jit.py`` checks every position).
+- **No library math.** ``expf`` below is plain arithmetic and bit operations. A call to
+  ``math.exp`` would be vectorised with Intel's SVML when ``icc_rt`` happens to be installed,
+  and the scalar remainder would use libm: two implementations, two results.
+- **Exact conversions.** FLOAT16 <-> float32 use the CPU's conversion instructions (F16C /
+  AVX-512, round to nearest even, exact; LLVM emits a library call of the same semantics where
+  they are missing). BFLOAT16 -> float32 is a 16-bit shift; float32 -> BFLOAT16 a
+  round-to-nearest-even on the integer view, NaN kept NaN (as ``ml_dtypes``). The
+  AVX-512 BF16 instruction is not used: it flushes subnormals to zero.
+
+Each loop has one body and a two-line entry point per kind (its load and store). Entry
+points are compiled when their module is imported, for contiguous operands, and cached on
+disk by numba (beside the module, or in the user's cache directory when the install is
+read-only): the first import on a machine compiles for about a second, later ones load in
+tens of milliseconds, and no launch ever waits for the compiler on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = [
+    "KINDS",
+    "Kind",
+    "bf16_to_f32",
+    "body",
+    "exp32",
+    "expf",
+    "f32_to_bf16",
+    "f32_to_half",
+    "half_to_f32",
+    "jit",
+    "kind_of",
+    "same",
+    "storage",
+]
+
+U32 = np.uint32
+F32 = np.float32
+
+
+def _f32_bits_typing(typingctx: Any, x: Any) -> Any:
+    """The bits of a float32 as uint32 (a bitcast, no conversion)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+_f32_bits: Any = intrinsic(_f32_bits_typing)
+
+
+def _bits_f32_typing(typingctx: Any, x: Any) -> Any:
+    """The float32 whose bits are a uint32."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+_bits_f32: Any = intrinsic(_bits_f32_typing)
+
+
+def _half_to_f32_typing(typingctx: Any, x: Any) -> Any:
+    """FLOAT16 bits (uint16) to float32: exact."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+_half_to_f32: Any = intrinsic(_half_to_f32_typing)
+
+
+def _f32_to_half_typing(typingctx: Any, x: Any) -> Any:
+    """float32 to FLOAT16 bits, rounded to nearest even (overflow to inf, NaN stays NaN)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+_f32_to_half: Any = intrinsic(_f32_to_half_typing)
+
+
+@numba.njit(inline="always")
+def _same(x: Any) -> Any:
+    return x
+
+
+@numba.njit(inline="always")
+def _bf16_to_f32(h: Any) -> Any:
+    return _bits_f32(U32(h) << U32(16))
+
+
+@numba.njit(inline="always")
+def _f32_to_bf16(x: Any) -> Any:
+    # round to nearest even on the integer view; NaN -> the quiet NaN 0x7fc0 with x's sign
+    u = _f32_bits(x)
+    rounded = (u + U32(0x7FFF) + ((u >> U32(16)) & U32(1))) >> U32(16)
+    nan = ((u >> U32(16)) & U32(0x8000)) | U32(0x7FC0)
+    return np.uint16(nan if (u & U32(0x7FFFFFFF)) > U32(0x7F800000) else rounded)
+
+
+# expf: exp(x) = 2**n * (1 + poly(r)), x = n * ln2 + r, |r| <= ln2 / 2. The polynomial is the
+# degree-5 minimax of Arm's optimized-routines (v_expf); measured here: <= 2 ulp over the
+# whole float32 range, subnormal results included (tests/ops/test_jit.py).
+_SHIFT = F32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer
+_INV_LN2 = F32(1.44269502162933349609375)
+_LN2_HI = F32(0.693145751953125)
+_LN2_LO = F32(1.428606765330187045e-06)
+_C0 = F32(float.fromhex("0x1.0e4020p-7"))
+_C1 = F32(float.fromhex("0x1.573e2ep-5"))
+_C2 = F32(float.fromhex("0x1.555e66p-3"))
+_C3 = F32(float.fromhex("0x1.fffdb6p-2"))
+_C4 = F32(float.fromhex("0x1.ffffecp-1"))
+_INF = F32(np.inf)
+_ZERO = F32(0.0)
+_EXP_MAX = F32(88.72283935546875)  # above: inf
+_EXP_MIN = F32(-103.97208)  # below: 0
+
+
+@numba.njit(inline="always")
+def expf(x: Any) -> Any:
+    """``exp(x)`` for a float32, in plain arithmetic (no library call): see the module doc."""
+    xc = min(max(x, F32(-104.0)), F32(88.75))
+    z = xc * _INV_LN2 + _SHIFT
+    n = z - _SHIFT
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    k = np.int32(_f32_bits(z) - _f32_bits(_SHIFT))
+    # 2**n as two factors, so that n down to -150 (subnormal results) needs no special case
+    k1 = k >> np.int32(1)
+    s1 = _bits_f32(U32((k1 + np.int32(127)) << np.int32(23)))
+    s2 = _bits_f32(U32((k - k1 + np.int32(127)) << np.int32(23)))
+    r2 = r * r
+    p = _C0 * r + _C1
+    q = _C2 * r + _C3
+    q = p * r2 + q
+    poly = q * r2 + _C4 * r
+    res = (poly * s1 + s1) * s2
+    res = _INF if x > _EXP_MAX else res
+    res = _ZERO if x < _EXP_MIN else res
+    return x if x != x else res  # NaN in, NaN out
+
+
+class Kind(NamedTuple):
+    """A storage dtype the compiled loops read and write.
+
+    Attributes:
+        name: ``"float32"``, ``"float16"`` or ``"bfloat16"``: the key of a kernel's loops.
+        storage: the dtype the compiled loop sees (uint16 for both half types).
+    """
+
+    name: str
+    storage: np.dtype
+
+
+#: The dtypes with compiled kernels, by numpy dtype. DOUBLE keeps the numpy ufunc kernels.
+KINDS: dict[np.dtype, Kind] = {
+    np.dtype(np.float32): Kind("float32", np.dtype(np.float32)),
+    np.dtype(np.float16): Kind("float16", np.dtype(np.uint16)),
+    np.dtype(ml_dtypes.bfloat16): Kind("bfloat16", np.dtype(np.uint16)),
+}
+
+#: The loads (storage element -> float32) and stores (float32 -> storage element, rounded
+#: once) a loop's per-kind entry points pass to its body.
+same = _same
+half_to_f32, f32_to_half = _half_to_f32, _f32_to_half
+bf16_to_f32, f32_to_bf16 = _bf16_to_f32, _f32_to_bf16
+
+
+def kind_of(dtype: np.dtype) -> Kind | None:
+    """The compiled kind for ``dtype``, or None (DOUBLE: the numpy kernels)."""
+    return KINDS.get(dtype)
+
+
+def storage(array: np.ndarray, kind: Kind) -> np.ndarray:
+    """A C-contiguous array as the flat 1-D view of the dtype the compiled loop reads."""
+    flat = array.reshape(-1)
+    return flat if flat.dtype == kind.storage else flat.view(kind.storage)
+
+
+def jit(*signatures: str) -> Callable[[Callable[..., Any]], Any]:
+    """Compile a kernel loop's entry point for ``signatures`` now (cached on disk): no GIL
+    (streams run in parallel), numpy's float semantics (division by zero gives inf, not an
+    exception), never ``fastmath``. Other argument types (read-only arrays) compile on first
+    use."""
+    return numba.njit(list(signatures), nogil=True, error_model="numpy", cache=True)
+
+
+#: The bodies of the loops: compiled into each kind's entry point (``inline="always"``), so
+#: ``load`` and ``store`` are resolved at compile time, not called per element.
+body = numba.njit(inline="always")
+
+
+@numba.njit(["void(float32[::1], float32[::1])"], nogil=True, error_model="numpy", cache=True)
+def _exp_loop(x: Any, out: Any) -> None:
+    for i in range(x.size):
+        out[i] = expf(x[i])
+
+
+def exp32(x: np.ndarray) -> np.ndarray:
+    """:func:`expf` over a float32 array, into a new array of its shape.
+
+    The reference kernels use it where the compiled kernels use ``expf``, so that the
+    reference device gives the compiled kernels' bits (SPEC's formula, one exp).
+    """
+    flat = np.ascontiguousarray(x, F32).reshape(-1)
+    out = np.empty(flat.size, F32)
+    _exp_loop(flat, out)
+    return out.reshape(np.shape(x))
