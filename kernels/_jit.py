@@ -122,10 +122,12 @@ def _bf16_to_f32(h: Any) -> Any:
 @numba.njit(inline="always")
 def _f32_to_bf16(x: Any) -> Any:
     # round to nearest even on the integer view; NaN -> the quiet NaN 0x7fc0 with x's sign
+    # (as ml_dtypes). One select on 32-bit lanes, one narrowing: half the cost of selecting
+    # between two 16-bit results.
     u = _f32_bits(x)
-    rounded = (u + U32(0x7FFF) + ((u >> U32(16)) & U32(1))) >> U32(16)
-    nan = ((u >> U32(16)) & U32(0x8000)) | U32(0x7FC0)
-    return np.uint16(nan if (u & U32(0x7FFFFFFF)) > U32(0x7F800000) else rounded)
+    rounded = u + U32(0x7FFF) + ((u >> U32(16)) & U32(1))
+    nan = (u & U32(0x80000000)) | U32(0x7FC00000)
+    return np.uint16((nan if x != x else rounded) >> U32(16))
 
 
 # expf: exp(x) = 2**n * (1 + poly(r)), x = n * ln2 + r, |r| <= ln2 / 2. The polynomial is the

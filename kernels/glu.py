@@ -249,13 +249,19 @@ def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store)
     """
     one = np.float32(1.0)
     for i in range(rows):
-        gi, ai, bi, oai, obi = go + i * gs, xa + i * xs, xb + i * xs, oa + i * os_, ob + i * os_
+        # row slices: unit-stride arrays LLVM can check for overlap once per row and
+        # vectorise (indexing the flat arrays directly defeats its alias analysis)
+        g_row = g[go + i * gs : go + i * gs + cols]
+        a_row = x[xa + i * xs : xa + i * xs + cols]
+        b_row = x[xb + i * xs : xb + i * xs + cols]
+        oa_row = o[oa + i * os_ : oa + i * os_ + cols]
+        ob_row = o[ob + i * os_ : ob + i * os_ + cols]
         for j in range(cols):
-            s = one / (one + _jit.expf(-load(x[bi + j])))
-            grad_a = load(g[gi + j]) * s
-            a = load(x[ai + j])
-            o[oai + j] = store(grad_a)
-            o[obi + j] = store(grad_a * (a - a * s))
+            s = one / (one + _jit.expf(-load(b_row[j])))
+            grad_a = load(g_row[j]) * s
+            a = load(a_row[j])
+            oa_row[j] = store(grad_a)
+            ob_row[j] = store(grad_a * (a - a * s))
 
 
 def _signature(storage: str) -> str:
