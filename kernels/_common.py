@@ -147,15 +147,15 @@ def store(target: np.ndarray, result: np.ndarray) -> None:
     np.copyto(target, result, casting="unsafe")
 
 
-def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
-    """Describe a view whose rows have unit stride as ``(flat, offset, row stride)``.
+def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Describe a view whose rows have unit stride as ``(flat, row stride)``.
 
-    ``flat`` is a 1-D array of the view's dtype over the memory the view spans (cut from the
-    C-contiguous array that owns it); ``offset`` and the row stride (of axis 0) count its
-    elements. None when the last axis is strided, a stride is negative or not a whole number
-    of elements, or the owner is not a C-contiguous array: the caller then stages the
-    operand. Compiled loops index ``flat`` directly, so every layout of rows runs through one
-    code path.
+    ``flat`` is a 1-D array of the view's dtype over the memory the view spans, starting at
+    its first element (cut from the C-contiguous array that owns it); the row stride (of
+    axis 0) counts its elements. None when the last axis is strided, a stride is negative
+    or not a whole number of elements, or the owner is not a C-contiguous array: the caller
+    then stages the operand. Compiled loops index ``flat`` directly, so every layout of rows
+    runs through one code path.
     """
     item = view.itemsize
     shape, strides = view.shape, view.strides
@@ -168,7 +168,7 @@ def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
         return None
     row = strides[0] // item if shape[0] > 1 else 0
     if view.flags.c_contiguous:
-        return view.reshape(-1), 0, row
+        return view.reshape(-1), row
     owner = view
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
@@ -179,4 +179,4 @@ def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int, int] | None:
     if start < 0 or start + span > owner.nbytes:
         return None
     flat = owner.reshape(-1).view(np.uint8)[start : start + span].view(view.dtype)
-    return flat, 0, row
+    return flat, row

@@ -94,7 +94,7 @@ def _half_to_f32_typing(typingctx: Any, x: Any) -> Any:
     return types.float32(types.uint16), codegen
 
 
-_half_to_f32: Any = intrinsic(_half_to_f32_typing)
+half_to_f32: Any = intrinsic(_half_to_f32_typing)
 
 
 def _f32_to_half_typing(typingctx: Any, x: Any) -> Any:
@@ -106,21 +106,26 @@ def _f32_to_half_typing(typingctx: Any, x: Any) -> Any:
     return types.uint16(types.float32), codegen
 
 
-_f32_to_half: Any = intrinsic(_f32_to_half_typing)
+f32_to_half: Any = intrinsic(_f32_to_half_typing)
+
+
+# The loads (storage element -> float32) and stores (float32 -> storage element, rounded
+# once) a loop's per-kind entry points pass to its body.
 
 
 @numba.njit(inline="always")
-def _same(x: Any) -> Any:
+def same(x: Any) -> Any:
+    """FLOAT's load and store: the element itself."""
     return x
 
 
 @numba.njit(inline="always")
-def _bf16_to_f32(h: Any) -> Any:
+def bf16_to_f32(h: Any) -> Any:
     return _bits_f32(U32(h) << U32(16))
 
 
 @numba.njit(inline="always")
-def _f32_to_bf16(x: Any) -> Any:
+def f32_to_bf16(x: Any) -> Any:
     # round to nearest even on the integer view; NaN -> the quiet NaN 0x7fc0 with x's sign
     # (as ml_dtypes). One select on 32-bit lanes, one narrowing: half the cost of selecting
     # between two 16-bit results.
@@ -190,12 +195,6 @@ KINDS: dict[np.dtype, Kind] = {
     np.dtype(np.float16): Kind("float16", np.dtype(np.uint16)),
     np.dtype(ml_dtypes.bfloat16): Kind("bfloat16", np.dtype(np.uint16)),
 }
-
-#: The loads (storage element -> float32) and stores (float32 -> storage element, rounded
-#: once) a loop's per-kind entry points pass to its body.
-same = _same
-half_to_f32, f32_to_half = _half_to_f32, _f32_to_half
-bf16_to_f32, f32_to_bf16 = _bf16_to_f32, _f32_to_bf16
 
 
 def kind_of(dtype: np.dtype) -> Kind | None:

@@ -107,20 +107,18 @@ def plan_glu_backward(
     dim %= self.ndim
     outer, half = glu_grid(shape, dim)
     compiled = _jit.kind_of(self.dtype) is not None
-    g2 = rows_view(grad_out, (outer, half))
-    x3 = rows_view(self, (outer, 2, half))
-    o3 = rows_view(out, (outer, 2, half))
-    if compiled:  # the compiled loop needs unit-stride rows
-        g2 = g2 if g2 is not None and flat_rows(g2) is not None else None
-        x3 = x3 if x3 is not None and flat_rows(x3) is not None else None
-        o3 = o3 if o3 is not None and flat_rows(o3) is not None else None
+
+    def stage(array: np.ndarray, shape: tuple[int, ...]) -> bool:
+        view = rows_view(array, shape)  # the compiled loop also needs unit-stride rows
+        return view is None or (compiled and flat_rows(view) is None)
+
     return make_glu_plan(
         shape,
         dim,
         self.dtype,
-        stage_grad=g2 is None,
-        stage_self=x3 is None,
-        stage_out=o3 is None or overlaps(out, grad_out, self),
+        stage_grad=stage(grad_out, (outer, half)),
+        stage_self=stage(self, (outer, 2, half)),
+        stage_out=stage(out, (outer, 2, half)) or overlaps(out, grad_out, self),
         block=block,
     )
 
@@ -185,14 +183,12 @@ def glu_backward_fast(
     kind = _jit.kind_of(plan.dtype)
     if kind is not None:
         _glu_compiled(kind, grad2, self3, out3, outer, half)
-        if plan.stage_out:
-            np.copyto(out, target.reshape(out.shape))
-        return
-    ct = compute_dtype(plan.dtype)
-    bufs = [carve.take(min(plan.block, outer * half), ct) for _ in range(ROW_BUFFERS)]
-    glu_backward_rows(
-        grad2, self3[:, 0, :], self3[:, 1, :], out3[:, 0, :], out3[:, 1, :], bufs, plan.block
-    )
+    else:
+        ct = compute_dtype(plan.dtype)
+        bufs = [carve.take(min(plan.block, outer * half), ct) for _ in range(ROW_BUFFERS)]
+        glu_backward_rows(
+            grad2, self3[:, 0, :], self3[:, 1, :], out3[:, 0, :], out3[:, 1, :], bufs, plan.block
+        )
     if plan.stage_out:
         np.copyto(out, target.reshape(out.shape))
 
@@ -295,20 +291,16 @@ def _glu_compiled(
     kind: _jit.Kind, g2: np.ndarray, x3: np.ndarray, o3: np.ndarray, outer: int, half: int
 ) -> None:
     """Run the compiled loop on unit-stride row views (the plan staged anything else)."""
-    loop = _LOOPS[kind.name]
-    g, go, gs = _flat(g2, kind, half)
-    x, xo, xs = _flat(x3, kind, 2 * half)
-    o, oo, os_ = _flat(o3, kind, 2 * half)
-    xh = x3.strides[1] // x3.itemsize if outer and x3.shape[1] > 1 else half
-    oh = o3.strides[1] // o3.itemsize if outer and o3.shape[1] > 1 else half
-    loop(g, go, gs, x, xo, xo + xh, xs, o, oo, oo + oh, os_, outer, half)
+    g, gs = _flat(g2, kind)
+    x, xs = _flat(x3, kind)
+    o, os_ = _flat(o3, kind)
+    xb, ob = x3.strides[1] // x3.itemsize, o3.strides[1] // o3.itemsize  # where b starts
+    _LOOPS[kind.name](g, 0, gs, x, 0, xb, xs, o, 0, ob, os_, outer, half)
 
 
-def _flat(view: np.ndarray, kind: _jit.Kind, row: int) -> tuple[np.ndarray, int, int]:
-    """``(flat, offset, row stride)`` of a unit-stride row view, in storage elements."""
-    if view.flags.c_contiguous:  # the usual case: no pointer arithmetic
-        return _jit.storage(view, kind), 0, row
+def _flat(view: np.ndarray, kind: _jit.Kind) -> tuple[np.ndarray, int]:
+    """``(flat storage view, row stride)`` of a unit-stride row view."""
     found = flat_rows(view)
     assert found is not None, "the plan stages views whose rows are not unit-stride"
-    base, offset, stride = found
-    return _jit.storage(base, kind), offset, stride
+    flat, stride = found
+    return _jit.storage(flat, kind), stride

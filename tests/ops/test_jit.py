@@ -22,19 +22,19 @@ F32, U16, U32 = np.float32, np.uint16, np.uint32
 @numba.njit
 def _load_all(kind_id, src, dst):  # type: ignore[no-untyped-def]
     for i in range(src.size):
-        dst[i] = _jit._half_to_f32(src[i]) if kind_id == 0 else _jit._bf16_to_f32(src[i])
+        dst[i] = _jit.half_to_f32(src[i]) if kind_id == 0 else _jit.bf16_to_f32(src[i])
 
 
 @numba.njit
 def _store_half(src, dst):  # type: ignore[no-untyped-def]
     for i in range(src.size):
-        dst[i] = _jit._f32_to_half(src[i])
+        dst[i] = _jit.f32_to_half(src[i])
 
 
 @numba.njit
 def _store_bf16(src, dst):  # type: ignore[no-untyped-def]
     for i in range(src.size):
-        dst[i] = _jit._f32_to_bf16(src[i])
+        dst[i] = _jit.f32_to_bf16(src[i])
 
 
 @numba.njit
@@ -54,21 +54,14 @@ def _every_float32_kind(rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([edges, -edges, bits, rand(rng, (1 << 16,), np.dtype(F32), 1e-4)])
 
 
-def test_every_float16_loads_exactly():
+@pytest.mark.parametrize(
+    ("kind_id", "dtype"), [(0, np.float16), (1, ml_dtypes.bfloat16)], ids=["float16", "bfloat16"]
+)
+def test_every_half_pattern_loads_exactly(kind_id, dtype):
     h = np.arange(1 << 16, dtype=U16)
     got = np.empty(h.size, F32)
-    _load_all(0, h, got)
-    want = h.view(np.float16).astype(F32)
-    nan = np.isnan(want)
-    assert np.array_equal(np.isnan(got), nan)
-    assert_same_bits(got[~nan], want[~nan])
-
-
-def test_every_bfloat16_loads_exactly():
-    h = np.arange(1 << 16, dtype=U16)
-    got = np.empty(h.size, F32)
-    _load_all(1, h, got)
-    want = h.view(ml_dtypes.bfloat16).astype(F32)
+    _load_all(kind_id, h, got)
+    want = h.view(dtype).astype(F32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     assert_same_bits(got[~nan], want[~nan])
