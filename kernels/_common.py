@@ -103,6 +103,13 @@ def rows_view(array: Any, shape: tuple[int, ...]) -> Any:
         return None
 
 
+def must_stage(array: Any, shape: tuple[int, ...], compiled: bool) -> bool:
+    """True when ``array`` must be copied into the workspace to be read as ``shape``: it
+    cannot be viewed so, or a compiled loop reads it and its rows are not unit-stride."""
+    view = rows_view(array, shape)
+    return view is None or (compiled and flat_rows(view) is None)
+
+
 def overlaps(out: Any, *inputs: Any) -> bool:
     """True when ``out`` may share memory with one of ``inputs`` (a cheap bounds check;
     for torch tensors: the same storage)."""

@@ -39,10 +39,15 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
+
+from ._common import flat_rows
 
 __all__ = [
     "KINDS",
+    "LANES",
     "Kind",
     "bf16_to_f32",
     "body",
@@ -50,9 +55,13 @@ __all__ = [
     "expf",
     "f32_to_bf16",
     "f32_to_half",
+    "flat",
+    "fold",
     "half_to_f32",
     "jit",
     "kind_of",
+    "lane_sums",
+    "lanes",
     "same",
     "storage",
 ]
@@ -177,6 +186,78 @@ def expf(x: Any) -> Any:
     return x if x != x else res  # NaN in, NaN out
 
 
+# Sums. A loop that adds into one float32 cannot be vectorised without reordering the adds
+# (fastmath); so a row is summed in LANES fixed lanes: lane j adds the elements j, j + LANES,
+# j + 2 * LANES, ... in order, the lanes are folded in a fixed tree (:func:`fold`) and the
+# tail (the last ``len % LANES`` elements) is added to that in order. The order depends on
+# the row's length only, never on where the row lies in memory or in a launch;
+# :func:`lane_sums` is the same order in numpy, for the reference kernels.
+
+#: Lanes of a row sum: two AVX2 vectors per sum.
+LANES = 32
+
+
+def _lanes_typing(typingctx: Any) -> Any:
+    """A zeroed float32 array of LANES elements on the stack: unlike a heap array, LLVM
+    knows it aliases nothing, keeps it in vector registers and never stores it."""
+    array = types.Array(types.float32, 1, "C")
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        llvm_type = ir.ArrayType(ir.FloatType(), LANES)
+        slot = cgutils.alloca_once(builder, llvm_type)  # in the entry block: registers
+        builder.store(ir.Constant(llvm_type, [0.0] * LANES), slot)
+        intp = context.get_value_type(types.intp)
+        value = make_array(array)(context, builder)
+        populate_array(
+            value,
+            data=builder.bitcast(slot, ir.FloatType().as_pointer()),
+            shape=[ir.Constant(intp, LANES)],
+            strides=[ir.Constant(intp, 4)],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
+        return value._getvalue()
+
+    return array(), codegen
+
+
+lanes: Any = intrinsic(_lanes_typing)
+
+
+@numba.njit(inline="always")
+def fold(acc: Any) -> Any:
+    """The sum of a :func:`lanes` array, halving in a fixed tree: lanes ``j + 16`` into
+    ``j``, then ``j + 8``, ``j + 4``, ``j + 2``, and lane 1 into lane 0."""
+    for j in range(16):
+        acc[j] += acc[j + 16]
+    for j in range(8):
+        acc[j] += acc[j + 8]
+    for j in range(4):
+        acc[j] += acc[j + 4]
+    for j in range(2):
+        acc[j] += acc[j + 2]
+    return acc[0] + acc[1]
+
+
+def lane_sums(rows: np.ndarray) -> np.ndarray:
+    """Sum each row of a float32 ``(rows, n)`` array in the compiled loops' order (lanes,
+    fold, tail), in numpy: the reference kernels' sums."""
+    rows = np.asarray(rows, F32)
+    count, n = rows.shape
+    full = n - n % LANES
+    acc = np.zeros((count, LANES), F32)
+    for i in range(0, full, LANES):
+        acc += rows[:, i : i + LANES]
+    width = LANES // 2
+    while width:
+        acc[:, :width] += acc[:, width : 2 * width]
+        width //= 2
+    total = acc[:, 0].copy()
+    for i in range(full, n):
+        total += rows[:, i]
+    return total
+
+
 class Kind(NamedTuple):
     """A storage dtype the compiled loops read and write.
 
@@ -206,6 +287,17 @@ def storage(array: np.ndarray, kind: Kind) -> np.ndarray:
     """A C-contiguous array as the flat 1-D view of the dtype the compiled loop reads."""
     flat = array.reshape(-1)
     return flat if flat.dtype == kind.storage else flat.view(kind.storage)
+
+
+def flat(view: np.ndarray, kind: Kind) -> tuple[np.ndarray, int]:
+    """``(flat storage view, row stride)`` of a view whose rows have unit stride (the plan
+    staged any other): what a compiled loop indexes."""
+    if view.flags.c_contiguous:  # the per-launch hot path: skip flat_rows' per-axis checks
+        return storage(view, kind), (view.strides[0] // view.itemsize if view.ndim else 0)
+    found = flat_rows(view)
+    assert found is not None, "the plan stages views whose rows are not unit-stride"
+    array, stride = found
+    return storage(array, kind), stride
 
 
 def jit(*signatures: str) -> Callable[[Callable[..., Any]], Any]:

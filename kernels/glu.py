@@ -33,9 +33,8 @@ from ._common import (
     blocks,
     compute_dtype,
     direct,
-    flat_rows,
+    must_stage,
     overlaps,
-    rows_view,
     staged,
     store,
     workspace_bytes,
@@ -107,18 +106,13 @@ def plan_glu_backward(
     dim %= self.ndim
     outer, half = glu_grid(shape, dim)
     compiled = _jit.kind_of(self.dtype) is not None
-
-    def stage(array: np.ndarray, shape: tuple[int, ...]) -> bool:
-        view = rows_view(array, shape)  # the compiled loop also needs unit-stride rows
-        return view is None or (compiled and flat_rows(view) is None)
-
     return make_glu_plan(
         shape,
         dim,
         self.dtype,
-        stage_grad=stage(grad_out, (outer, half)),
-        stage_self=stage(self, (outer, 2, half)),
-        stage_out=stage(out, (outer, 2, half)) or overlaps(out, grad_out, self),
+        stage_grad=must_stage(grad_out, (outer, half), compiled),
+        stage_self=must_stage(self, (outer, 2, half), compiled),
+        stage_out=must_stage(out, (outer, 2, half), compiled) or overlaps(out, grad_out, self),
         block=block,
     )
 
@@ -291,18 +285,8 @@ def _glu_compiled(
     kind: _jit.Kind, g2: np.ndarray, x3: np.ndarray, o3: np.ndarray, outer: int, half: int
 ) -> None:
     """Run the compiled loop on unit-stride row views (the plan staged anything else)."""
-    g, gs = _flat(g2, kind)
-    x, xs = _flat(x3, kind)
-    o, os_ = _flat(o3, kind)
+    g, gs = _jit.flat(g2, kind)
+    x, xs = _jit.flat(x3, kind)
+    o, os_ = _jit.flat(o3, kind)
     xb, ob = x3.strides[1] // x3.itemsize, o3.strides[1] // o3.itemsize  # where b starts
     _LOOPS[kind.name](g, 0, gs, x, 0, xb, xs, o, 0, ob, os_, outer, half)
-
-
-def _flat(view: np.ndarray, kind: _jit.Kind) -> tuple[np.ndarray, int]:
-    """``(flat storage view, row stride)`` of a unit-stride row view."""
-    if view.flags.c_contiguous:  # the per-launch hot path: skip flat_rows' per-axis checks
-        return _jit.storage(view, kind), view.strides[0] // view.itemsize
-    found = flat_rows(view)
-    assert found is not None, "the plan stages views whose rows are not unit-stride"
-    flat, stride = found
-    return _jit.storage(flat, kind), stride

@@ -1,4 +1,4 @@
-"""GroupNormalizationGrad kernels: the reference formula and a blocked fast kernel.
+"""GroupNormalizationGrad kernels: the reference formula and a compiled fast kernel.
 
 ``x``, ``dy`` and ``gamma`` of shape ``(N, G, *rest)`` are viewed as ``(N * G, M)`` rows, one
 row per group, with ``M = prod(rest)``. Per row, with ``xhat = (x - mean) * rstd``::
@@ -7,15 +7,14 @@ row per group, with ``M = prod(rest)``. Per row, with ``xhat = (x - mean) * rstd
     s2 = sum(dy * gamma * xhat)
     dx = (rstd / M) * gamma * (M * dy - s1 - xhat * s2)
 
-Determinism: a row's sums are taken in a fixed order that depends only on ``M``. A row of at
-most :data:`CHUNK` elements is summed by one ``add.reduce`` over its contiguous float32 copy
-(numpy's pairwise sum, which depends only on the length); a longer row is summed per
-:data:`CHUNK`-element piece and the partial sums are then reduced in order. The tunable block
-size only decides how many whole short rows share a tile, so it never changes a result, and
-neither does batching a row with other requests' rows.
+Every dtype is computed in float32 and rounded once into ``dx``, by one compiled loop
+(:mod:`._jit`) that takes a row at a time: pass 1 takes both sums, pass 2 writes
+``dx = ((rstd / M) * gamma) * ((M * dy - s1) - xhat * s2)``, reading the row back from
+cache when it fits.
 
-Memory traffic: short rows (the common case) are read once and written once. A row longer
-than :data:`CHUNK` takes two passes (sums, then dx), reading its inputs twice.
+Determinism: a row's sums are taken in :data:`._jit.LANES` lanes, in an order fixed by ``M``
+alone (:func:`._jit.lane_sums` is the same order in numpy), so neither a row's position in
+a launch nor batching it with other requests' rows changes a bit.
 """
 
 from __future__ import annotations
@@ -25,38 +24,26 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._common import (
-    DEFAULT_BLOCK,
-    Carver,
-    as_compute,
-    direct,
-    overlaps,
-    rows_view,
-    staged,
-    store,
-    workspace_bytes,
-)
+from . import _jit
+from ._common import Carver, must_stage, overlaps, staged, workspace_bytes
 
 __all__ = [
-    "CHUNK",
     "GroupNormPlan",
     "group_norm_grad_fast",
     "group_norm_grad_reference",
-    "group_norm_grad_rows",
     "make_group_norm_plan",
     "plan_group_norm_grad",
 ]
 
-#: Elements of one reduction piece of a long row. A constant of the algorithm, not a tuning
-#: knob: changing it changes the low bits of results for rows longer than it.
-CHUNK = 65536
+F32 = np.dtype(np.float32)
 
 
 @np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
 def group_norm_grad_reference(
     x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
 ) -> np.ndarray:
-    """Return ``dx`` computed straight from the SPEC formula, in float32, rounded once."""
+    """Return ``dx`` computed straight from the SPEC formula, in float32, rounded once, with
+    the fast kernel's order of additions (so the reference device gives its bits)."""
     ct = np.float32
     n, g = x.shape[:2]
     m = math.prod(x.shape[2:])
@@ -64,8 +51,9 @@ def group_norm_grad_reference(
     mean_ = np.asarray(mean, dtype=ct)[..., None]
     rstd_ = np.asarray(rstd, dtype=ct)[..., None]
     xhat = (x_ - mean_) * rstd_
-    s1 = np.sum(dy_ * gamma_, axis=-1, keepdims=True)
-    s2 = np.sum(dy_ * gamma_ * xhat, axis=-1, keepdims=True)
+    pg = dy_ * gamma_
+    s1 = _jit.lane_sums(pg.reshape(n * g, m)).reshape(n, g, 1)  # the fast kernel's order
+    s2 = _jit.lane_sums((pg * xhat).reshape(n * g, m)).reshape(n, g, 1)
     dx = (rstd_ / m) * gamma_ * (m * dy_ - s1 - xhat * s2)
     return dx.reshape(x.shape).astype(x.dtype)
 
@@ -77,7 +65,6 @@ class GroupNormPlan(NamedTuple):
     rows: int
     m: int
     dtype: np.dtype
-    block: int
     stage_x: bool
     stage_dy: bool
     stage_gamma: bool
@@ -90,39 +77,19 @@ class GroupNormPlan(NamedTuple):
         return self.rows * self.m
 
 
-def tile_elements(rows: int, m: int, block: int) -> int:
-    """Elements of the largest tile: whole rows for ``m <= CHUNK``, else one CHUNK."""
-    if m > CHUNK:
-        return CHUNK
-    return min(rows, max(1, block // m)) * m
-
-
-def row_buffers(rows: int, m: int, block: int) -> list[tuple[int, np.dtype]]:
-    """The float32 buffers :func:`group_norm_grad_rows` carves, in carving order."""
-    f32 = np.dtype(np.float32)
-    parts = -(-m // CHUNK) if m > CHUNK else 0
-    return [(rows, f32)] * 5 + [(parts, f32)] * 2 + [(tile_elements(rows, m, block), f32)] * 5
-
-
 def plan_group_norm_grad(
-    x: np.ndarray,
-    dy: np.ndarray,
-    gamma: np.ndarray,
-    dx: np.ndarray,
-    *,
-    block: int = DEFAULT_BLOCK,
+    x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, dx: np.ndarray
 ) -> GroupNormPlan:
     """Plan a launch on validated arguments: which operands to stage, workspace bytes."""
     shape2 = (x.shape[0] * x.shape[1], math.prod(x.shape[2:]))
-    stage_x, stage_dy, stage_gamma = (rows_view(t, shape2) is None for t in (x, dy, gamma))
+    stage_x, stage_dy, stage_gamma = (must_stage(t, shape2, True) for t in (x, dy, gamma))
     return make_group_norm_plan(
         x.shape,
         x.dtype,
         stage_x=stage_x,
         stage_dy=stage_dy,
         stage_gamma=stage_gamma,
-        stage_out=rows_view(dx, shape2) is None or overlaps(dx, x, dy, gamma),
-        block=block,
+        stage_out=must_stage(dx, shape2, True) or overlaps(dx, x, dy, gamma),
     )
 
 
@@ -134,7 +101,6 @@ def make_group_norm_plan(
     stage_dy: bool = False,
     stage_gamma: bool = False,
     stage_out: bool = False,
-    block: int = DEFAULT_BLOCK,
 ) -> GroupNormPlan:
     """Plan from geometry alone (e.g. for gathered, contiguous operands)."""
     rows = shape[0] * shape[1]
@@ -142,8 +108,8 @@ def make_group_norm_plan(
     n = rows * m
     flags = (stage_x, stage_dy, stage_gamma, stage_out)
     copies = [(n if flag else 0, dtype) for flag in flags]
-    nbytes = workspace_bytes(copies + row_buffers(rows, m, block)) if n else 0
-    return GroupNormPlan(shape, rows, m, dtype, block, *flags, nbytes)
+    nbytes = workspace_bytes(copies + [(rows, F32)] * 2) if n else 0  # + mean, rstd
+    return GroupNormPlan(shape, rows, m, dtype, *flags, nbytes)
 
 
 def group_norm_grad_fast(
@@ -179,110 +145,86 @@ def group_norm_grad_fast(
         dx2 = target.reshape(shape2)
     else:
         dx2 = dx.reshape(shape2)  # viewable: the plan checked
-    bufs = [carve.take(count, dt) for count, dt in row_buffers(rows, m, plan.block)]
-    group_norm_grad_rows(x2, dy2, gamma2, mean, rstd, dx2, bufs, plan.block)
+    stats = []
+    for array in (mean, rstd):
+        if array.dtype == F32 and array.flags.c_contiguous:
+            stats.append(array.reshape(-1))
+        else:
+            copy = carve.take(rows, F32)
+            np.copyto(copy.reshape(array.shape), array, casting="unsafe")
+            stats.append(copy)
+    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
+    xf, xs = _jit.flat(x2, kind)
+    dyf, dys = _jit.flat(dy2, kind)
+    gf, gs = _jit.flat(gamma2, kind)
+    of, os_ = _jit.flat(dx2, kind)
+    _LOOPS[kind.name](xf, xs, dyf, dys, gf, gs, of, os_, stats[0], stats[1], rows, m)
     if plan.stage_out:
         np.copyto(dx, target.reshape(dx.shape))
 
 
-@np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
-def group_norm_grad_rows(
-    x: np.ndarray,
-    dy: np.ndarray,
-    gamma: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    dx: np.ndarray,
-    bufs: list[np.ndarray],
-    block: int,
-) -> None:
-    """The blocked core on ``(rows, M)`` views; ``mean`` / ``rstd`` hold ``rows`` values.
-
-    ``bufs`` are the float32 buffers of :func:`row_buffers`, in that order.
-    """
-    rows, m = x.shape
-    mean32, rstd32, scale, s1, s2, p1, p2 = bufs[:7]
-    np.copyto(mean32.reshape(mean.shape), mean, casting="unsafe")
-    np.copyto(rstd32.reshape(rstd.shape), rstd, casting="unsafe")
+@_jit.body
+def _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, load, store):  # type: ignore[no-untyped-def]
+    """The compiled GroupNormalizationGrad loop: row ``r`` of ``x`` / ``dy`` / ``gamma`` /
+    ``dx`` is ``m`` elements at ``r * stride`` of its flat array; ``mean`` / ``rstd`` hold
+    a float32 per row."""
+    lanes = _jit.LANES
+    full = m - m % lanes
     m32 = np.float32(m)
-    np.divide(rstd32, m32, out=scale)  # rstd / M, the outer factor's first product
-    if m <= CHUNK:
-        step = max(1, block // m)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            t = _Tile(bufs, r0, r1, 0, m)
-            t.load(x, dy, gamma, mean32, rstd32)
-            np.add.reduce(t.pg, axis=1, out=s1[r0:r1])
-            np.multiply(t.pg, t.xh, out=t.q)
-            np.add.reduce(t.q, axis=1, out=s2[r0:r1])
-            t.store(dx, s1, s2, scale, m32)
-        return
-    parts = -(-m // CHUNK)
     for r in range(rows):
-        for k in range(parts):
-            t = _Tile(bufs, r, r + 1, k * CHUNK, min(m, (k + 1) * CHUNK))
-            t.load(x, dy, gamma, mean32, rstd32)
-            p1[k] = np.add.reduce(t.pg, axis=None)
-            np.multiply(t.pg, t.xh, out=t.q)
-            p2[k] = np.add.reduce(t.q, axis=None)
-        s1[r] = np.add.reduce(p1)
-        s2[r] = np.add.reduce(p2)
-        for k in range(parts):
-            t = _Tile(bufs, r, r + 1, k * CHUNK, min(m, (k + 1) * CHUNK))
-            t.load(x, dy, gamma, mean32, rstd32)
-            t.store(dx, s1, s2, scale, m32)
+        mu, rs = mean[r], rstd[r]
+        x_row = x[r * xs : r * xs + m]
+        dy_row = dy[r * dys : r * dys + m]
+        g_row = gamma[r * gs : r * gs + m]
+        # pass 1: s1 = sum(dy * gamma), s2 = sum(dy * gamma * xhat)
+        acc1, acc2 = _jit.lanes(), _jit.lanes()
+        for i in range(0, full, lanes):
+            x_part = x_row[i : i + lanes]
+            dy_part = dy_row[i : i + lanes]
+            g_part = g_row[i : i + lanes]
+            for j in range(lanes):
+                pg = load(dy_part[j]) * load(g_part[j])
+                acc1[j] += pg
+                acc2[j] += pg * ((load(x_part[j]) - mu) * rs)
+        s1, s2 = _jit.fold(acc1), _jit.fold(acc2)
+        for i in range(full, m):
+            pg = load(dy_row[i]) * load(g_row[i])
+            s1 += pg
+            s2 += pg * ((load(x_row[i]) - mu) * rs)
+        # pass 2
+        scale = rs / m32
+        dx_row = dx[r * dxs : r * dxs + m]
+        for i in range(m):
+            xhat = (load(x_row[i]) - mu) * rs
+            q = (load(dy_row[i]) * m32 - s1) - xhat * s2
+            dx_row[i] = store((load(g_row[i]) * scale) * q)
 
 
-class _Tile:
-    """One tile ``[r0:r1, c0:c1]`` of the row grid and its float32 working buffers.
+def _signature(storage: str) -> str:
+    array, f32 = f"{storage}[::1]", "float32[::1]"
+    operands = ", ".join([f"{array}, i8"] * 4)
+    return f"void({operands}, {f32}, {f32}, i8, i8)"
 
-    Half-precision operands are cast into the buffers with ``copyto`` (no hidden scratch
-    memory); float32 operands are read in place.
-    """
 
-    __slots__ = ("c0", "c1", "dy", "gamma", "gm", "pg", "q", "r0", "r1", "xh")
+@_jit.jit(_signature("float32"))
+def _gn_float32(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
+    _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, _jit.same, _jit.same)
 
-    def __init__(self, bufs: list[np.ndarray], r0: int, r1: int, c0: int, c1: int) -> None:
-        self.r0, self.r1, self.c0, self.c1 = r0, r1, c0, c1
-        shape = (r1 - r0, c1 - c0)
-        n = shape[0] * shape[1]
-        self.xh, self.pg, self.gm, self.q, dy_buf = (buf[:n].reshape(shape) for buf in bufs[7:])
-        self.dy = self.gamma = dy_buf
 
-    def load(
-        self,
-        x: np.ndarray,
-        dy: np.ndarray,
-        gamma: np.ndarray,
-        mean32: np.ndarray,
-        rstd32: np.ndarray,
-    ) -> None:
-        """Read the tile: ``pg = dy * gamma`` and ``xh = xhat`` (float32)."""
-        r0, r1, c0, c1 = self.r0, self.r1, self.c0, self.c1
-        self.gamma = as_compute(self.gm, gamma[r0:r1, c0:c1])
-        self.dy = as_compute(self.dy, dy[r0:r1, c0:c1])
-        np.multiply(self.dy, self.gamma, out=self.pg)
-        np.subtract(as_compute(self.xh, x[r0:r1, c0:c1]), mean32[r0:r1, None], out=self.xh)
-        np.multiply(self.xh, rstd32[r0:r1, None], out=self.xh)
+@_jit.jit(_signature("uint16"))
+def _gn_float16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
+    _gn_body(
+        x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
+        _jit.half_to_f32, _jit.f32_to_half,
+    )  # fmt: skip
 
-    def store(
-        self,
-        dx: np.ndarray,
-        s1: np.ndarray,
-        s2: np.ndarray,
-        scale: np.ndarray,
-        m32: np.floating,
-    ) -> None:
-        """Write ``dx = ((rstd / M) * gamma) * ((M * dy - s1) - xhat * s2)`` for the tile."""
-        r0, r1, c0, c1 = self.r0, self.r1, self.c0, self.c1
-        np.multiply(self.xh, s2[r0:r1, None], out=self.xh)
-        np.multiply(self.dy, m32, out=self.q)
-        np.subtract(self.q, s1[r0:r1, None], out=self.q)
-        np.subtract(self.q, self.xh, out=self.q)
-        np.multiply(self.gamma, scale[r0:r1, None], out=self.gm)
-        target = dx[r0:r1, c0:c1]
-        if direct(target, self.q.dtype):
-            np.multiply(self.gm, self.q, out=target)
-        else:
-            np.multiply(self.gm, self.q, out=self.q)
-            store(target, self.q)
+
+@_jit.jit(_signature("uint16"))
+def _gn_bfloat16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
+    _gn_body(
+        x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
+        _jit.bf16_to_f32, _jit.f32_to_bf16,
+    )  # fmt: skip
+
+
+_LOOPS = {"float32": _gn_float32, "float16": _gn_float16, "bfloat16": _gn_bfloat16}

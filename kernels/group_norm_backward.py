@@ -9,37 +9,30 @@ group`` channels each, ``M = cpg * HxW`` elements per group), per ``(n, g)``, wi
     dx = rstd * (gamma_c * dy - c1 - c2 * xhat)
     dbeta_c = sum_n ds_c                 dgamma_c = sum_n db_c
 
-Everything is computed in float32 and rounded once into the outputs.
+Every dtype is computed in float32 and rounded once into the outputs, by one compiled loop
+(:mod:`._jit`) that takes a group at a time: pass 1 sums ``dy`` and ``dy * x`` over each
+channel row (one channel of one sample, ``HxW`` elements); ``db = rstd * (sum(dy * x) -
+mean * ds)``; pass 2 writes ``dx = A * dy + B * x + C`` with per-channel-row coefficients
+``A = rstd * gamma``, ``B = -(c2 * rstd * rstd)``, ``C = (c2 * rstd * mean - c1) * rstd``.
+A group is usually small enough that pass 2 reads it back from cache.
 
-Determinism. The kernel works on "channel rows" (one channel of one sample: ``HxW``
-elements). Each channel row is reduced by one ``add.reduce`` over a contiguous float32
-buffer when ``HxW <= CHUNK``, else per CHUNK with the partials added in order, so ``ds`` and
-``db`` never depend on tiling, position or what a launch was fused with. ``dgamma`` and
-``dbeta`` then add the per-sample rows ``n = 0, 1, ..., N - 1`` in that order
-(:func:`reduce_over_samples`), for a request alone or inside a fused launch alike.
+Determinism. A channel row is summed in :data:`._jit.LANES` lanes in an order fixed by its
+length alone; ``c1`` / ``c2`` add the group's channels in order; ``dgamma`` and ``dbeta``
+add the per-sample rows ``n = 0, 1, ..., N - 1`` in order (:func:`reduce_over_samples`), for
+a request alone or inside a fused launch alike. :func:`group_norm_backward_rows_reference`
+is the same order of operations in numpy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 
-from ._common import (
-    DEFAULT_BLOCK,
-    Carver,
-    as_compute,
-    direct,
-    overlaps,
-    rows_view,
-    staged,
-    store,
-    workspace_bytes,
-)
+from . import _jit
+from ._common import Carver, must_stage, overlaps, staged, store, workspace_bytes
 
 __all__ = [
-    "CHUNK",
     "GnbPlan",
     "group_norm_backward_fast",
     "group_norm_backward_reference",
@@ -48,9 +41,6 @@ __all__ = [
     "plan_group_norm_backward",
     "reduce_over_samples",
 ]
-
-#: Channel rows longer than this are reduced per CHUNK, the partials added in order.
-CHUNK = 65536
 
 F32 = np.dtype(np.float32)
 
@@ -79,11 +69,16 @@ def group_norm_backward_rows_reference(
     g = np.ones((rows, cpg), F32) if gamma_rows is None else np.asarray(gamma_rows, F32)
     g = g.reshape(rows, cpg)
     with np.errstate(all="ignore"):
-        ds = np.add.reduce(dy, axis=-1)  # (rows, cpg)
-        db = (np.add.reduce(dy * xx, axis=-1) - mu * ds) * rs
+        ds = _jit.lane_sums(dy.reshape(rows * cpg, hxw)).reshape(rows, cpg)
+        sxy = _jit.lane_sums((dy * xx).reshape(rows * cpg, hxw)).reshape(rows, cpg)
+        db = (sxy - mu * ds) * rs
         m = np.float32(cpg * hxw)
-        c1 = np.add.reduce(g * ds, axis=-1, keepdims=True) / m
-        c2 = np.add.reduce(g * db, axis=-1, keepdims=True) / m
+        c1, c2 = np.zeros((rows, 1), F32), np.zeros((rows, 1), F32)
+        for k in range(cpg):  # the group's channels, in order
+            c1 += g[:, k : k + 1] * ds[:, k : k + 1]
+            c2 += g[:, k : k + 1] * db[:, k : k + 1]
+        c1 /= m
+        c2 /= m
         coef_a = rs * g
         coef_b = -(c2 * rs * rs)
         coef_c = (c2 * rs * mu - c1) * rs
@@ -145,7 +140,6 @@ class GnbPlan(NamedTuple):
     stage_x: bool
     stage_dy: bool
     stage_dx: bool
-    block: int
     workspace_bytes: int
 
     @property
@@ -159,25 +153,25 @@ class GnbPlan(NamedTuple):
         return self.c // self.group
 
 
-def _tile_rows(hxw: int, block: int) -> int:
-    """Channel rows per tile: as many whole rows as fit ``block``; 1 for long rows."""
-    return max(1, block // max(hxw, 1)) if hxw <= CHUNK else 1
-
-
-def _buffers(
-    channel_rows: int, rows: int, cpg: int, hxw: int, block: int, stats_in_workspace: bool
-) -> list[tuple[int, np.dtype]]:
-    """The float32 buffers the kernel carves, in carving order."""
-    per_row = [(rows, F32)] * 4  # mean, rstd, c1, c2
-    # gamma, mean, rstd, sum(dy * x), and the coefficients A, B, C of dx, per channel row
-    per_channel_row = [(channel_rows, F32)] * 7
+def _buffers(channel_rows: int, rows: int, stats_in_workspace: bool) -> list[tuple[int, np.dtype]]:
+    """The float32 buffers the kernel may carve, in carving order: mean and rstd per row and
+    gamma per channel row (float32 copies, unless they are float32 already); ds and db per
+    channel row unless the caller takes them."""
     stats = [(channel_rows, F32)] * 2 if stats_in_workspace else []
-    parts = -(-hxw // CHUNK) if hxw > CHUNK else 0
-    tile = min(channel_rows, _tile_rows(hxw, block)) * min(hxw, CHUNK)
-    return (
-        per_row + per_channel_row + stats + [(rows * cpg, F32)] + [(parts, F32)] * 2
-        + [(tile, F32)] * 4
-    )  # fmt: skip
+    return [(rows, F32)] * 2 + [(channel_rows, F32)] + stats
+
+
+#: gamma when none is given: one value, every channel's.
+_ONE = np.ones(1, F32)
+
+
+def _as_f32(carve: Carver, array: np.ndarray) -> np.ndarray:
+    """``array`` as a flat float32 array: itself when it is one, else a workspace copy."""
+    if array.dtype == F32 and array.flags.c_contiguous:
+        return array.reshape(-1)
+    copy = carve.take(array.size, F32)
+    np.copyto(copy.reshape(array.shape), array, casting="unsafe")
+    return copy
 
 
 def make_gnb_plan(
@@ -194,46 +188,44 @@ def make_gnb_plan(
     stage_x: bool = False,
     stage_dy: bool = False,
     stage_dx: bool = False,
-    block: int = DEFAULT_BLOCK,
 ) -> GnbPlan:
     """Plan a launch from its geometry; count the workspace it carves."""
-    rows, cpg = n * group, c // group
+    rows = n * group
     channel_rows = n * c
     size = channel_rows * hxw
     copies = [(size if stage_x else 0, dtype), (size if stage_dy else 0, dtype)]
     copies.append((size if stage_dx and mask[0] else 0, dtype))
-    bufs = _buffers(channel_rows, rows, cpg, hxw, block, not stats_out)
+    bufs = _buffers(channel_rows, rows, not stats_out)
     nbytes = workspace_bytes(copies + bufs) if channel_rows and hxw else 0
     return GnbPlan(
         n, c, hxw, group, np.dtype(dtype), *mask, has_gamma, row_gamma, stats_out,
-        stage_x, stage_dy, stage_dx, block, nbytes,
+        stage_x, stage_dy, stage_dx, nbytes,
     )  # fmt: skip
 
 
 def reduce_over_samples(stats: np.ndarray, n: int, c: int, out: np.ndarray) -> None:
     """``out[c] = sum over n of stats[n, c]``, adding samples in order ``0, 1, ..., n-1``.
 
-    ``stats``: ``n * c`` float32 values, sample-major. ``out``: ``(C,)``-sized (any shape
-    of C elements), rounded once into its dtype.
+    ``stats``: ``n * c`` float32 values, sample-major, contiguous; its first ``c`` values
+    are overwritten with the float32 sums. ``out``: ``(C,)``-sized (any shape of C
+    elements), rounded once into its dtype.
     """
-    rows = stats.reshape(n, c)
     if n == 0:
         out[...] = 0
         return
-    if out.dtype == F32 and out.flags.c_contiguous:
-        acc = out.reshape(c)
-        np.copyto(acc, rows[0])
-        for i in range(1, n):
-            np.add(acc, rows[i], out=acc)
-        return
-    # accumulate in the first row of the caller's float32 stats, then round once
-    acc = rows[0]
-    for i in range(1, n):
-        np.add(acc, rows[i], out=acc)
-    store(out.reshape(c), acc)
+    flat = stats.reshape(n * c)
+    _sum_samples(flat, n, c)
+    store(out.reshape(c), flat[:c])
 
 
-@np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
+@_jit.jit("void(float32[::1], i8, i8)")
+def _sum_samples(stats, n, c):  # type: ignore[no-untyped-def]
+    """Add rows ``1 .. n-1`` of the ``(n, c)`` stats into row 0, in sample order."""
+    for s in range(1, n):
+        for k in range(c):
+            stats[k] += stats[s * c + k]
+
+
 def group_norm_backward_fast(
     plan: GnbPlan,
     grad_out: np.ndarray,
@@ -255,17 +247,11 @@ def group_norm_backward_fast(
     ``N = mean.size // group``. With ``plan.row_gamma`` gamma is ``(rows, cpg)``; with
     ``plan.stats_out`` the per-channel-row sums go to ``ds_out`` / ``db_out`` (float32,
     ``N * C``) and dgamma / dbeta are not written here.
-
-    Two passes over the data, as the device kernel: the first sums ``dy`` and ``dy * x``
-    per channel row (``db = rstd * (sum(dy * x) - mean * ds)``); the second writes
-    ``dx = A * dy + B * x + C`` with per-channel-row coefficients ``A = rstd * gamma``,
-    ``B = -rstd**2 * c2``, ``C = rstd * (rstd * c2 * mean - c1)``.
     """
     group, cpg, hxw = plan.group, plan.cpg, plan.hxw
     rows = mean.size
     n = rows // group
-    c = plan.c
-    channel_rows = n * c
+    channel_rows = n * plan.c
     if channel_rows == 0 or hxw == 0:
         for out in (dgamma, dbeta, ds_out, db_out):
             if out is not None:
@@ -278,130 +264,163 @@ def group_norm_backward_fast(
     dx_target = None
     if plan.want_dx and plan.stage_dx:
         dx_target = carve.take(channel_rows * hxw, plan.dtype)
-    mean32, rstd32, c1, c2 = (carve.take(rows, F32) for _ in range(4))
-    gamma_cr, mean_cr, rstd_cr, sxy, coef_a, coef_b, coef_c = (
-        carve.take(channel_rows, F32) for _ in range(7)
-    )
+    mean32, rstd32 = _as_f32(carve, mean), _as_f32(carve, rstd)
+    if gamma is None:
+        gamma32, period = _ONE, 1
+    else:  # per channel (C,), or per row and channel in a fused launch
+        gamma32 = _as_f32(carve, gamma)
+        period = gamma32.size
     if plan.stats_out:
         assert ds_out is not None and db_out is not None
         ds, db = ds_out.reshape(channel_rows), db_out.reshape(channel_rows)
     else:
         ds, db = carve.take(channel_rows, F32), carve.take(channel_rows, F32)
-    prod = carve.take(rows * cpg, F32).reshape(rows, cpg)
-    parts = -(-hxw // CHUNK) if hxw > CHUNK else 0
-    p1, p2 = carve.take(parts, F32), carve.take(parts, F32)
-    tile = min(channel_rows, _tile_rows(hxw, plan.block)) * min(hxw, CHUNK)
-    x_buf, dy_buf, q_buf, t_buf = (carve.take(tile, F32) for _ in range(4))
-
-    np.copyto(mean32.reshape(mean.shape), mean, casting="unsafe")
-    np.copyto(rstd32.reshape(rstd.shape), rstd, casting="unsafe")
-    np.copyto(mean_cr.reshape(rows, cpg), mean32[:, None])
-    np.copyto(rstd_cr.reshape(rows, cpg), rstd32[:, None])
-    g3 = gamma_cr.reshape(n, group, cpg)
-    if gamma is None:
-        g3[...] = 1
-    elif plan.row_gamma:
-        np.copyto(g3, gamma.reshape(n, group, cpg), casting="unsafe")
+    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
+    dy, dys = _jit.flat(dy2, kind)
+    xf, xs = _jit.flat(x2, kind)
+    if not plan.want_dx:
+        out, os_ = dy, 0  # not written
+    elif dx_target is not None:
+        out, os_ = _jit.storage(dx_target, kind), hxw
     else:
-        np.copyto(g3, gamma.reshape(1, group, cpg), casting="unsafe")
-
-    # Pass 1: ds = sum(dy), sxy = sum(dy * x) per channel row.
-    for k0, k1, h0, h1, part in _tiles(channel_rows, hxw, plan.block):
-        xt, dyt = _load(x2, dy2, k0, k1, h0, h1, x_buf, dy_buf)
-        q = q_buf[: xt.size].reshape(xt.shape)
-        np.multiply(dyt, xt, out=q)
-        if part < 0:
-            np.add.reduce(dyt, axis=1, out=ds[k0:k1])
-            np.add.reduce(q, axis=1, out=sxy[k0:k1])
-        else:
-            p1[part] = np.add.reduce(dyt, axis=None)
-            p2[part] = np.add.reduce(q, axis=None)
-            if part == parts - 1:
-                ds[k0] = np.add.reduce(p1)
-                sxy[k0] = np.add.reduce(p2)
-    # db = rstd * (sxy - mean * ds)
-    np.multiply(mean_cr, ds, out=db)
-    np.subtract(sxy, db, out=db)
-    np.multiply(db, rstd_cr, out=db)
-
-    if plan.want_dx:
-        # c1, c2 per (n, g): sum over the group's channels of gamma * ds (db), / M.
-        m32 = np.float32(cpg * hxw)
-        g2 = gamma_cr.reshape(rows, cpg)
-        np.multiply(g2, ds.reshape(rows, cpg), out=prod)
-        np.add.reduce(prod, axis=1, out=c1)
-        np.divide(c1, m32, out=c1)
-        np.multiply(g2, db.reshape(rows, cpg), out=prod)
-        np.add.reduce(prod, axis=1, out=c2)
-        np.divide(c2, m32, out=c2)
-        # the coefficients, per channel row
-        np.multiply(rstd_cr, gamma_cr, out=coef_a)
-        np.copyto(coef_b.reshape(rows, cpg), c2[:, None])  # c2 per channel row
-        np.multiply(coef_b, rstd_cr, out=coef_c)  # rstd * c2
-        np.multiply(coef_c, mean_cr, out=coef_c)  # rstd * c2 * mean
-        np.copyto(sxy.reshape(rows, cpg), c1[:, None])  # c1 per channel row (sxy is free)
-        np.subtract(coef_c, sxy, out=coef_c)
-        np.multiply(coef_c, rstd_cr, out=coef_c)  # C = rstd * (rstd * c2 * mean - c1)
-        np.multiply(coef_b, rstd_cr, out=coef_b)
-        np.multiply(coef_b, rstd_cr, out=coef_b)
-        np.negative(coef_b, out=coef_b)  # B = -rstd**2 * c2
-        target2 = dx_target.reshape(shape2) if dx_target is not None else None
-        if target2 is None:
-            assert dx is not None
-            target2 = dx.reshape(shape2)  # viewable: the plan checked
-        # Pass 2: dx = A * dy + B * x + C.
-        for k0, k1, h0, h1, _ in _tiles(channel_rows, hxw, plan.block):
-            xt, dyt = _load(x2, dy2, k0, k1, h0, h1, x_buf, dy_buf)
-            q = q_buf[: xt.size].reshape(xt.shape)
-            t = t_buf[: xt.size].reshape(xt.shape)
-            np.multiply(dyt, coef_a[k0:k1, None], out=q)
-            np.multiply(xt, coef_b[k0:k1, None], out=t)
-            np.add(q, t, out=q)
-            target = target2[k0:k1, h0:h1]
-            if direct(target, F32):
-                np.add(q, coef_c[k0:k1, None], out=target)
-            else:
-                np.add(q, coef_c[k0:k1, None], out=q)
-                store(target, q)
-        if dx_target is not None and dx is not None:
-            np.copyto(dx, dx_target.reshape(dx.shape))
+        assert dx is not None
+        out, os_ = _jit.flat(dx.reshape(shape2), kind)  # viewable: the plan checked
+    _LOOPS[kind.name](
+        dy,
+        dys,
+        xf,
+        xs,
+        out,
+        os_,
+        mean32,
+        rstd32,
+        gamma32,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        plan.want_dx,
+    )
+    if dx_target is not None and dx is not None:
+        np.copyto(dx, dx_target.reshape(dx.shape))
 
     if not plan.stats_out:
         if plan.want_dgamma and dgamma is not None:
-            reduce_over_samples(db, n, c, dgamma)
+            reduce_over_samples(db, n, plan.c, dgamma)
         if plan.want_dbeta and dbeta is not None:
-            reduce_over_samples(ds, n, c, dbeta)
+            reduce_over_samples(ds, n, plan.c, dbeta)
 
 
-def _tiles(channel_rows: int, hxw: int, block: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """``(k0, k1, h0, h1, part)``: whole channel rows per tile (``part`` -1), or, for rows
-    longer than CHUNK, one CHUNK of one row (``part`` its index)."""
-    if hxw <= CHUNK:
-        step = _tile_rows(hxw, block)
-        for k0 in range(0, channel_rows, step):
-            yield k0, min(channel_rows, k0 + step), 0, hxw, -1
-        return
-    for k in range(channel_rows):
-        for part, h0 in enumerate(range(0, hxw, CHUNK)):
-            yield k, k + 1, h0, min(hxw, h0 + CHUNK), part
+@_jit.body
+def _gnb_body(
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx, load, store
+):  # type: ignore[no-untyped-def]
+    """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
+
+    Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
+    its flat array; ``mean`` / ``rstd`` hold a value per row, ``ds`` / ``db`` one per
+    channel row, ``gamma`` one per channel row modulo ``period`` (C for a request's
+    per-channel gamma).
+    """
+    lanes = _jit.LANES
+    full = hxw - hxw % lanes
+    m = np.float32(cpg * hxw)
+    for r in range(rows):
+        mu, rs = mean[r], rstd[r]
+        # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
+        for k in range(r * cpg, r * cpg + cpg):
+            dy_row = dy[k * dys : k * dys + hxw]
+            x_row = x[k * xs : k * xs + hxw]
+            acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
+            for i in range(0, full, lanes):
+                dy_part = dy_row[i : i + lanes]
+                x_part = x_row[i : i + lanes]
+                for j in range(lanes):
+                    d = load(dy_part[j])
+                    acc_dy[j] += d
+                    acc_xy[j] += d * load(x_part[j])
+            s_dy, s_xy = _jit.fold(acc_dy), _jit.fold(acc_xy)
+            for i in range(full, hxw):
+                d = load(dy_row[i])
+                s_dy += d
+                s_xy += d * load(x_row[i])
+            ds[k] = s_dy
+            db[k] = (s_xy - mu * s_dy) * rs
+        if not want_dx:
+            continue
+        c1 = c2 = np.float32(0.0)
+        for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
+            c1 += gamma[k % period] * ds[k]
+            c2 += gamma[k % period] * db[k]
+        c1 /= m
+        c2 /= m
+        coef_b = -(c2 * rs * rs)
+        coef_c = (c2 * rs * mu - c1) * rs
+        # pass 2: dx = A * dy + B * x + C (the group is usually still in cache)
+        for k in range(r * cpg, r * cpg + cpg):
+            coef_a = rs * gamma[k % period]
+            dy_row = dy[k * dys : k * dys + hxw]
+            x_row = x[k * xs : k * xs + hxw]
+            dx_row = dx[k * dxs : k * dxs + hxw]
+            for i in range(hxw):
+                dx_row[i] = store((load(dy_row[i]) * coef_a + load(x_row[i]) * coef_b) + coef_c)
 
 
-def _load(
-    x2: np.ndarray,
-    dy2: np.ndarray,
-    k0: int,
-    k1: int,
-    h0: int,
-    h1: int,
-    x_buf: np.ndarray,
-    dy_buf: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The tile's ``x`` and ``dy`` as float32 contiguous arrays (views when they are)."""
-    shape = (k1 - k0, h1 - h0)
-    size = shape[0] * shape[1]
-    xt = as_compute(x_buf[:size].reshape(shape), x2[k0:k1, h0:h1])
-    dyt = as_compute(dy_buf[:size].reshape(shape), dy2[k0:k1, h0:h1])
-    return xt, dyt
+def _signature(storage: str) -> str:
+    array, f32 = f"{storage}[::1]", "float32[::1]"
+    stats = f"{f32}, {f32}, {f32}, i8, {f32}, {f32}"
+    return f"void({array}, i8, {array}, i8, {array}, i8, {stats}, i8, i8, i8, b1)"
+
+
+@_jit.jit(_signature("float32"))
+def _gnb_float32(
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
+):  # type: ignore[no-untyped-def]
+    _gnb_body(
+        dy,
+        dys,
+        x,
+        xs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        gamma,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        want_dx,
+        _jit.same,
+        _jit.same,
+    )
+
+
+@_jit.jit(_signature("uint16"))
+def _gnb_float16(
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
+):  # type: ignore[no-untyped-def]
+    _gnb_body(
+        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+        _jit.half_to_f32, _jit.f32_to_half,
+    )  # fmt: skip
+
+
+@_jit.jit(_signature("uint16"))
+def _gnb_bfloat16(
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
+):  # type: ignore[no-untyped-def]
+    _gnb_body(
+        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+        _jit.bf16_to_f32, _jit.f32_to_bf16,
+    )  # fmt: skip
+
+
+_LOOPS = {"float32": _gnb_float32, "float16": _gnb_float16, "bfloat16": _gnb_bfloat16}
 
 
 def plan_group_norm_backward(
@@ -414,15 +433,12 @@ def plan_group_norm_backward(
     group: int,
     mask: tuple[bool, bool, bool],
     has_gamma: bool,
-    *,
-    block: int = DEFAULT_BLOCK,
 ) -> GnbPlan:
     """Plan a launch on checked arguments: which operands to stage, workspace bytes."""
     shape2 = (n * c, hxw)
-    stage_x = rows_view(x, shape2) is None
-    stage_dy = rows_view(grad_out, shape2) is None
-    stage_dx = dx is not None and (rows_view(dx, shape2) is None or overlaps(dx, x, grad_out))
+    stage_dx = dx is not None and (must_stage(dx, shape2, True) or overlaps(dx, x, grad_out))
     return make_gnb_plan(
-        n, c, hxw, group, x.dtype, mask, has_gamma=has_gamma, stage_x=stage_x,
-        stage_dy=stage_dy, stage_dx=stage_dx, block=block,
+        n, c, hxw, group, x.dtype, mask, has_gamma=has_gamma,
+        stage_x=must_stage(x, shape2, True), stage_dy=must_stage(grad_out, shape2, True),
+        stage_dx=stage_dx,
     )  # fmt: skip

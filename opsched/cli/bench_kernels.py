@@ -130,10 +130,9 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[s
 
 
 def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
-    hxw = min(n, 1024)
-    c = 32 if n >= 32 * hxw else max(1, n // hxw)
-    group = min(8, c)
-    batch = max(1, n // (c * hxw))
+    # the geometry: N=8, C=64, 16 groups; HxW makes up the size
+    batch, c, group = 8, 64, 16
+    hxw = max(1, n // (batch * c))
     x, dy = (rng.standard_normal((batch, c, hxw)).astype(dtype) for _ in range(2))
     mean = rng.standard_normal((batch, group)).astype(dtype)
     rstd = (rng.random((batch, group)) + 0.5).astype(dtype)

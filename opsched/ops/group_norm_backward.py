@@ -222,7 +222,7 @@ class GroupNormBackward(Operator):
         return plan_group_norm_backward(
             tensors["grad_out"], tensors["input"], tensors["dx"] if s["output_mask"][0] else None,
             s["N"], s["C"], s["HxW"], s["group"], s["output_mask"],
-            tensors["gamma"] is not None, block=block,
+            tensors["gamma"] is not None,
         )  # fmt: skip
 
     def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
@@ -316,7 +316,7 @@ class GroupNormBackward(Operator):
         dtype, cpg, hxw, mask, has_gamma = _unkey(key)
         return make_gnb_plan(
             capacity, cpg, hxw, 1, dtype, mask, has_gamma=has_gamma, row_gamma=True,
-            stats_out=True, block=block,
+            stats_out=True,
         )  # fmt: skip
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:

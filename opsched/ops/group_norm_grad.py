@@ -134,9 +134,7 @@ class GroupNormalizationGrad(Operator):
         return {"dx": (x.shape, x.dtype)}
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GroupNormPlan:
-        return plan_group_norm_grad(
-            tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"], block=block
-        )
+        return plan_group_norm_grad(tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"])
 
     def run(self, plan: GroupNormPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         t = tensors
@@ -169,7 +167,7 @@ class GroupNormalizationGrad(Operator):
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
         dtype: np.dtype = key[1]  # type: ignore[index]
         m: int = key[2]  # type: ignore[index]
-        return make_group_norm_plan((capacity, 1, m), dtype, block=block)
+        return make_group_norm_plan((capacity, 1, m), dtype)
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
         # All requests of a key share M: one concatenate per operand for the whole launch.
