@@ -314,9 +314,9 @@ def group_norm_backward_fast(
 
 
 @_jit.body
-def _gnb_body(
+def _gnb_body(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx, load, store
-):  # type: ignore[no-untyped-def]
+):
     """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
 
     Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
@@ -375,35 +375,19 @@ def _signature(storage: str) -> str:
 
 
 @_jit.jit(_signature("float32"))
-def _gnb_float32(
+def _gnb_float32(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):  # type: ignore[no-untyped-def]
+):
     _gnb_body(
-        dy,
-        dys,
-        x,
-        xs,
-        dx,
-        dxs,
-        mean,
-        rstd,
-        gamma,
-        period,
-        ds,
-        db,
-        rows,
-        cpg,
-        hxw,
-        want_dx,
-        _jit.same,
-        _jit.same,
-    )
+        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+        _jit.same, _jit.same,
+    )  # fmt: skip
 
 
 @_jit.jit(_signature("uint16"))
-def _gnb_float16(
+def _gnb_float16(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):  # type: ignore[no-untyped-def]
+):
     _gnb_body(
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
         _jit.half_to_f32, _jit.f32_to_half,
@@ -411,9 +395,9 @@ def _gnb_float16(
 
 
 @_jit.jit(_signature("uint16"))
-def _gnb_bfloat16(
+def _gnb_bfloat16(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):  # type: ignore[no-untyped-def]
+):
     _gnb_body(
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
         _jit.bf16_to_f32, _jit.f32_to_bf16,
