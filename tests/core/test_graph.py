@@ -370,8 +370,11 @@ def test_module_level_run_under_trio_and_sync_run():
 async def test_node_alone_over_the_workspace_cap_fails_its_run_clearly():
     rng = np.random.default_rng(14)
     x, dy, gamma, mean, rstd = gn_inputs(rng, (4, 8, 4096), F32)
+    # Every other element of a wider array: the compiled loop reads unit-stride rows, so
+    # the launch stages both copies (2 x 128 KiB of workspace, over the 64 KiB cap).
+    wide_x, wide_dy = (np.repeat(t, 2, axis=-1) for t in (x, dy))
     g = Graph()
-    big = g.group_norm_grad(x, dy, gamma, mean, rstd, name="big")
+    big = g.group_norm_grad(wide_x[..., ::2], wide_dy[..., ::2], gamma, mean, rstd, name="big")
     after = g.glu_backward(big, rand(rng, (4, 8, 8192), F32), dim=-1, name="after")
     async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
         with pytest.raises(GraphExecutionError) as info:
