@@ -25,7 +25,9 @@ is the same order of operations in numpy.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,6 +41,7 @@ __all__ = [
     "group_norm_backward_rows_reference",
     "make_gnb_plan",
     "plan_group_norm_backward",
+    "prepare_group_norm_backward",
     "reduce_over_samples",
 ]
 
@@ -248,33 +251,116 @@ def group_norm_backward_fast(
     ``plan.stats_out`` the per-channel-row sums go to ``ds_out`` / ``db_out`` (float32,
     ``N * C``) and dgamma / dbeta are not written here.
     """
+    prepare_group_norm_backward(
+        plan, grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out=ds_out, db_out=db_out
+    )(workspace)
+
+
+def prepare_group_norm_backward(
+    plan: GnbPlan,
+    grad_out: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    dx: np.ndarray | None,
+    dgamma: np.ndarray | None,
+    dbeta: np.ndarray | None,
+    *,
+    ds_out: np.ndarray | None = None,
+    db_out: np.ndarray | None = None,
+) -> Callable[[np.ndarray | None], None]:
+    """Do the per-array work of a launch once; return the launch, which takes the workspace
+    (arguments as :func:`group_norm_backward_fast`).
+
+    When nothing is copied into the workspace (contiguous operands, float32 statistics),
+    the loop's arguments are computed once per workspace: a repeatable executor launched
+    again with the same workspace pays for the compiled call alone.
+    """
+    n = mean.size // plan.group
+    if n * plan.c == 0 or plan.hxw == 0:
+        return functools.partial(
+            _zeros, [a for a in (dgamma, dbeta, ds_out, db_out) if a is not None]
+        )
+    arrays = _Arrays(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out)
+    copies = plan.stage_x or plan.stage_dy or (plan.want_dx and plan.stage_dx)
+    if copies or not all(_is_f32(a) for a in (mean, rstd, gamma) if a is not None):
+        return lambda workspace: _run(_launch_args(plan, arrays, n, workspace))
+    last: list[Any] = [_UNSEEN, None]  # the workspace seen last, and its arguments
+
+    def launch(workspace: np.ndarray | None) -> None:
+        if workspace is not last[0]:
+            last[:] = workspace, _launch_args(plan, arrays, n, workspace)
+        _run(last[1])
+
+    return launch
+
+
+class _Arrays(NamedTuple):
+    """A launch's operands (see :func:`group_norm_backward_fast`)."""
+
+    grad_out: np.ndarray
+    x: np.ndarray
+    mean: np.ndarray
+    rstd: np.ndarray
+    gamma: np.ndarray | None
+    dx: np.ndarray | None
+    dgamma: np.ndarray | None
+    dbeta: np.ndarray | None
+    ds_out: np.ndarray | None
+    db_out: np.ndarray | None
+
+
+class _Launch(NamedTuple):
+    """One launch's compiled call, and what is copied out after it."""
+
+    loop: Callable[..., None]
+    args: tuple[Any, ...]
+    dx_copy: tuple[np.ndarray, np.ndarray] | None  # (dx, its staged result)
+    stores: tuple[tuple[np.ndarray, np.ndarray], ...]  # (dgamma / dbeta, float32 sums)
+
+
+_UNSEEN = object()
+
+
+def _is_f32(array: np.ndarray) -> bool:
+    return array.dtype == F32 and array.flags.c_contiguous
+
+
+def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
+    """The launch of an empty request: sums over nothing."""
+    for out in outputs:
+        out[...] = 0
+
+
+def _launch_args(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
+    """Carve the workspace, stage what the plan says, and lay out the loop's arguments."""
     group, cpg, hxw = plan.group, plan.cpg, plan.hxw
-    rows = mean.size
-    n = rows // group
+    rows = n * group
     channel_rows = n * plan.c
-    if channel_rows == 0 or hxw == 0:
-        for out in (dgamma, dbeta, ds_out, db_out):
-            if out is not None:
-                out[...] = 0
-        return
     carve = Carver(workspace)
     shape2 = (channel_rows, hxw)
-    x2 = staged(carve, x, plan.stage_x, shape2)
-    dy2 = staged(carve, grad_out, plan.stage_dy, shape2)
+    x2 = staged(carve, a.x, plan.stage_x, shape2)
+    dy2 = staged(carve, a.grad_out, plan.stage_dy, shape2)
     dx_target = None
     if plan.want_dx and plan.stage_dx:
         dx_target = carve.take(channel_rows * hxw, plan.dtype)
-    mean32, rstd32 = _as_f32(carve, mean), _as_f32(carve, rstd)
-    if gamma is None:
+    mean32, rstd32 = _as_f32(carve, a.mean), _as_f32(carve, a.rstd)
+    if a.gamma is None:
         gamma32, period = _ONE, 1
     else:  # per channel (C,), or per row and channel in a fused launch
-        gamma32 = _as_f32(carve, gamma)
+        gamma32 = _as_f32(carve, a.gamma)
         period = gamma32.size
+    stores: list[tuple[np.ndarray, np.ndarray]] = []
     if plan.stats_out:
-        assert ds_out is not None and db_out is not None
-        ds, db = ds_out.reshape(channel_rows), db_out.reshape(channel_rows)
-    else:
+        assert a.ds_out is not None and a.db_out is not None
+        ds, db = a.ds_out.reshape(channel_rows), a.db_out.reshape(channel_rows)
+        c_reduce, dgamma32, dbeta32 = 0, db, ds
+    else:  # the loop adds the samples' sums into dgamma / dbeta, or in place for a store
         ds, db = carve.take(channel_rows, F32), carve.take(channel_rows, F32)
+        c_reduce = plan.c
+        dgamma32 = _sums_target(a.dgamma if plan.want_dgamma else None, db, plan.c, stores)
+        dbeta32 = _sums_target(a.dbeta if plan.want_dbeta else None, ds, plan.c, stores)
     kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
     dy, dys = _jit.flat(dy2, kind)
     xf, xs = _jit.flat(x2, kind)
@@ -283,47 +369,85 @@ def group_norm_backward_fast(
     elif dx_target is not None:
         out, os_ = _jit.storage(dx_target, kind), hxw
     else:
-        assert dx is not None
-        out, os_ = _jit.flat(dx.reshape(shape2), kind)  # viewable: the plan checked
-    _LOOPS[kind.name](
+        assert a.dx is not None
+        out, os_ = _jit.flat(a.dx.reshape(shape2), kind)  # viewable: the plan checked
+    args = (
+        dy, dys, xf, xs, out, os_, mean32, rstd32, gamma32, period, ds, db, rows, cpg, hxw,
+        plan.want_dx, n, c_reduce, dgamma32, dbeta32,
+    )  # fmt: skip
+    dx_copy = None if dx_target is None or a.dx is None else (a.dx, dx_target)
+    return _Launch(_LOOPS[kind.name], args, dx_copy, tuple(stores))
+
+
+def _sums_target(
+    out: np.ndarray | None, sums: np.ndarray, c: int, stores: list[tuple[np.ndarray, np.ndarray]]
+) -> np.ndarray:
+    """Where the loop writes dgamma or dbeta: ``out`` itself when it is float32 and
+    contiguous, else the first ``c`` per-channel-row ``sums`` (stored into ``out`` after)."""
+    if out is not None and _is_f32(out):
+        return out.reshape(c)
+    if out is not None:
+        stores.append((out, sums[:c]))
+    return sums
+
+
+def _run(launch: _Launch) -> None:
+    launch.loop(*launch.args)
+    if launch.dx_copy is not None:
+        dx, result = launch.dx_copy
+        np.copyto(dx, result.reshape(dx.shape))
+    for out, sums in launch.stores:
+        store(out.reshape(sums.size), sums)
+
+
+@_jit.body
+def _gnb_body(  # type: ignore[no-untyped-def]
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+    n, c, dgamma, dbeta, load, store,
+):  # fmt: skip
+    """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
+
+    Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
+    its flat array; ``mean`` / ``rstd`` hold a value per row, ``ds`` / ``db`` one per
+    channel row, ``gamma`` one per channel row modulo ``period`` (C for a request's
+    per-channel gamma). Then, for ``c`` channels (0: none), ``dgamma[k]`` / ``dbeta[k]``
+    are the sums of ``db`` / ``ds`` over the ``n`` samples, added in sample order (as
+    :func:`reduce_over_samples`); each may be ``db`` / ``ds`` itself.
+    """
+    _gnb_rows(
         dy,
         dys,
-        xf,
+        x,
         xs,
-        out,
-        os_,
-        mean32,
-        rstd32,
-        gamma32,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        gamma,
         period,
         ds,
         db,
         rows,
         cpg,
         hxw,
-        plan.want_dx,
+        want_dx,
+        load,
+        store,
     )
-    if dx_target is not None and dx is not None:
-        np.copyto(dx, dx_target.reshape(dx.shape))
-
-    if not plan.stats_out:
-        if plan.want_dgamma and dgamma is not None:
-            reduce_over_samples(db, n, plan.c, dgamma)
-        if plan.want_dbeta and dbeta is not None:
-            reduce_over_samples(ds, n, plan.c, dbeta)
+    for k in range(c):
+        s_db, s_ds = db[k], ds[k]
+        for s in range(1, n):
+            s_db += db[s * c + k]
+            s_ds += ds[s * c + k]
+        dgamma[k] = s_db
+        dbeta[k] = s_ds
 
 
 @_jit.body
-def _gnb_body(  # type: ignore[no-untyped-def]
+def _gnb_rows(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx, load, store
 ):
-    """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
-
-    Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
-    its flat array; ``mean`` / ``rstd`` hold a value per row, ``ds`` / ``db`` one per
-    channel row, ``gamma`` one per channel row modulo ``period`` (C for a request's
-    per-channel gamma).
-    """
+    """Passes 1 and 2 over every row (see :func:`_gnb_body`)."""
     lanes = _jit.LANES
     full = hxw - hxw % lanes
     m = np.float32(cpg * hxw)
@@ -371,36 +495,40 @@ def _gnb_body(  # type: ignore[no-untyped-def]
 def _signature(storage: str) -> str:
     array, f32 = f"{storage}[::1]", "float32[::1]"
     stats = f"{f32}, {f32}, {f32}, i8, {f32}, {f32}"
-    return f"void({array}, i8, {array}, i8, {array}, i8, {stats}, i8, i8, i8, b1)"
+    sums = f"i8, i8, {f32}, {f32}"  # samples, channels, dgamma, dbeta
+    return f"void({array}, i8, {array}, i8, {array}, i8, {stats}, i8, i8, i8, b1, {sums})"
 
 
 @_jit.jit(_signature("float32"))
 def _gnb_float32(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+    n, c, dgamma, dbeta,
+):  # fmt: skip
     _gnb_body(
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        _jit.same, _jit.same,
+        n, c, dgamma, dbeta, _jit.same, _jit.same,
     )  # fmt: skip
 
 
 @_jit.jit(_signature("uint16"))
 def _gnb_float16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+    n, c, dgamma, dbeta,
+):  # fmt: skip
     _gnb_body(
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        _jit.half_to_f32, _jit.f32_to_half,
+        n, c, dgamma, dbeta, _jit.half_to_f32, _jit.f32_to_half,
     )  # fmt: skip
 
 
 @_jit.jit(_signature("uint16"))
 def _gnb_bfloat16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx
-):
+    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+    n, c, dgamma, dbeta,
+):  # fmt: skip
     _gnb_body(
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        _jit.bf16_to_f32, _jit.f32_to_bf16,
+        n, c, dgamma, dbeta, _jit.bf16_to_f32, _jit.f32_to_bf16,
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import ast
+import functools
 import inspect
 import itertools
 import operator
@@ -356,9 +357,7 @@ class Operator(abc.ABC):
         if out is None:
             out = (None,) * len(outputs)
         elif not isinstance(out, tuple | list) or len(out) != len(outputs):
-            msg = (
-                f"{self.name}: out must be a ({', '.join(outputs)}) tuple or None, got {out!r}"
-            )
+            msg = f"{self.name}: out must be a ({', '.join(outputs)}) tuple or None, got {out!r}"
             raise TypeError(msg)
         tensors.update(zip(outputs, out, strict=True))
         return tensors, scalars
@@ -395,6 +394,14 @@ class Operator(abc.ABC):
     @abc.abstractmethod
     def run(self, plan: Any, tensors: Tensors, workspace: np.ndarray | None) -> None:
         """Run the fast kernel for ``plan`` on ``tensors``."""
+
+    def prepare(self, plan: Any, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
+        """:meth:`run` with its per-array work done once: a function of the workspace.
+
+        A repeatable executor keeps it while its arrays stay bound, so a launch on the same
+        arrays pays only for the kernel (as the device's executor keeps its kernel's
+        arguments). The default does no work ahead."""
+        return functools.partial(self.run, plan, tensors)
 
     @abc.abstractmethod
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:

@@ -63,6 +63,9 @@ class Executor:
     _repeatable: bool = attrs.field(default=False, init=False)
     _state: ExecutorState = attrs.field(default=ExecutorState.READY, init=False)
     _launches: int = attrs.field(default=0, init=False)
+    #: The kernel prepared for the bound arrays (Operator.prepare); None until the first
+    #: launch after a bind.
+    _kernel: Callable[[np.ndarray | None], None] | None = attrs.field(default=None, init=False)
 
     @property
     def repeatable(self) -> bool:
@@ -131,6 +134,7 @@ class Executor:
                 )
                 raise ParamInvalidError(msg)
         self.tensors.update(arrays)
+        self._kernel = None
 
     def count_launch(self) -> None:
         """Count a launch whose workspace and bound arrays the owner guarantees (the
@@ -150,11 +154,13 @@ class Executor:
         scheduler's executor cache does; everyone else uses :meth:`bind`.
         """
         self.tensors = tensors
+        self._kernel = None
 
     def destroy(self) -> None:
         """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""
         self._state = ExecutorState.DESTROYED
         self.tensors = {}
+        self._kernel = None
 
     def __enter__(self) -> Executor:
         return self
@@ -182,12 +188,12 @@ class Executor:
         """
         ws = self.consume(op, workspace, workspace_size)
         name = op.name
-        tensors = dict(self.tensors)
-        plan = self.plan
+        kernel = self._kernel
+        assert kernel is not None  # consume prepared it
 
         def work() -> None:
             try:
-                op.run(plan, tensors, ws)
+                kernel(ws)
             except Exception as exc:
                 msg = f"{name}: the launch failed: {type(exc).__name__}: {exc}"
                 raise RuntimeLaunchError(msg) from exc
@@ -211,13 +217,15 @@ class Executor:
             )
             raise ParamInvalidError(msg)
         ws = self._check_workspace(name, workspace, workspace_size)
-        tensors = dict(self.tensors)
-        if op.unplanned_overlap(self.plan, tensors):
-            msg = (
-                f"{name}: the bound output overlaps an input, but the executor was planned "
-                "for separate buffers; plan a new executor for overlapping arrays"
-            )
-            raise ParamInvalidError(msg)
+        if self._kernel is None:  # arrays (re)bound since the last launch
+            tensors = dict(self.tensors)
+            if op.unplanned_overlap(self.plan, tensors):
+                msg = (
+                    f"{name}: the bound output overlaps an input, but the executor was "
+                    "planned for separate buffers; plan a new executor for overlapping arrays"
+                )
+                raise ParamInvalidError(msg)
+            self._kernel = op.prepare(self.plan, tensors)
         self._launches += 1
         if not self._repeatable:
             self._state = ExecutorState.SPENT
@@ -248,7 +256,7 @@ class Executor:
                 f"bytes; got {workspace.nbytes} bytes, contiguous={workspace.flags.c_contiguous}"
             )
             raise ParamInvalidError(msg)
-        return workspace.reshape(-1)
+        return workspace if workspace.ndim == 1 else workspace.reshape(-1)
 
     def _require_live(self, what: str) -> None:
         if self._state is ExecutorState.DESTROYED:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -17,6 +17,7 @@ from opsched.kernels.glu import (
     glu_grid,
     make_glu_plan,
     plan_glu_backward,
+    prepare_glu_backward,
 )
 from opsched.ops._base import (
     FusedGeometry,
@@ -160,6 +161,9 @@ class GluBackward(Operator):
 
     def run(self, plan: GluPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         glu_backward_fast(plan, tensors["grad_out"], tensors["self"], tensors["out"], workspace)
+
+    def prepare(self, plan: GluPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
+        return prepare_glu_backward(plan, tensors["grad_out"], tensors["self"], tensors["out"])
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])

@@ -7,7 +7,7 @@ formula and its determinism are in :mod:`opsched.kernels.group_norm_backward`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -21,6 +21,7 @@ from opsched.kernels.group_norm_backward import (
     group_norm_backward_rows_reference,
     make_gnb_plan,
     plan_group_norm_backward,
+    prepare_group_norm_backward,
     reduce_over_samples,
 )
 from opsched.ops._base import (
@@ -231,6 +232,13 @@ class GroupNormBackward(Operator):
             plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t.get("gamma"),
             t.get("dx"), t.get("dgamma"), t.get("dbeta"), workspace,
             ds_out=t.get("ds"), db_out=t.get("db"),
+        )  # fmt: skip
+
+    def prepare(self, plan: GnbPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
+        t = tensors
+        return prepare_group_norm_backward(
+            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t.get("gamma"),
+            t.get("dx"), t.get("dgamma"), t.get("dbeta"), ds_out=t.get("ds"), db_out=t.get("db"),
         )  # fmt: skip
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:

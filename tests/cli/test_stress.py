@@ -159,7 +159,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
     from opsched.devices.host import HostDevice
     from opsched.ops.glu_backward import GluBackward
 
-    real = GluBackward.run
+    real = GluBackward.run  # the scheduler's solo launches
     real_fused = HostDevice._run_fused
 
     def negated(self, plan, tensors, workspace):
@@ -174,7 +174,20 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
                 if r.graph is not None:
                     np.negative(r.tensors["out"], out=r.tensors["out"])
 
+    real_prepare = GluBackward.prepare
+
+    def negated_prepare(self, plan, tensors):  # the two-phase oracle's launch
+        kernel = real_prepare(self, plan, tensors)
+
+        def launch(workspace):
+            kernel(workspace)
+            if not graphs_only:
+                np.negative(tensors["out"], out=tensors["out"])
+
+        return launch
+
     monkeypatch.setattr(GluBackward, "run", negated)
+    monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
     monkeypatch.setattr(HostDevice, "_run_fused", fused)
 
 
