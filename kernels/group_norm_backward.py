@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _jit
-from ._common import Carver, must_stage, overlaps, staged, store, workspace_bytes
+from ._common import Carver, must_stage, overlaps, store, workspace_bytes
 
 __all__ = [
     "GnbPlan",
@@ -168,15 +168,6 @@ def _buffers(channel_rows: int, rows: int, stats_in_workspace: bool) -> list[tup
 _ONE = np.ones(1, F32)
 
 
-def _as_f32(carve: Carver, array: np.ndarray) -> np.ndarray:
-    """``array`` as a flat float32 array: itself when it is one, else a workspace copy."""
-    if array.dtype == F32 and array.flags.c_contiguous:
-        return array.reshape(-1)
-    copy = carve.take(array.size, F32)
-    np.copyto(copy.reshape(array.shape), array, casting="unsafe")
-    return copy
-
-
 def make_gnb_plan(
     n: int,
     c: int,
@@ -273,24 +264,20 @@ def prepare_group_norm_backward(
     """Do the per-array work of a launch once; return the launch, which takes the workspace
     (arguments as :func:`group_norm_backward_fast`).
 
-    When nothing is copied into the workspace (contiguous operands, float32 statistics),
-    the loop's arguments are computed once per workspace: a repeatable executor launched
-    again with the same workspace pays for the compiled call alone.
+    The workspace carve and the loop's arguments are laid out once per workspace: a
+    repeatable executor launched again with the same workspace pays for the copies into it
+    (staged operands, float32 statistics) and the compiled call alone.
     """
     n = mean.size // plan.group
     if n * plan.c == 0 or plan.hxw == 0:
-        return functools.partial(
-            _zeros, [a for a in (dgamma, dbeta, ds_out, db_out) if a is not None]
-        )
+        outputs = [a for a in (dgamma, dbeta, ds_out, db_out) if a is not None]
+        return functools.partial(_zeros, outputs)
     arrays = _Arrays(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out)
-    copies = plan.stage_x or plan.stage_dy or (plan.want_dx and plan.stage_dx)
-    if copies or not all(_is_f32(a) for a in (mean, rstd, gamma) if a is not None):
-        return lambda workspace: _run(_launch_args(plan, arrays, n, workspace))
-    last: list[Any] = [_UNSEEN, None]  # the workspace seen last, and its arguments
+    last: list[Any] = [_UNSEEN, None]  # the workspace seen last, and its launch
 
     def launch(workspace: np.ndarray | None) -> None:
         if workspace is not last[0]:
-            last[:] = workspace, _launch_args(plan, arrays, n, workspace)
+            last[:] = workspace, _lay_out(plan, arrays, n, workspace)
         _run(last[1])
 
     return launch
@@ -312,8 +299,10 @@ class _Arrays(NamedTuple):
 
 
 class _Launch(NamedTuple):
-    """One launch's compiled call, and what is copied out after it."""
+    """One launch laid out on a workspace: the copies into it, the compiled call, and what
+    is copied out after."""
 
+    copies: tuple[tuple[np.ndarray, np.ndarray], ...]  # (workspace buffer, operand)
     loop: Callable[..., None]
     args: tuple[Any, ...]
     dx_copy: tuple[np.ndarray, np.ndarray] | None  # (dx, its staged result)
@@ -333,23 +322,24 @@ def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
         out[...] = 0
 
 
-def _launch_args(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
-    """Carve the workspace, stage what the plan says, and lay out the loop's arguments."""
+def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
+    """Carve the workspace, note the copies into it, and lay out the loop's arguments."""
     group, cpg, hxw = plan.group, plan.cpg, plan.hxw
     rows = n * group
     channel_rows = n * plan.c
     carve = Carver(workspace)
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
     shape2 = (channel_rows, hxw)
-    x2 = staged(carve, a.x, plan.stage_x, shape2)
-    dy2 = staged(carve, a.grad_out, plan.stage_dy, shape2)
+    x2 = _staged(carve, a.x, plan.stage_x, copies).reshape(shape2)
+    dy2 = _staged(carve, a.grad_out, plan.stage_dy, copies).reshape(shape2)
     dx_target = None
     if plan.want_dx and plan.stage_dx:
         dx_target = carve.take(channel_rows * hxw, plan.dtype)
-    mean32, rstd32 = _as_f32(carve, a.mean), _as_f32(carve, a.rstd)
+    mean32, rstd32 = _as_f32(carve, a.mean, copies), _as_f32(carve, a.rstd, copies)
     if a.gamma is None:
         gamma32, period = _ONE, 1
     else:  # per channel (C,), or per row and channel in a fused launch
-        gamma32 = _as_f32(carve, a.gamma)
+        gamma32 = _as_f32(carve, a.gamma, copies)
         period = gamma32.size
     stores: list[tuple[np.ndarray, np.ndarray]] = []
     if plan.stats_out:
@@ -376,7 +366,31 @@ def _launch_args(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None
         plan.want_dx, n, c_reduce, dgamma32, dbeta32,
     )  # fmt: skip
     dx_copy = None if dx_target is None or a.dx is None else (a.dx, dx_target)
-    return _Launch(_LOOPS[kind.name], args, dx_copy, tuple(stores))
+    return _Launch(tuple(copies), _LOOPS[kind.name], args, dx_copy, tuple(stores))
+
+
+def _staged(
+    carve: Carver, array: np.ndarray, stage: bool, copies: list[tuple[np.ndarray, np.ndarray]]
+) -> np.ndarray:
+    """``array``, or (when ``stage``) a workspace buffer of its shape it is copied into
+    before each launch."""
+    if not stage:
+        return array
+    buf = carve.take(array.size, array.dtype).reshape(array.shape)
+    copies.append((buf, array))
+    return buf
+
+
+def _as_f32(
+    carve: Carver, array: np.ndarray, copies: list[tuple[np.ndarray, np.ndarray]]
+) -> np.ndarray:
+    """``array`` as a flat float32 array: itself when it is one, else a workspace buffer it
+    is converted into before each launch."""
+    if _is_f32(array):
+        return array.reshape(-1)
+    buf = carve.take(array.size, F32)
+    copies.append((buf.reshape(array.shape), array))
+    return buf
 
 
 def _sums_target(
@@ -392,6 +406,8 @@ def _sums_target(
 
 
 def _run(launch: _Launch) -> None:
+    for buf, array in launch.copies:
+        np.copyto(buf, array, casting="unsafe")
     launch.loop(*launch.args)
     if launch.dx_copy is not None:
         dx, result = launch.dx_copy

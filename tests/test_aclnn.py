@@ -191,13 +191,16 @@ def test_error_status_in_str():
     assert "161001" in str(info.value) and "ERR_PARAM_NULLPTR" in str(info.value)
 
 
-def gnb_call(rng, n=2, c=4, hxw=40, group=2):
-    """A repeatable GroupNormBackward executor (its ds / db sums live in the workspace)."""
-    dy, x = rand(rng, (n, c, hxw), F32), rand(rng, (n, c, hxw), F32)
-    mean = rand(rng, (n, group), F32)
-    rstd = (rng.random((n, group)) + 0.5).astype(F32)
-    gamma = rand(rng, (c,), F32)
-    outs = np.empty_like(x), np.empty(c, F32), np.empty(c, F32)
+def gnb_call(rng, dtype=F32, strided=False, n=2, c=4, hxw=40, group=2):
+    """A repeatable GroupNormBackward executor (its ds / db sums live in the workspace;
+    non-float32 statistics and ``strided`` operands are copied into it on every launch)."""
+    dy, x = rand(rng, (n, c, 2 * hxw if strided else hxw), dtype), rand(rng, (n, c, hxw), dtype)
+    if strided:
+        dy = dy[..., ::2]
+    mean = rand(rng, (n, group), dtype)
+    rstd = (rng.random((n, group)) + 0.5).astype(dtype)
+    gamma = rand(rng, (c,), dtype)
+    outs = np.empty_like(x), np.empty(c, dtype), np.empty(c, dtype)
     args = (dy, x, mean, rstd, gamma, n, c, hxw, group, (True, True, True))
     size, ex = aclnn.group_norm_backward_get_workspace_size(*args, *outs)
     ex.set_repeatable()
@@ -206,17 +209,19 @@ def gnb_call(rng, n=2, c=4, hxw=40, group=2):
 
 def fresh_gnb(args):
     """The same call planned and launched once, on new outputs."""
-    outs = np.empty_like(args[1]), np.empty(args[6], F32), np.empty(args[6], F32)
+    dtype = args[1].dtype
+    outs = np.empty_like(args[1]), np.empty(args[6], dtype), np.empty(args[6], dtype)
     size, ex = aclnn.group_norm_backward_get_workspace_size(*args, *outs)
     aclnn.group_norm_backward(ws(size), size, ex)
     return outs
 
 
-def test_repeat_launches_read_the_arrays_as_they_are_at_launch():
+@pytest.mark.parametrize(("dtype", "strided"), [(F32, False), (np.dtype(np.float16), True)])
+def test_repeat_launches_read_the_arrays_as_they_are_at_launch(dtype, strided):
     # The executor prepares its kernel once per binding; what it keeps are the arrays,
     # never their contents.
     rng = np.random.default_rng(5)
-    args, outs, size, ex = gnb_call(rng)
+    args, outs, size, ex = gnb_call(rng, dtype, strided)
     workspace = ws(size)
     g, x, out, glu_size, glu_ex = glu_call(rng)
     glu_ex.set_repeatable()
@@ -228,8 +233,9 @@ def test_repeat_launches_read_the_arrays_as_they_are_at_launch():
         s, e = aclnn.glu_backward_get_workspace_size(g, x, -1, want)
         aclnn.glu_backward(ws(s), s, e)
         assert_same_bits(out, want)
-        for array in (args[0], args[1], args[4], g, x):  # new values, same arrays
-            array[...] = rand(rng, array.shape, F32)
+        for array in (*args[:5], g, x):  # new values, same arrays
+            array[...] = rand(rng, array.shape, array.dtype)
+        args[3][...] = np.abs(args[3]) + 0.5  # rstd > 0
 
 
 def test_repeat_launch_uses_the_workspace_it_is_given():
