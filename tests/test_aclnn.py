@@ -247,3 +247,38 @@ def test_repeat_launch_uses_the_workspace_it_is_given():
     aclnn.group_norm_backward(second, size, ex)
     assert second.any() and not first.any()  # the sums were carved from the second
     assert_same_bits(outs, fresh_gnb(args))
+
+
+def test_a_repeated_geometry_reuses_its_plan():
+    rng = np.random.default_rng(7)
+    first = glu_call(rng, (6, 10))[4]
+    g, x, out, size, ex = glu_call(rng, (6, 10))
+    assert ex.plan is first.plan and ex is not first  # a new executor, the cached plan
+    aclnn.glu_backward(ws(size), size, ex)
+    other = np.empty_like(x)
+    s, e = aclnn.glu_backward_get_workspace_size(g, np.asfortranarray(x), -1, other)
+    assert e.plan is not ex.plan  # not C-contiguous: checked and planned afresh
+    aclnn.glu_backward(ws(s), s, e)
+    assert_same_bits(out, other)
+
+
+def test_a_cached_geometry_still_stages_an_overlapping_out():
+    rng = np.random.default_rng(8)
+    g, x, out, size, ex = glu_call(rng, (6, 10))  # cached: separate arrays
+    buf = rand(rng, (2 * x.size,), F32)
+    x2, out2 = buf[: x.size].reshape(x.shape), buf[3 : 3 + x.size].reshape(x.shape)
+    want = np.empty_like(x2)
+    s, e = aclnn.glu_backward_get_workspace_size(g, x2.copy(), -1, want)
+    aclnn.glu_backward(ws(s), s, e)
+    size2, ex2 = aclnn.glu_backward_get_workspace_size(g, x2, -1, out2)  # out shifted over x
+    assert ex2.plan.stage_out and size2 > 0
+    aclnn.glu_backward(ws(size2), size2, ex2)
+    assert_same_bits(out2, want)
+
+
+def test_a_cached_geometry_still_refuses_a_read_only_out():
+    rng = np.random.default_rng(9)
+    g, x, out, size, ex = glu_call(rng, (6, 10))
+    out.setflags(write=False)
+    with pytest.raises(ParamInvalidError, match="read-only"):
+        aclnn.glu_backward_get_workspace_size(g, x, -1, out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import Any
 
@@ -275,10 +275,49 @@ def get_workspace_size(
 ) -> tuple[int, Executor]:
     """Phase one of ``op``'s two-phase call: check (as ``product``'s runtime would) and
     plan; return the workspace size and a single-use executor bound to ``tensors``."""
-    scalars = op.check_on(product_named(product), tensors, scalars, allocate=False)
-    plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
-    size = op.workspace_size(plan)
-    return size, Executor(op, tensors, scalars, plan, size)
+    key = _plan_key(op, tensors, scalars, product)
+    found = _PLANS.get(key) if key is not None else None
+    if found is None:
+        checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
+        plan = op.plan(tensors, checked, DEFAULT_BLOCK)
+        found = checked, plan, op.workspace_size(plan)
+        if key is not None:
+            _remember_plan(key, found)
+    checked, plan, size = found
+    return size, Executor(op, tensors, dict(checked), plan, size)
+
+
+#: Checked scalars, plan and workspace size of recent two-phase calls, by geometry: a call
+#: that repeats one (the usual training step) skips the checks and the planning. Oldest
+#: out first past the limit.
+_PLANS: dict[Hashable, tuple[dict[str, Any], Any, int]] = {}
+PLAN_CACHE_LIMIT = 256
+
+
+def _plan_key(
+    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str
+) -> Hashable | None:
+    """What a call's checks and plan depend on, or None when it is not cached.
+
+    Cached: plain, C-contiguous numpy arrays (their strides follow from shape and dtype,
+    and nothing needs staging for its layout) and hashable scalars. The key holds the
+    signature (shapes, dtypes, scalars), the product, whether each output is writeable
+    and whether an output overlaps an input (the plan stages it then).
+    """
+    signature = op.signature(tensors, scalars)
+    if signature is None:
+        return None
+    for array in tensors.values():
+        if array is not None and not array.flags.c_contiguous:
+            return None
+    writeable = tuple(tensors[name] is None or tensors[name].flags.writeable for name in op.outputs)
+    return op.name, product, signature, writeable, op.overlaps_any(tensors)
+
+
+def _remember_plan(key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
+    if len(_PLANS) >= PLAN_CACHE_LIMIT:
+        _PLANS.pop(next(iter(_PLANS), None), None)
+    _PLANS[key] = found
 
 
 def launch(
