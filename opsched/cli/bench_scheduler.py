@@ -12,6 +12,9 @@
    the same run without, interleaved.
 7. Sweeps (for the plot): throughput of (1) for GLU against the number of concurrent
    clients, and against the fused batch size (``max_batch_requests``).
+8. Paths: the per-request cost of each way in (coroutines, ``submit_*`` from a thread,
+   blocking calls, the two-phase API) against torch's operator per request
+   (:mod:`opsched.cli.bench_paths`).
 
 Where torch is installed, (1) adds its CPU operator called once per request
 (single-threaded) as a peer.
@@ -33,6 +36,7 @@ import numpy as np
 
 import opsched
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
+from opsched.cli.bench_paths import bench_paths, print_paths
 from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
 from opsched.devices import torch_ops as _torch_ops
 
@@ -355,7 +359,7 @@ def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str,
 
 
 #: Every part, in the order they run.
-PARTS = ("throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps")
+PARTS = ("throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps", "paths")
 
 
 def bench_scheduler(
@@ -390,6 +394,8 @@ def bench_scheduler(
         result["tracing"] = _tracing(target, repeats, clients, per_client)
     if "sweeps" in parts:
         result["sweeps"] = _sweeps(target, repeats, clients * per_client // 4)
+    if "paths" in parts:
+        result["paths"] = bench_paths(target, repeats, clients * per_client // 2)
     return result
 
 
@@ -481,3 +487,8 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         print(f"7. GLU req/s by concurrent clients   {clients}", file=out)
         print(f"   GLU req/s by max_batch_requests   {batch}", file=out)
         print(f"   (direct, one request at a time: {sw['direct_rps']:,.0f}/s)", file=out)
+    if "paths" in r:
+        print(
+            "8. the per-request cost of every path, against torch's operator per request", file=out
+        )
+        print_paths(r["paths"], out)

@@ -12,6 +12,7 @@ import pytest
 
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
+from opsched.cli.bench_paths import PATHS
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,6 +35,19 @@ def test_scheduler_benchmark_small():
     out = io.StringIO()
     print_scheduler_report(result, out)
     assert "1. throughput" in out.getvalue() and "5. steady state" in out.getvalue()
+
+
+def test_paths_benchmark_reports_every_operator_and_path():
+    result = bench_scheduler(repeats=1, parts=("paths",), clients=16, per_client=16)
+    rows = result["paths"]["rows"]
+    assert [(r["op"], r["path"]) for r in rows] == [
+        (op, path) for op in ("glu", "gnb") for path in PATHS
+    ]
+    assert all(r["us"] > 0 and r["requests"] >= 1 for r in rows)
+    out = io.StringIO()
+    print_scheduler_report(result, out)
+    assert "8. the per-request cost of every path" in out.getvalue()
+    assert "GroupNormBackward 4x8x64, two-phase" in out.getvalue()
 
 
 def test_graph_benchmark_small():

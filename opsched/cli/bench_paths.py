@@ -1,0 +1,210 @@
+"""The per-request cost of every way in, against torch's CPU operator called once per request.
+
+Each path runs the same tiny requests (GluBackward 8x64, GroupNormBackward N=4, C=8,
+HxW=64, 4 groups, FLOAT) and is timed right after torch's operator on as many requests, in
+the same round; a row is the median over rounds of torch's time / the path's time (above
+1.0x the scheduler is cheaper than no scheduler at all) with the microseconds per request:
+
+- ``coroutines``: 256 coroutines each awaiting its share through ``Scheduler``.
+- ``submit``: one thread queuing every request with ``submit_*`` on the sync facade, then
+  waiting on each future.
+- ``sync``: one thread calling the blocking facade one request at a time.
+- ``two-phase``: ``opsched.aclnn`` per request (workspace size, workspace, launch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+import opsched
+import opsched.sync
+from opsched import aclnn
+from opsched.cli.bench_kernels import BenchTarget, torch_peer
+from opsched.devices import torch_ops as _torch_ops
+
+__all__ = ["PATHS", "PATH_TARGETS", "bench_paths", "print_paths"]
+
+F32 = np.float32
+
+#: The paths, in the order each round runs them.
+PATHS = ("coroutines", "submit", "sync", "two-phase")
+#: The speed each path should reach against torch's operator per request.
+PATH_TARGETS = {"coroutines": 1.5, "submit": 1.0, "sync": 0.5, "two-phase": 0.5}
+_CLIENTS = 256
+
+
+def _inputs(op: str, rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    if op == "glu":
+        return [
+            (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
+            for _ in range(n)
+        ]
+    out: list[tuple[Any, ...]] = []
+    for _ in range(n):
+        x, dy = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(2))
+        mean = rng.standard_normal((4, 4)).astype(F32)
+        rstd = (rng.random((4, 4)) + 0.5).astype(F32)
+        gamma = rng.standard_normal(8).astype(F32)
+        out.append((dy, x, mean, rstd, gamma, 4, 8, 64, 4))
+    return out
+
+
+def _torch_call(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:
+    """Torch's operator on request ``k``, on tensors converted beforehand."""
+    tensors = [[_torch_ops.to_torch(a) for a in args[:5]] for args in inputs]
+    count = len(tensors)
+    if op == "glu":
+
+        def glu(k: int) -> object:
+            g, x = tensors[k % count]
+            return _torch_ops.glu_backward(g, x, -1)
+
+        return glu
+    n, c, hxw, group = inputs[0][5:9]
+    mask = [True] * 3
+
+    def gnb(k: int) -> object:
+        dy, x, mean, rstd, gamma = tensors[k % count]
+        return _torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, mask)
+
+    return gnb
+
+
+def _coroutines(target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
+    async def main() -> float:
+        async with target.open() as sched:
+            call = sched.glu_backward if op == "glu" else sched.group_norm_backward
+            share = n // _CLIENTS
+
+            async def client(i: int) -> None:
+                for j in range(share):
+                    await call(*inputs[(i * share + j) % len(inputs)])
+
+            await asyncio.gather(*(client(i) for i in range(_CLIENTS)))  # warm-up
+            start = time.perf_counter()
+            await asyncio.gather(*(client(i) for i in range(_CLIENTS)))
+            return time.perf_counter() - start
+
+    return asyncio.run(main())
+
+
+def _facade(
+    target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int, submit: bool
+) -> float:
+    with opsched.sync.open_scheduler(target.config, device=target.device) as sched:
+        call: Callable[..., Any] = sched.glu_backward
+        queue: Callable[..., Any] = sched.submit_glu_backward
+        if op == "gnb":
+            call, queue = sched.group_norm_backward, sched.submit_group_norm_backward
+        for args in inputs[: min(n, 256)]:  # warm-up: the signatures, the executors
+            call(*args)
+        start = time.perf_counter()
+        if submit:
+            futures = [queue(*inputs[k % len(inputs)]) for k in range(n)]
+            for future in futures:
+                future.result()
+        else:
+            for k in range(n):
+                call(*inputs[k % len(inputs)])
+        return time.perf_counter() - start
+
+
+def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
+    """What a caller of ``opsched.aclnn`` writes: outputs, workspace size, launch."""
+    start = time.perf_counter()
+    if op == "glu":
+        for k in range(n):
+            g, x = inputs[k % len(inputs)]
+            out = np.empty_like(x)
+            size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
+            aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    else:
+        mask = (True, True, True)
+        for k in range(n):
+            args = inputs[k % len(inputs)]
+            c = args[6]
+            outs = np.empty_like(args[1]), np.empty(c, F32), np.empty(c, F32)
+            size, ex = aclnn.group_norm_backward_get_workspace_size(*args, mask, *outs)
+            aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    return time.perf_counter() - start
+
+
+def _run_path(
+    path: str, target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int
+) -> float:
+    if path == "coroutines":
+        return _coroutines(target, op, inputs, n)
+    if path in ("submit", "sync"):
+        return _facade(target, op, inputs, n, submit=path == "submit")
+    return _two_phase(op, inputs, n)
+
+
+def bench_paths(
+    target: BenchTarget | None = None,
+    repeats: int = 3,
+    requests: int = 25_600,
+    ops: Sequence[str] = ("glu", "gnb"),
+) -> dict[str, Any]:
+    """Every path for each operator: seconds per request, and the ratio to torch's call."""
+    target = target or BenchTarget()
+    requests = max(requests, _CLIENTS)  # every coroutine awaits at least one
+    torch = torch_peer()
+    rows = []
+    for op in ops:
+        inputs = _inputs(op, np.random.default_rng(0), 4096)
+        peer = _torch_call(op, inputs) if torch is not None else None
+        for path in PATHS:
+            n = requests if path in ("coroutines", "submit") else max(_CLIENTS, requests // 10)
+            ours, peers, ratios = [], [], []
+            for _ in range(repeats):  # torch right before the path, in every round
+                t_peer = None
+                if peer is not None:
+                    start = time.perf_counter()
+                    for k in range(n):
+                        peer(k)
+                    t_peer = time.perf_counter() - start
+                t_ours = _run_path(path, target, op, inputs, n)
+                ours.append(t_ours / n)
+                if t_peer is not None:
+                    peers.append(t_peer / n)
+                    ratios.append(t_peer / t_ours)
+            row: dict[str, Any] = {
+                "op": op,
+                "path": path,
+                "requests": n,
+                "us": statistics.median(ours) * 1e6,
+            }
+            if ratios:
+                row["torch_us"] = statistics.median(peers) * 1e6
+                row["speedup_vs_torch"] = statistics.median(ratios)
+            rows.append(row)
+    return {"repeats": repeats, "device": target.device, "rows": rows}
+
+
+def print_paths(result: dict[str, Any], out: TextIO) -> None:
+    """Print one row per operator and path, with its target and whether it was reached."""
+    names = {"glu": "GLU 8x64", "gnb": "GroupNormBackward 4x8x64"}
+    print(
+        f"{'path (tiny FLOAT requests)':<40}{'us/request':>11}{'torch us':>10}"
+        f"{'vs torch':>10}{'target':>9}",
+        file=out,
+    )
+    for row in result["rows"]:
+        label = f"{names[row['op']]}, {row['path']}"
+        target = PATH_TARGETS[row["path"]]
+        if "speedup_vs_torch" in row:
+            speed = row["speedup_vs_torch"]
+            verdict = "reached" if speed >= target else "NOT reached"
+            print(
+                f"{label:<40}{row['us']:>11.1f}{row['torch_us']:>10.1f}{speed:>9.2f}x"
+                f"{'>= ' + str(target) + 'x':>9}  {verdict}",
+                file=out,
+            )
+        else:
+            print(f"{label:<40}{row['us']:>11.1f}{'(no torch)':>10}", file=out)
