@@ -444,7 +444,8 @@ class Operator(abc.ABC):
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
         """What the checks depend on: each tensor's shape and dtype (None when absent) and
-        each scalar's type and value; None when an argument is not exactly an ndarray."""
+        each scalar's type and value; None when an argument is not exactly an ndarray or a
+        scalar cannot be hashed (a list, or a tuple holding one)."""
         parts: list[Any] = [self.name]
         for name in self.tensor_names:
             t = tensors[name]
@@ -455,10 +456,13 @@ class Operator(abc.ABC):
             else:
                 return None
         for value in scalars.values():
-            if not isinstance(value, Hashable):
-                return None
             parts.append((type(value), value))
-        return tuple(parts)
+        key = tuple(parts)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
         """True when an output overlaps an input but ``plan`` does not stage the output
