@@ -282,3 +282,11 @@ def test_a_cached_geometry_still_refuses_a_read_only_out():
     out.setflags(write=False)
     with pytest.raises(ParamInvalidError, match="read-only"):
         aclnn.glu_backward_get_workspace_size(g, x, -1, out)
+
+
+def test_an_unhashable_scalar_is_checked_not_looked_up():
+    # The plan cache keys on the scalars: a list inside output_mask must reach the check
+    # (and its clear message), not fail the cache lookup.
+    args, outs, size, ex = gnb_call(np.random.default_rng(10))
+    with pytest.raises(TypeError, match="output_mask entries must be bools, got list"):
+        aclnn.group_norm_backward_get_workspace_size(*args[:9], (True, [1], True), *outs)
