@@ -47,7 +47,7 @@ from opsched.devices import (
     Stream,
     StreamStatistics,
 )
-from opsched.ops.executor import Executor, ExecutorState
+from opsched.ops.executor import Executor, ExecutorState, PlanCacheStatistics
 
 __version__ = "0.1.0"
 
@@ -68,6 +68,7 @@ __all__ = [
     "ParamNullptrError",
     "Pending",
     "Placeholder",
+    "PlanCacheStatistics",
     "PoolStatistics",
     "QueueFullError",
     "RequestState",

@@ -22,7 +22,7 @@ import numpy as np
 
 from opsched import ops
 from opsched.ops import Operator
-from opsched.ops.executor import Executor, get_workspace_size, launch
+from opsched.ops.executor import PLANS, Executor, PlanCacheStatistics, get_workspace_size, launch
 
 __all__ = [
     "Executor",
@@ -32,6 +32,7 @@ __all__ = [
     "group_norm_backward_get_workspace_size",
     "group_norm_grad",
     "group_norm_grad_get_workspace_size",
+    "plan_cache_statistics",
 ]
 
 
@@ -110,6 +111,13 @@ def _launcher(op: Operator) -> Launch:
     )
     run.__name__ = run.__qualname__ = op.method
     return run
+
+
+def plan_cache_statistics() -> PlanCacheStatistics:
+    """The counters of the plan cache every ``*_get_workspace_size`` goes through: a call on
+    plain, C-contiguous arrays whose geometry was planned before skips the checks and the
+    planning (docs/aclnn.md)."""
+    return PLANS.statistics()
 
 
 # BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import opsched
 from opsched import (
     ExecutorState,
     InnerError,
@@ -14,6 +15,8 @@ from opsched import (
     Status,
     aclnn,
 )
+from opsched.ops import GLU_BACKWARD
+from opsched.ops.executor import PlanCache
 from tests.helpers import assert_same_bits, gn_inputs, rand
 
 F32 = np.dtype(np.float32)
@@ -290,3 +293,38 @@ def test_an_unhashable_scalar_is_checked_not_looked_up():
     args, outs, size, ex = gnb_call(np.random.default_rng(10))
     with pytest.raises(TypeError, match="output_mask entries must be bools, got list"):
         aclnn.group_norm_backward_get_workspace_size(*args[:9], (True, [1], True), *outs)
+
+
+def glu_tensors(rng, x):
+    g = rand(rng, (x.shape[0], x.shape[1] // 2), F32)
+    return {"grad_out": g, "self": x, "out": np.empty(x.shape, F32)}
+
+
+def test_plan_cache_counts_hits_misses_and_uncached_calls():
+    cache = PlanCache()
+    rng = np.random.default_rng(11)
+    for x in (rand(rng, (6, 22), F32), rand(rng, (6, 22), F32), rand(rng, (22, 6), F32).T):
+        cache.plan(GLU_BACKWARD, glu_tensors(rng, x), {"dim": -1}, "generic")
+    stats = cache.statistics()  # the transposed self is not C-contiguous: never cached
+    assert (stats.hits, stats.misses, stats.uncached, stats.size) == (1, 1, 1, 1)
+
+
+def test_the_two_phase_api_reports_its_plan_cache():
+    rng = np.random.default_rng(13)
+    glu_call(rng, (6, 26))
+    before = aclnn.plan_cache_statistics()
+    glu_call(rng, (6, 26))
+    after = aclnn.plan_cache_statistics()
+    assert isinstance(after, opsched.PlanCacheStatistics) and after.limit == 256
+    assert after.hits > before.hits
+
+
+def test_a_full_plan_cache_evicts_its_oldest_plan():
+    cache = PlanCache(limit=2)
+    rng = np.random.default_rng(12)
+    for cols in (2, 4, 6, 2):
+        cache.plan(
+            GLU_BACKWARD, glu_tensors(rng, rand(rng, (3, cols), F32)), {"dim": -1}, "generic"
+        )
+    stats = cache.statistics()
+    assert (stats.misses, stats.hits, stats.evictions, stats.size) == (4, 0, 2, 2)

@@ -25,7 +25,16 @@ from opsched.kernels._common import DEFAULT_BLOCK
 from opsched.ops._base import Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
 
-__all__ = ["Executor", "ExecutorState", "geometry_of", "get_workspace_size", "launch"]
+__all__ = [
+    "PLANS",
+    "Executor",
+    "ExecutorState",
+    "PlanCache",
+    "PlanCacheStatistics",
+    "geometry_of",
+    "get_workspace_size",
+    "launch",
+]
 
 
 class ExecutorState(enum.Enum):
@@ -275,49 +284,101 @@ def get_workspace_size(
 ) -> tuple[int, Executor]:
     """Phase one of ``op``'s two-phase call: check (as ``product``'s runtime would) and
     plan; return the workspace size and a single-use executor bound to ``tensors``."""
-    key = _plan_key(op, tensors, scalars, product)
-    found = _PLANS.get(key) if key is not None else None
-    if found is None:
-        checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
-        plan = op.plan(tensors, checked, DEFAULT_BLOCK)
-        found = checked, plan, op.workspace_size(plan)
-        if key is not None:
-            _remember_plan(key, found)
-    checked, plan, size = found
-    return size, Executor(op, tensors, dict(checked), plan, size)
+    return PLANS.plan(op, tensors, scalars, product)
 
 
-#: Checked scalars, plan and workspace size of recent two-phase calls, by geometry: a call
-#: that repeats one (the usual training step) skips the checks and the planning. Oldest
-#: out first past the limit.
-_PLANS: dict[Hashable, tuple[dict[str, Any], Any, int]] = {}
-PLAN_CACHE_LIMIT = 256
+@attrs.frozen
+class PlanCacheStatistics:
+    """The two-phase API's plan cache counters (:func:`opsched.aclnn.plan_cache_statistics`).
 
-
-def _plan_key(
-    op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str
-) -> Hashable | None:
-    """What a call's checks and plan depend on, or None when it is not cached.
-
-    Cached: plain, C-contiguous numpy arrays (their strides follow from shape and dtype,
-    and nothing needs staging for its layout) and hashable scalars. The key holds the
-    signature (shapes, dtypes, scalars), the product, whether each output is writeable
-    and whether an output overlaps an input (the plan stages it then).
+    Attributes:
+        hits: calls whose checks and plan were found by geometry.
+        misses: cacheable calls checked and planned in full.
+        uncached: calls the cache does not take (arrays that are not plain and
+            C-contiguous, unhashable scalars), each checked and planned in full.
+        evictions: plans dropped, oldest first, because the cache was full.
+        size: plans held now.
+        limit: the most it holds.
     """
-    signature = op.signature(tensors, scalars)
-    if signature is None:
-        return None
-    for array in tensors.values():
-        if array is not None and not array.flags.c_contiguous:
+
+    hits: int
+    misses: int
+    uncached: int
+    evictions: int
+    size: int
+    limit: int
+
+
+@attrs.define(eq=False)
+class PlanCache:
+    """Checked scalars, plan and workspace size of recent two-phase calls, by geometry.
+
+    A call that repeats one (the usual training step) skips the checks and the planning:
+    they depend on nothing the key leaves out. Cached: plain, C-contiguous numpy arrays
+    (their strides follow from shape and dtype, and nothing is staged for its layout) and
+    hashable scalars. The key holds the signature (shapes, dtypes, scalars), the product,
+    whether each output is writeable and whether an output overlaps an input (the plan
+    stages it then). Any thread may call; a race costs at most a plan made twice or a
+    miscounted counter, never a wrong plan.
+    """
+
+    limit: int = 256
+    _plans: dict[Hashable, tuple[dict[str, Any], Any, int]] = attrs.field(factory=dict, init=False)
+    _hits: int = attrs.field(default=0, init=False)
+    _misses: int = attrs.field(default=0, init=False)
+    _uncached: int = attrs.field(default=0, init=False)
+    _evictions: int = attrs.field(default=0, init=False)
+
+    def plan(
+        self, op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str
+    ) -> tuple[int, Executor]:
+        """Phase one through the cache: as :func:`get_workspace_size`."""
+        key = self._key(op, tensors, scalars, product)
+        found = self._plans.get(key) if key is not None else None
+        if found is None:
+            checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
+            plan = op.plan(tensors, checked, DEFAULT_BLOCK)
+            found = checked, plan, op.workspace_size(plan)
+            if key is None:
+                self._uncached += 1
+            else:
+                self._misses += 1
+                self._remember(key, found)
+        else:
+            self._hits += 1
+        checked, plan, size = found
+        return size, Executor(op, tensors, dict(checked), plan, size)
+
+    def statistics(self) -> PlanCacheStatistics:
+        """A snapshot of the counters."""
+        return PlanCacheStatistics(
+            self._hits, self._misses, self._uncached, self._evictions, len(self._plans),
+            self.limit,
+        )  # fmt: skip
+
+    @staticmethod
+    def _key(
+        op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str
+    ) -> Hashable | None:
+        """What a call's checks and plan depend on, or None when it is not cached."""
+        signature = op.signature(tensors, scalars)
+        if signature is None:
             return None
-    writeable = tuple(tensors[name] is None or tensors[name].flags.writeable for name in op.outputs)
-    return op.name, product, signature, writeable, op.overlaps_any(tensors)
+        for array in tensors.values():
+            if array is not None and not array.flags.c_contiguous:
+                return None
+        writeable = tuple(t is None or t.flags.writeable for t in map(tensors.get, op.outputs))
+        return op.name, product, signature, writeable, op.overlaps_any(tensors)
+
+    def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
+        if len(self._plans) >= self.limit:
+            self._plans.pop(next(iter(self._plans), None), None)
+            self._evictions += 1
+        self._plans[key] = found
 
 
-def _remember_plan(key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
-    if len(_PLANS) >= PLAN_CACHE_LIMIT:
-        _PLANS.pop(next(iter(_PLANS), None), None)
-    _PLANS[key] = found
+#: The process's plan cache (the two-phase API's).
+PLANS = PlanCache()
 
 
 def launch(
