@@ -58,8 +58,6 @@ def run_here(
         raise
     request = sched._record(*checked)
     counts = admission.thread_counts
-    with admission.lock:
-        counts.submitted += 1
     state: RequestState = RequestState.DONE
     error: BaseException | None = None
     if request.deadline is not None and request.deadline <= time.monotonic():
@@ -72,9 +70,10 @@ def run_here(
             sched.device.run_here(request)
         except Exception as exc:
             state, error = RequestState.FAILED, launch_error(request, exc)
-        with admission.lock:
+    with admission.lock:  # submitted, launched and finished at once: one lock round
+        counts.submitted += 1
+        if request.nbytes and state is not RequestState.EXPIRED:
             counts.launched(1)
-    with admission.lock:
         finish(request, state, counts, error)
     if error is not None:
         raise error
