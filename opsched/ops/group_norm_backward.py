@@ -45,6 +45,8 @@ F32 = np.dtype(np.float32)
 _INPUTS = ("grad_out", "input", "mean", "rstd", "gamma")
 _STATS = ("mean", "rstd", "gamma", "dgamma", "dbeta")
 _OUTPUTS = ("dx", "dgamma", "dbeta")
+#: output_mask's default.
+_ALL = (True, True, True)
 
 
 class GroupNormBackward(Operator):
@@ -83,6 +85,34 @@ class GroupNormBackward(Operator):
     dtypes: ClassVar[tuple[np.dtype, ...]] = tuple(
         np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)
     )
+
+    def call_signature(self, args: Sequence[Any]) -> Hashable | None:
+        # the hot path of every repeated call (output_mask left to its default): a flat
+        # tuple, no loop; the generic version otherwise
+        if len(args) == 9:
+            dy, x, mean, rstd, gamma, n, c, hxw, group = args
+            nd = np.ndarray
+            if (
+                type(dy) is nd and type(x) is nd and type(mean) is nd and type(rstd) is nd
+                and (gamma is None or type(gamma) is nd)
+                and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
+            ):  # fmt: skip
+                stats = None if gamma is None else (gamma.shape, gamma.dtype)
+                return (
+                    dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
+                    rstd.dtype, stats, n, c, hxw, group,
+                )  # fmt: skip
+        return super().call_signature(args)
+
+    def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if len(args) == 9 and out is None:  # the hot path: no generic loop
+            dy, x, mean, rstd, gamma, n, c, hxw, group = args
+            tensors = {
+                "grad_out": dy, "input": x, "mean": mean, "rstd": rstd, "gamma": gamma,
+                "dx": None, "dgamma": None, "dbeta": None,
+            }  # fmt: skip
+            return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": _ALL}
+        return super().arguments(args, out)
 
     def check(
         self,

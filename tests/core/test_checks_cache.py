@@ -53,3 +53,29 @@ async def test_calls_with_outputs_or_arrays_of_other_kinds_are_not_cached():
         assert await sched.glu_backward(g, x, out=out) is out
     sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
     assert sig is not None and sig[-1] == (tuple, (True, False, True))
+
+
+def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
+    from opsched.ops._base import Operator
+
+    rng = np.random.default_rng(4)
+    x, dy = rand(rng, (2, 4, 3), F32), rand(rng, (2, 4, 3), F32)
+    stats = rand(rng, (2, 2), F32)
+    op = GROUP_NORM_BACKWARD
+    for gamma in (rand(rng, (4,), F32), None):
+        args = (dy, x, stats, stats, gamma, 2, 4, 3, 2)
+        fast, generic = op.arguments(args, None), Operator.arguments(op, args, None)
+        assert list(fast[0]) == list(generic[0]) and fast[1] == generic[1]
+        assert all(fast[0][k] is generic[0][k] for k in generic[0])
+        assert op.call_signature(args) is not None
+    with_gamma = op.call_signature((dy, x, stats, stats, stats[0], 2, 4, 3, 2))
+    keys = {
+        with_gamma,
+        op.call_signature((dy, x, stats, stats, None, 2, 4, 3, 2)),  # no gamma
+        op.call_signature((dy, x, stats, stats, stats[0], 2, 4, 3, 1)),  # another group
+        op.call_signature((dy, x, stats.astype(np.float16), stats, stats[0], 2, 4, 3, 2)),
+    }
+    assert len(keys) == 4 and None not in keys
+    # numpy integers take the generic path, which does not cache them
+    assert op.call_signature((dy, x, stats, stats, stats[0], np.int64(2), 4, 3, 2)) is None
+    assert op.call_signature((dy, x, stats, [1.0], stats[0], 2, 4, 3, 2)) is None
