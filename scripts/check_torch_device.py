@@ -5,13 +5,17 @@
 For each operator it submits many requests at once (tensors on the device and numpy
 arrays), and checks each result bit for bit against the framework's own call on that request
 alone; then a graph, the sync facade, a split request, fault isolation, a tensor on the wrong
-device, and the allocator statistics. Prints one line per check and exits 1 if any failed.
+device, and the throughput of tiny requests against the framework's call once per request.
+Prints one line per check and exits 1 if any failed. Checks raise :class:`CheckFailed`, never
+a bare ``assert`` (``python -O`` would remove those, and a broken device would pass).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +25,16 @@ import opsched
 import opsched.sync
 from opsched.devices import make_device
 from opsched.devices import torch_ops as t
+
+
+class CheckFailed(Exception):
+    """A check found the device wrong."""
+
+
+def require(condition: object, message: str) -> None:
+    """Raise CheckFailed(message) unless ``condition`` holds (kept under ``python -O``)."""
+    if not condition:
+        raise CheckFailed(message)
 
 
 def main(device: str) -> int:
@@ -54,12 +68,13 @@ def main(device: str) -> int:
             c = await asyncio.gather(*(sched.group_norm_backward(*r) for r in gnb))
             stats = sched.statistics()
         for (g, x), got in zip(glu, a, strict=True):
-            assert torch.equal(got, t.glu_backward(g, x, -1)), "GluBackward differs"
+            require(torch.equal(got, t.glu_backward(g, x, -1)), "GluBackward differs")
         for r, got in zip(gn, b, strict=True):
-            assert torch.equal(got, t.group_norm_grad(*r)), "GroupNormalizationGrad differs"
+            require(torch.equal(got, t.group_norm_grad(*r)), "GroupNormalizationGrad differs")
         for r, got in zip(gnb, c, strict=True):
             want = t.group_norm_backward(*r, [True] * 3)
-            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+            same = all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+            require(same, "GroupNormBackward differs")
         return f"{stats.completed} requests in {stats.launches} launches; pool {stats.pool}"
 
     check("three operators, fused, each = its own framework call", lambda: asyncio.run(ops()))
@@ -71,7 +86,8 @@ def main(device: str) -> int:
             out = sched.glu_backward(g, x)
         want = t.from_torch(t.glu_backward(torch.from_numpy(g).to(target),
                                            torch.from_numpy(x).to(target), -1))  # fmt: skip
-        assert isinstance(out, np.ndarray) and np.array_equal(out, want)
+        require(isinstance(out, np.ndarray), f"expected a numpy array, got {type(out)}")
+        require(np.array_equal(out, want), "GluBackward through numpy differs")
         return "numpy in, numpy out, sync facade"
 
     check("numpy arrays through the sync facade", numpy_in)
@@ -85,7 +101,7 @@ def main(device: str) -> int:
         async with opsched.open_scheduler(device=device, streams=2) as sched:
             (out,) = await sched.run(g, [node])
         want = t.glu_backward(t.group_norm_grad(x, dy, gamma, mean, rstd), gate, -1)
-        assert torch.equal(out, want)
+        require(torch.equal(out, want), "the graph's result differs")
         return "a two-node chain across streams"
 
     check("graph", lambda: asyncio.run(graph()))
@@ -96,7 +112,8 @@ def main(device: str) -> int:
         async with opsched.open_scheduler(device=device, **cfg) as sched:
             out = await sched.glu_backward(g, x)
             launches = sched.statistics().launches
-        assert launches == 2 and torch.allclose(out, t.glu_backward(g, x, -1))
+        require(launches == 2, f"expected 2 launches, got {launches}")
+        require(torch.allclose(out, t.glu_backward(g, x, -1)), "the split result differs")
         return f"{launches} parts"
 
     check("a large request split across streams", lambda: asyncio.run(split()))
@@ -110,7 +127,7 @@ def main(device: str) -> int:
                 *(sched.glu_backward(g, x) for g, x in work), return_exceptions=True
             )
         failed = [i for i, r in enumerate(out) if isinstance(r, Exception)]
-        assert failed == [3], failed
+        require(failed == [3], f"expected request 3 alone to fail, got {failed}")
         return "one injected fault fails its request only"
 
     check("error isolation", lambda: asyncio.run(isolation()))
@@ -121,9 +138,40 @@ def main(device: str) -> int:
                 await sched.glu_backward(torch.zeros(2, 2, device="meta"), torch.zeros(2, 4))
             except opsched.ParamInvalidError as exc:
                 return str(exc)
-        raise AssertionError("a tensor on another device was accepted")
+        raise CheckFailed("a tensor on another device was accepted")
 
     check("a tensor on another device", lambda: asyncio.run(wrong_device()))
+
+    async def throughput() -> str:
+        work = [(tensor(8, 32), tensor(8, 64)) for _ in range(256)]
+        rounds = 8
+
+        def per_request() -> float:
+            start = time.perf_counter()
+            for _ in range(rounds):
+                for g, x in work:
+                    t.glu_backward(g, x, -1)
+            if target.type != "cpu":  # wait for the queued kernels (torch.cuda, torch.npu)
+                getattr(torch, target.type).synchronize()
+            return time.perf_counter() - start
+
+        async with opsched.open_scheduler(device=device, streams=2) as sched:
+
+            async def scheduled() -> float:
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    await asyncio.gather(*(sched.glu_backward(g, x) for g, x in work))
+                return time.perf_counter() - start
+
+            await scheduled()  # warm up
+            ratios = [per_request() / await scheduled() for _ in range(3)]
+        speed = statistics.median(ratios)
+        return (
+            f"{len(work) * rounds} GLU 8x64 requests: the scheduler at {speed:.2f}x the "
+            "framework's call once per request (median of 3; above 1.0x it is cheaper)"
+        )
+
+    check("throughput against per-request framework calls", lambda: asyncio.run(throughput()))
 
     for name, ok, detail in results:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")

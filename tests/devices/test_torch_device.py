@@ -238,8 +238,30 @@ def test_demo_runs_on_torch_cpu(tmp_path):
 def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "torch:cpu"],
+        [sys.executable, "-O", str(script), "torch:cpu"],  # its checks survive -O
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PASS") == 6 and "FAIL" not in proc.stdout
+    assert proc.stdout.count("PASS") == 7 and "FAIL" not in proc.stdout
+    assert "the framework's call once per request" in proc.stdout  # the throughput ratio
+
+
+def test_the_accelerator_check_script_fails_a_wrong_device_by_name(monkeypatch, capsys):
+    import importlib.util
+
+    from opsched.devices import torch_ops
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
+    spec = importlib.util.spec_from_file_location("check_torch_device", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real = torch_ops.glu_backward
+    # the framework's own call, as the check sees it, now disagrees with the scheduler's
+    monkeypatch.setattr(script.t, "glu_backward", lambda g, x, dim: real(g, x, dim) + 1)
+    assert script.main("torch:cpu") == 1
+    out = capsys.readouterr().out
+    assert (
+        "FAIL  three operators, fused, each = its own framework call: CheckFailed: "
+        "GluBackward differs" in out
+    )
