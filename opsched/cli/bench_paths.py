@@ -28,7 +28,15 @@ from opsched import aclnn
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices import torch_ops as _torch_ops
 
-__all__ = ["PATHS", "PATH_TARGETS", "bench_paths", "print_paths"]
+__all__ = [
+    "PATHS",
+    "PATH_TARGETS",
+    "bench_paths",
+    "glu_inputs",
+    "gnb_inputs",
+    "print_paths",
+    "torch_per_request",
+]
 
 F32 = np.float32
 
@@ -39,12 +47,16 @@ PATH_TARGETS = {"coroutines": 1.5, "submit": 1.0, "sync": 0.5, "two-phase": 0.5}
 _CLIENTS = 256
 
 
-def _inputs(op: str, rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
-    if op == "glu":
-        return [
-            (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
-            for _ in range(n)
-        ]
+def glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
+    """``n`` tiny GluBackward requests: ``(grad_out 8x32, self 8x64)``, FLOAT."""
+    return [
+        (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
+        for _ in range(n)
+    ]
+
+
+def gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """``n`` tiny GroupNormBackward requests: N=4, C=8, HxW=64, group=4, FLOAT."""
     out: list[tuple[Any, ...]] = []
     for _ in range(n):
         x, dy = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(2))
@@ -55,8 +67,9 @@ def _inputs(op: str, rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
     return out
 
 
-def _torch_call(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:
-    """Torch's operator on request ``k``, on tensors converted beforehand."""
+def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:
+    """Torch's operator on request ``k`` (``glu``, ``gn`` or ``gnb`` inputs), on tensors
+    converted beforehand: the peer of the scheduler benchmarks."""
     tensors = [[_torch_ops.to_torch(a) for a in args[:5]] for args in inputs]
     count = len(tensors)
     if op == "glu":
@@ -66,6 +79,13 @@ def _torch_call(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], objec
             return _torch_ops.glu_backward(g, x, -1)
 
         return glu
+    if op == "gn":
+
+        def gn(k: int) -> object:
+            x, dy, gamma, mean, rstd = tensors[k % count]
+            return _torch_ops.group_norm_grad(x, dy, gamma, mean, rstd)
+
+        return gn
     n, c, hxw, group = inputs[0][5:9]
     mask = [True] * 3
 
@@ -157,8 +177,8 @@ def bench_paths(
     torch = torch_peer()
     rows = []
     for op in ops:
-        inputs = _inputs(op, np.random.default_rng(0), 4096)
-        peer = _torch_call(op, inputs) if torch is not None else None
+        inputs = (glu_inputs if op == "glu" else gnb_inputs)(np.random.default_rng(0), 4096)
+        peer = torch_per_request(op, inputs) if torch is not None else None
         for path in PATHS:
             n = requests if path in ("coroutines", "submit") else max(_CLIENTS, requests // 10)
             ours, peers, ratios = [], [], []

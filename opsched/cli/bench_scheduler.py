@@ -36,20 +36,18 @@ import numpy as np
 
 import opsched
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.cli.bench_paths import bench_paths, print_paths
+from opsched.cli.bench_paths import (
+    bench_paths,
+    glu_inputs,
+    gnb_inputs,
+    print_paths,
+    torch_per_request,
+)
 from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
-from opsched.devices import torch_ops as _torch_ops
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 
 F32 = np.float32
-
-
-def _glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
-    return [
-        (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
-        for _ in range(n)
-    ]
 
 
 def _gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
@@ -62,19 +60,7 @@ def _gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]
     return out
 
 
-def _gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
-    """GroupNormBackward requests: N=4, C=8, HxW=64, group=4, every output."""
-    out: list[tuple[Any, ...]] = []
-    for _ in range(n):
-        x, dy = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(2))
-        mean = rng.standard_normal((4, 4)).astype(F32)
-        rstd = (rng.random((4, 4)) + 0.5).astype(F32)
-        gamma = rng.standard_normal(8).astype(F32)
-        out.append((dy, x, mean, rstd, gamma, 4, 8, 64, 4))
-    return out
-
-
-_INPUTS = {"glu": _glu_inputs, "gn": _gn_inputs, "gnb": _gnb_inputs}
+_INPUTS = {"glu": glu_inputs, "gn": _gn_inputs, "gnb": gnb_inputs}
 
 
 def _direct(op: str) -> Callable[..., Any]:
@@ -119,32 +105,6 @@ async def _throughput_run(
     return elapsed, before, after
 
 
-def _torch_direct(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], None]:
-    """Torch's CPU operator once per request, on tensors converted beforehand."""
-    if op == "gnb":
-        converted = [[_torch_ops.to_torch(a) for a in args[:5]] for args in inputs]
-        n, c, hxw, group = inputs[0][5:9]
-
-        def gnb(k: int) -> None:
-            dy, x, mean, rstd, gamma = converted[k % len(converted)]
-            _torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
-
-        return gnb
-    tensors = [tuple(_torch_ops.to_torch(a) for a in args) for args in inputs]
-    if op == "glu":
-
-        def glu(k: int) -> None:
-            g, x = tensors[k % len(tensors)]
-            _torch_ops.glu_backward(g, x, -1)
-
-        return glu
-
-    def gn(k: int) -> None:
-        _torch_ops.group_norm_grad(*tensors[k % len(tensors)])
-
-    return gn
-
-
 def _throughput(
     target: BenchTarget, op: str, repeats: int, clients: int, per_client: int,
     trace: str | None = None,
@@ -154,7 +114,7 @@ def _throughput(
     total = clients * per_client
     direct = _direct(op)
     torch = torch_peer()
-    peer = _torch_direct(op, inputs) if torch is not None else None
+    peer = torch_per_request(op, inputs) if torch is not None else None
     sched_times, direct_times, ratios, torch_ratios = [], [], [], []
     steady: dict[str, Any] = {}
     for i in range(repeats):
@@ -198,7 +158,7 @@ def _throughput(
 
 def _tracing(target: BenchTarget, repeats: int, clients: int, per_client: int) -> dict[str, Any]:
     """GLU throughput with a trace recorded against without, interleaved."""
-    inputs = _glu_inputs(np.random.default_rng(0), 4096)
+    inputs = glu_inputs(np.random.default_rng(0), 4096)
     total = clients * per_client
     off, on, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +185,7 @@ SWEEP_BATCH = (1, 4, 16, 64, 256, 1024)
 
 def _sweeps(target: BenchTarget, repeats: int, requests: int) -> dict[str, Any]:
     """GLU throughput against concurrency and against the fused batch cap."""
-    inputs = _glu_inputs(np.random.default_rng(0), 4096)
+    inputs = glu_inputs(np.random.default_rng(0), 4096)
 
     def rps(clients: int, **overrides: Any) -> tuple[float, float]:
         per_client = max(1, requests // clients)
@@ -281,7 +241,7 @@ async def _latency_run(
 
 def _latency(target: BenchTarget, repeats: int, n: int = 2000) -> dict[str, Any]:
     rng = np.random.default_rng(1)
-    args = _glu_inputs(rng, 1)[0]
+    args = glu_inputs(rng, 1)[0]
     sched_med, direct_med = [], []
     for _ in range(repeats):
         sched_s, direct_s = asyncio.run(_latency_run(target, args, n))
