@@ -182,7 +182,7 @@ def prepare_glu_backward(
     if outer * half == 0:
         return _nothing
     if kind is None or plan.stage_self or plan.stage_grad or plan.stage_out:
-        return functools.partial(_glu_staged, plan, grad_out, self, out, outer, half)
+        return functools.partial(_glu_staged, plan, kind, grad_out, self, out, outer, half)
     args = _compiled_args(
         kind, grad_out.reshape(outer, half), self.reshape(outer, 2, half),
         out.reshape(outer, 2, half), outer, half,
@@ -197,6 +197,7 @@ def _nothing(workspace: np.ndarray | None) -> None:
 
 def _glu_staged(
     plan: GluPlan,
+    kind: _jit.Kind | None,
     grad_out: np.ndarray,
     self: np.ndarray,
     out: np.ndarray,
@@ -204,7 +205,8 @@ def _glu_staged(
     half: int,
     workspace: np.ndarray | None,
 ) -> None:
-    """A launch that stages operands in the workspace, or runs DOUBLE's numpy kernel."""
+    """A launch that stages operands in the workspace, or (``kind`` None: DOUBLE) runs the
+    numpy kernel."""
     carve = Carver(workspace)
     self3 = staged(carve, self, plan.stage_self, (outer, 2, half))
     grad2 = staged(carve, grad_out, plan.stage_grad, (outer, half))
@@ -213,7 +215,6 @@ def _glu_staged(
         out3 = target.reshape(outer, 2, half)
     else:
         out3 = out.reshape(outer, 2, half)  # viewable: the plan checked
-    kind = _jit.kind_of(plan.dtype)
     if kind is not None:
         _LOOPS[kind.name](*_compiled_args(kind, grad2, self3, out3, outer, half))
     else:

@@ -37,7 +37,6 @@ from ._common import Carver, must_stage, overlaps, store, workspace_bytes
 __all__ = [
     "BLOCK_BYTES",
     "GnbPlan",
-    "group_norm_backward_fast",
     "group_norm_backward_reference",
     "group_norm_backward_rows_reference",
     "make_gnb_plan",
@@ -229,33 +228,6 @@ def _sum_samples(stats, n, c):  # type: ignore[no-untyped-def]
             stats[k] += stats[s * c + k]
 
 
-def group_norm_backward_fast(
-    plan: GnbPlan,
-    grad_out: np.ndarray,
-    x: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    gamma: np.ndarray | None,
-    dx: np.ndarray | None,
-    dgamma: np.ndarray | None,
-    dbeta: np.ndarray | None,
-    workspace: np.ndarray | None,
-    *,
-    ds_out: np.ndarray | None = None,
-    db_out: np.ndarray | None = None,
-) -> None:
-    """Compute GroupNormBackward using only ``workspace`` for scratch.
-
-    Sizes are read from the arrays (a fused launch runs the prefix of a larger plan):
-    ``N = mean.size // group``. With ``plan.row_gamma`` gamma is ``(rows, cpg)``; with
-    ``plan.stats_out`` the per-channel-row sums go to ``ds_out`` / ``db_out`` (float32,
-    ``N * C``) and dgamma / dbeta are not written here.
-    """
-    prepare_group_norm_backward(
-        plan, grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out=ds_out, db_out=db_out
-    )(workspace)
-
-
 def prepare_group_norm_backward(
     plan: GnbPlan,
     grad_out: np.ndarray,
@@ -270,8 +242,14 @@ def prepare_group_norm_backward(
     ds_out: np.ndarray | None = None,
     db_out: np.ndarray | None = None,
 ) -> Callable[[np.ndarray | None], None]:
-    """Do the per-array work of a launch once; return the launch, which takes the workspace
-    (arguments as :func:`group_norm_backward_fast`).
+    """Do the per-array work of a GroupNormBackward launch once; return the launch, a
+    function of the workspace (a ``uint8`` array of at least ``plan.workspace_bytes``, None
+    when 0) that uses it for all its scratch.
+
+    Sizes are read from the arrays (a fused launch runs the prefix of a larger plan):
+    ``N = mean.size // group``. With ``plan.row_gamma`` gamma is ``(rows, cpg)``; with
+    ``plan.stats_out`` the per-channel-row sums go to ``ds_out`` / ``db_out`` (float32,
+    ``N * C``) and dgamma / dbeta are not written here.
 
     The workspace carve and the loop's arguments are laid out once per workspace: a
     repeatable executor launched again with the same workspace pays for the copies into it
@@ -293,7 +271,7 @@ def prepare_group_norm_backward(
 
 
 class _Arrays(NamedTuple):
-    """A launch's operands (see :func:`group_norm_backward_fast`)."""
+    """A launch's operands (see :func:`prepare_group_norm_backward`)."""
 
     grad_out: np.ndarray
     x: np.ndarray

@@ -16,7 +16,6 @@ import numpy as np
 from opsched._errors import ParamInvalidError
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
-    group_norm_backward_fast,
     group_norm_backward_reference,
     group_norm_backward_rows_reference,
     make_gnb_plan,
@@ -257,12 +256,7 @@ class GroupNormBackward(Operator):
         )  # fmt: skip
 
     def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
-        t = tensors
-        group_norm_backward_fast(
-            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t.get("gamma"),
-            t.get("dx"), t.get("dgamma"), t.get("dbeta"), workspace,
-            ds_out=t.get("ds"), db_out=t.get("db"),
-        )  # fmt: skip
+        self.prepare(plan, tensors)(workspace)
 
     def prepare(self, plan: GnbPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
         t = tensors

@@ -14,8 +14,8 @@ import opsched.sync
 from opsched import ParamInvalidError, ParamNullptrError, aclnn
 from opsched.kernels.group_norm_backward import (
     BLOCK_BYTES,
-    group_norm_backward_fast,
     plan_group_norm_backward,
+    prepare_group_norm_backward,
 )
 from opsched.ops import GROUP_NORM_BACKWARD
 from tests.helpers import BF16, GN_DTYPES, assert_same_bits, rand, tolerance
@@ -259,7 +259,7 @@ def test_layouts_do_not_change_a_bit():
         assert not (plan.stage_x or plan.stage_dy or plan.stage_dx)
         outs = (views[2], np.empty_like(base[1]), np.empty_like(base[2]))
         ws = np.empty(plan.workspace_bytes, np.uint8)
-        group_norm_backward_fast(plan, views[0], views[1], *args[2:5], *outs, ws)
+        prepare_group_norm_backward(plan, views[0], views[1], *args[2:5], *outs)(ws)
         for a, b in zip(outs, base, strict=True):
             assert_same_bits(a, b)
         assert not wide[2][:, :, :offset].any() and not wide[2][:, :, offset + hxw :].any()
@@ -289,10 +289,10 @@ def test_fast_kernel_memory_is_its_workspace_plus_a_constant():
             outs = (np.empty(args[1].shape, dtype), np.empty(c, dtype), np.empty(c, dtype))
             plan = plan_group_norm_backward(args[0], args[1], outs[0], n, c, hxw, group, ALL, True)
             ws = np.empty(plan.workspace_bytes, np.uint8)
-            group_norm_backward_fast(plan, *args[:5], *outs, ws)  # warm up
+            prepare_group_norm_backward(plan, *args[:5], *outs)(ws)  # warm up
             tracemalloc.start()
             try:
-                group_norm_backward_fast(plan, *args[:5], *outs, ws)
+                prepare_group_norm_backward(plan, *args[:5], *outs)(ws)
                 _, peak = tracemalloc.get_traced_memory()
             finally:
                 tracemalloc.stop()
