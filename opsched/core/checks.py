@@ -101,7 +101,6 @@ class Checks:
             op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
         )
 
-
     def remember_call(self, op: Operator, args: Sequence[Any], checked: Checked) -> None:
         """After ``checked`` passed for a call of ``args`` without outputs: let
         :meth:`known` find it by the call itself."""
@@ -113,16 +112,18 @@ class Checks:
                     self._calls.clear()
                 self._calls[call] = (op, *spec, checked.signature)
 
-    def known(self, op: Operator, args: Sequence[Any], priority: int) -> Checked | None:
+    def known(self, op: Operator, args: Sequence[Any], priority: int) -> tuple[Any, ...] | None:
         """A call without outputs, deadline or timeout whose checks passed before, checked
-        by one lookup; None when it is not known (the caller then checks it in full)."""
+        by one lookup: the fields of its :class:`Checked`, as a plain tuple (the hot path
+        builds no named tuple); None when it is not known (the caller then checks it in
+        full)."""
         call = op.call_signature(args)
         hit = self._calls.get(call) if call is not None else None
         if hit is None or hit[0] is not op:
             return None
         _, scalars, spec, key, units, nbytes, signature = hit
         tensors, convert = self._device.bind(op, op.arguments(args, None)[0], scalars, spec)
-        return Checked(op, tensors, scalars, key, units, nbytes, priority, None, signature, convert)
+        return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
 
 
 def priority_of(priority: object) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
@@ -36,23 +37,28 @@ class LoopEvent(Protocol):
 class _AsyncioEvent:
     """asyncio.Event, minus a coroutine frame per wait: ``wait()`` returns a future.
 
-    Each waiter gets its own future, so cancelling a waiter never affects the event.
+    Each waiter gets its own future, so cancelling a waiter never affects the event. A
+    request's event has one waiter: it takes a slot, not a list.
     """
 
-    __slots__ = ("_flag", "_loop", "_waiters")
+    __slots__ = ("_flag", "_loop", "_more", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._flag = False
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._more: list[asyncio.Future[None]] | None = None
 
     def set(self) -> None:
         if not self._flag:
             self._flag = True
-            for fut in self._waiters:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            for fut in self._more or ():
                 if not fut.done():
                     fut.set_result(None)
-            self._waiters.clear()
+            self._waiter = self._more = None
 
     def is_set(self) -> bool:
         return self._flag
@@ -61,8 +67,12 @@ class _AsyncioEvent:
         fut = self._loop.create_future()
         if self._flag:
             fut.set_result(None)
+        elif self._waiter is None:
+            self._waiter = fut
+        elif self._more is None:
+            self._more = [fut]
         else:
-            self._waiters.append(fut)
+            self._more.append(fut)
         return fut
 
 
@@ -192,11 +202,11 @@ def current_loop() -> LoopHandle:
         functools.partial(_AsyncioEvent, loop),
         asyncio_idle,
         _asyncio_checkpoint,
-        _anyio_cancel_check(),
+        _anyio_cancel_check(loop),
     )
 
 
-def _anyio_cancel_check() -> Callable[[], Any]:
+def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
     """After a wait on asyncio: raise if the task's anyio cancel scope was cancelled.
 
     On asyncio, anyio delivers a cancel scope's cancellation only to a task whose awaited
@@ -215,11 +225,25 @@ def _anyio_cancel_check() -> Callable[[], Any]:
         import anyio.lowlevel
 
         return anyio.lowlevel.checkpoint_if_cancelled
+    # The two lookups done per wait, without their Python-level wrappers where the
+    # internals are as expected: the WeakKeyDictionary's own dict (keys: weak references,
+    # equal to a new reference to the same task), and asyncio's current task per loop.
+    states = getattr(_task_states, "data", None)
+    tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    if not isinstance(states, dict) or not isinstance(tasks, dict):
+        states = tasks = None
     current_task = asyncio.current_task
+    ref = weakref.ref
 
     def cancelled() -> bool:
-        task = current_task()
-        state = _task_states.get(task) if task is not None else None
+        if states is None or tasks is None:
+            task = current_task()
+            state = _task_states.get(task) if task is not None else None
+        elif not states:  # no task is in an anyio task group or cancel scope
+            return False
+        else:
+            task = tasks.get(loop)
+            state = states.get(ref(task)) if task is not None else None
         scope = state.cancel_scope if state is not None else None
         while scope is not None:
             if scope.cancel_called:

@@ -462,7 +462,7 @@ class Scheduler:
             convert=convert,
         )  # fmt: skip
 
-    def _admit(self, checked: Checked, future: Future[Any] | None = None) -> Request:
+    def _admit(self, checked: tuple[Any, ...], future: Future[Any] | None = None) -> Request:
         """Queue a checked request (or finish it at once if it has nothing to compute).
 
         ``future``: the request came from a thread, which holds that future; it gets a

@@ -42,6 +42,7 @@ __all__ = [
     "dtype_name",
     "entry_point",
     "index_value",
+    "signature_groups",
 ]
 
 #: aclnn dtype names of the numpy dtypes opsched computes in (SPEC, common rules).
@@ -171,6 +172,25 @@ def index_value(op: str, name: str, value: object) -> int:
 def cuts(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous, near-equal ranges covering ``range(n)``."""
     return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
+
+
+def signature_groups(requests: Sequence[Any]) -> list[list[int]]:
+    """The indices of ``requests`` grouped by signature, in order of first appearance.
+
+    Requests with equal signatures have the same shapes, dtypes and scalars, so a fused
+    launch's gather and scatter move a whole group with a few numpy calls instead of a few
+    per request. A request without a signature is a group of its own.
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, request in enumerate(requests):
+        signature = request.signature
+        key = signature if signature is not None else object()
+        members = groups.get(key)
+        if members is None:
+            groups[key] = [i]
+        else:
+            members.append(i)
+    return list(groups.values())
 
 
 @attrs.frozen

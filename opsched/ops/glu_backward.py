@@ -29,6 +29,7 @@ from opsched.ops._base import (
     check_types,
     cuts,
     index_value,
+    signature_groups,
 )
 from opsched.ops.products import OpSupport
 
@@ -202,33 +203,43 @@ class GluBackward(Operator):
         return make_glu_plan((2, capacity), 0, key[1], block=block)  # type: ignore[index]
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        # Requests with the same half-length h are copied with one concatenate per operand:
-        # their (outer, h) views of a, b and grad_out stack along axis 0, strided or not.
-        groups: dict[int, list[int]] = {}
-        for i, r in enumerate(requests):
-            h = glu_grid(r.tensors["self"].shape, r.scalars["dim"])[1]
-            groups.setdefault(h, []).append(i)
+        # Requests of one signature (same shapes, dim) move together: grad_out with one
+        # concatenate into its row, self with one concatenate and two copies of its halves.
         offsets = [0] * len(requests)
         offset = 0
         g_row, a_row, b_row = fused["grad_out"][0], fused["self"][0], fused["self"][1]
-        for h, members in groups.items():
-            views = [_rows(requests[i].tensors, requests[i].scalars["dim"], h) for i in members]
+        for members in signature_groups(requests):
+            first = requests[members[0]]
+            x, g = first.tensors["self"], first.tensors["grad_out"]
+            outer, half = glu_grid(x.shape, first.scalars["dim"])
             start = offset
-            for i, (g2, _, _) in zip(members, views, strict=True):
+            for i in members:
                 offsets[i] = offset
-                offset += g2.shape[0] * h
-            end = offset
-            for k, target in enumerate((g_row, a_row, b_row)):
-                np.concatenate([v[k] for v in views], axis=0, out=target[start:end].reshape(-1, h))
+                offset += outer * half
+            rows = len(members) * outer
+            segment = slice(start, offset)
+            gathered = [requests[i].tensors["grad_out"] for i in members]
+            np.concatenate(gathered, out=g_row[segment].reshape(-1, *g.shape[1:]))
+            stacked = np.concatenate([requests[i].tensors["self"] for i in members])
+            halves = stacked.reshape(rows, 2, half)
+            np.copyto(a_row[segment].reshape(rows, half), halves[:, 0])
+            np.copyto(b_row[segment].reshape(rows, half), halves[:, 1])
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
         oa_row, ob_row = fused["out"][0], fused["out"][1]
-        for r, offset in zip(requests, offsets, strict=True):
-            out_a, out_b = _halves(r.tensors["out"], r.scalars["dim"])
-            end = offset + out_a.size
-            np.copyto(out_a, oa_row[offset:end].reshape(out_a.shape))
-            np.copyto(out_b, ob_row[offset:end].reshape(out_b.shape))
+        for members in signature_groups(requests):
+            first = requests[members[0]]
+            x = first.tensors["self"]
+            outer, half = glu_grid(x.shape, first.scalars["dim"])
+            rows = len(members) * outer
+            segment = slice(offsets[members[0]], offsets[members[0]] + rows * half)
+            results = np.empty((len(members), *x.shape), x.dtype)
+            halves = results.reshape(rows, 2, half)
+            np.copyto(halves[:, 0], oa_row[segment].reshape(rows, half))
+            np.copyto(halves[:, 1], ob_row[segment].reshape(rows, half))
+            for i, result in zip(members, results, strict=True):
+                np.copyto(requests[i].tensors["out"], result)
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
@@ -247,26 +258,6 @@ class GluBackward(Operator):
         else:
             return None
         return [(dict(zip(("grad_out", "self", "out"), v, strict=True)), {"dim": 1}) for v in views]
-
-
-def _rows(
-    tensors: Mapping[str, np.ndarray], dim: int, h: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(grad_out, a, b)`` of a request as ``(outer, h)`` arrays: views when the layout
-    allows, else contiguous copies (numpy's reshape decides)."""
-    x, g = tensors["self"], tensors["grad_out"]
-    a, b = _halves(x, dim)
-    if x.ndim == 2 and dim == 1:  # already (outer, h): no reshape calls
-        return g, a, b
-    return g.reshape(-1, h), a.reshape(-1, h), b.reshape(-1, h)
-
-
-def _halves(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    h = x.shape[dim] // 2
-    if dim == x.ndim - 1:  # the usual split: plain last-axis slices
-        return x[..., :h], x[..., h:]
-    lead = (slice(None),) * dim
-    return x[(*lead, slice(0, h))], x[(*lead, slice(h, None))]
 
 
 #: The GluBackward descriptor.

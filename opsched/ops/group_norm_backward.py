@@ -21,7 +21,6 @@ from opsched.kernels.group_norm_backward import (
     make_gnb_plan,
     plan_group_norm_backward,
     prepare_group_norm_backward,
-    reduce_over_samples,
 )
 from opsched.ops._base import (
     FusedGeometry,
@@ -33,6 +32,7 @@ from opsched.ops._base import (
     check_types,
     dtype_name,
     index_value,
+    signature_groups,
 )
 from opsched.ops.products import OpSupport
 
@@ -352,37 +352,61 @@ class GroupNormBackward(Operator):
         )  # fmt: skip
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        offsets, offset = [], 0
-        for r in requests:
-            offsets.append(offset)
-            offset += r.units
+        # Requests of one signature (same shapes, N, C, group) move together: one
+        # concatenate per operand, one broadcast copy of their gammas.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        hxw = fused["grad_out"].shape[1]
-        for name in ("grad_out", "input"):
-            parts = [r.tensors[name].reshape(-1, hxw) for r in requests]
-            np.concatenate(parts, axis=0, out=fused[name][: offset * cpg])
-        for name in ("mean", "rstd"):
-            parts = [r.tensors[name].reshape(-1) for r in requests]
-            np.concatenate(parts, axis=0, out=fused[name][:offset])
-        if "gamma" in fused:
-            rows_gamma = fused["gamma"]
-            for r, start in zip(requests, offsets, strict=True):
-                n, group = r.scalars["N"], r.scalars["group"]
-                target = rows_gamma[start : start + r.units].reshape(n, group, cpg)
-                np.copyto(target, r.tensors["gamma"].reshape(1, group, cpg))
+        offsets = [0] * len(requests)
+        offset = 0
+        for members in signature_groups(requests):
+            first = requests[members[0]]
+            start = offset
+            for i in members:
+                offsets[i] = offset
+                offset += first.units
+            for name in ("grad_out", "input"):
+                target = fused[name][start * cpg : offset * cpg]
+                parts = [requests[i].tensors[name] for i in members]
+                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
+            for name in ("mean", "rstd"):
+                parts = [requests[i].tensors[name] for i in members]
+                target = fused[name][start:offset]
+                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
+            if "gamma" in fused:
+                n, c = first.scalars["N"], first.scalars["C"]
+                rows = fused["gamma"][start:offset].reshape(len(members), n, c)
+                gammas = np.stack([requests[i].tensors["gamma"].reshape(c) for i in members])
+                np.copyto(rows, gammas[:, None, :])
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        # dgamma / dbeta: each request's per-row sums added over its own samples in order
+        # 0, 1, ..., N-1 in FLOAT (as reduce_over_samples does for a solo launch), a whole
+        # group at a time, then rounded once into the output dtype.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        for r, start in zip(requests, offsets, strict=True):
-            lo, hi = start * cpg, (start + r.units) * cpg
-            t, n, c = r.tensors, r.scalars["N"], r.scalars["C"]
+        for members in signature_groups(requests):
+            first = requests[members[0]]
+            k, n, c = len(members), first.scalars["N"], first.scalars["C"]
+            lo = offsets[members[0]] * cpg
+            hi = lo + k * first.units * cpg
+            t = first.tensors
             if t["dx"] is not None and "dx" in fused:
-                np.copyto(t["dx"], fused["dx"][lo:hi].reshape(t["dx"].shape))
-            if t["dgamma"] is not None:
-                reduce_over_samples(fused["db"][lo:hi], n, c, t["dgamma"])
-            if t["dbeta"] is not None:
-                reduce_over_samples(fused["ds"][lo:hi], n, c, t["dbeta"])
+                dx = fused["dx"][lo:hi].reshape(k, *t["dx"].shape)
+                for i, result in zip(members, dx, strict=True):
+                    np.copyto(requests[i].tensors["dx"], result)
+            for name, stats in (("dgamma", "db"), ("dbeta", "ds")):
+                if t[name] is None:
+                    continue
+                if n == 0:
+                    for i in members:
+                        requests[i].tensors[name][...] = 0
+                    continue
+                rows = fused[stats][lo:hi].reshape(k, n, c)
+                sums = rows[:, 0].copy()
+                for sample in range(1, n):
+                    sums += rows[:, sample]
+                results = sums.astype(t[name].dtype)
+                for i, result in zip(members, results, strict=True):
+                    np.copyto(requests[i].tensors[name], result.reshape(t[name].shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

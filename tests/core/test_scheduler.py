@@ -22,6 +22,7 @@ from opsched import (
     SchedulerClosedError,
     Status,
 )
+from opsched.core.dispatch import Dispatcher
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
     DEVICES,
@@ -285,6 +286,28 @@ async def test_cancel_running_request_drops_result_and_others_complete(device):
     stats = sched.statistics()
     assert stats.cancelled == 1 and stats.completed == 1
     assert_adds_up(stats)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_scope_cancelled_after_the_result_arrived_still_cancels_the_call(monkeypatch):
+    # On asyncio, anyio cancels only a task that waits on a pending future: a request that
+    # finished just before its caller's scope was cancelled must not hand the result over.
+    rng = np.random.default_rng(23)
+    reached = []
+    scope = anyio.CancelScope()
+    complete = Dispatcher.complete
+
+    def complete_then_cancel(self, *args):
+        complete(self, *args)  # the result is set; its caller has not resumed yet
+        scope.cancel()
+
+    monkeypatch.setattr(Dispatcher, "complete", complete_then_cancel)
+    async with opsched.open_scheduler(device="reference") as sched:
+        with scope:
+            await sched.glu_backward(*small_glu(rng))
+            reached.append(True)
+    assert scope.cancelled_caught and reached == []
+    assert sched.statistics().completed == 1
 
 
 # ------------------------------------------------------------------- error isolation
