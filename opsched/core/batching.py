@@ -84,13 +84,15 @@ class RequestQueue:
 
     def push(self, request: Request) -> None:
         """Queue ``request``."""
-        heap = self._heaps.get(request.key)
+        key = request.key
+        heap = self._heaps.get(key)
         if heap is None:
-            heap = self._heaps[request.key] = []
+            heap = self._heaps[key] = []
         heapq.heappush(heap, (-request.priority, request.id, request))
-        self._bytes[request.key] = self._bytes.get(request.key, 0) + request.nbytes
+        self._bytes[key] = self._bytes.get(key, 0) + request.nbytes
         self._live += 1
-        self.peak = max(self.peak, self._live)
+        if self._live > self.peak:
+            self.peak = self._live
 
     def discard(self, request: Request, state: RequestState) -> None:
         """Take a queued ``request`` out (lazily), leaving it in ``state``."""
@@ -119,6 +121,49 @@ class RequestQueue:
         if self.taken is not None:
             self.taken.append(request)
         return request
+
+    def take(
+        self, key: Hashable, limit: int, fuse_max_bytes: int, max_batch_bytes: int, now: float
+    ) -> tuple[list[Request], list[Request]]:
+        """Pop up to ``limit`` fusible requests of ``key`` in order, while each is at most
+        ``fuse_max_bytes`` and together at most ``max_batch_bytes`` (the first always
+        goes). Returns ``(taken, expired)``: requests whose deadline passed are popped
+        too, left EXPIRED, not taken. One loop over the heap, no method call per request.
+        """
+        taken: list[Request] = []
+        expired: list[Request] = []
+        heap = self._heaps.get(key)
+        if heap is None:
+            return taken, expired
+        record = self.taken
+        queued = RequestState.QUEUED
+        pop = heapq.heappop
+        nbytes = popped = 0
+        while heap and len(taken) < limit:
+            request = heap[0][2]
+            if request.state is not queued:  # cancelled or expired in place: drop it
+                pop(heap)
+                continue
+            size = request.nbytes
+            if size > fuse_max_bytes or (taken and nbytes + size > max_batch_bytes):
+                break
+            pop(heap)
+            popped += 1
+            self._bytes[key] -= size
+            if record is not None:
+                record.append(request)
+            deadline = request.deadline
+            if deadline is not None and deadline <= now:
+                request.state = RequestState.EXPIRED
+                expired.append(request)
+                continue
+            taken.append(request)
+            nbytes += size
+        self._live -= popped
+        if not heap:
+            del self._heaps[key]
+            self._bytes.pop(key, None)
+        return taken, expired
 
     def queued_bytes(self, key: Hashable) -> int:
         """Bytes of the live requests of ``key``."""
@@ -233,27 +278,19 @@ def _take(
     expired: list[Request],
 ) -> list[Request]:
     """Pop up to ``limit`` fusible requests of ``key`` within the byte budget."""
-    taken: list[Request] = []
-    nbytes = 0
-    while len(taken) < limit:
-        request = queue.head(key)
-        if request is None or request.nbytes > config.fuse_max_bytes:
-            break
-        if taken and nbytes + request.nbytes > config.max_batch_bytes:
-            break
-        queue.pop(key)
-        if request.deadline is not None and request.deadline <= now:
-            request.state = RequestState.EXPIRED
-            expired.append(request)
-            continue
-        taken.append(request)
-        nbytes += request.nbytes
+    taken, late = queue.take(key, limit, config.fuse_max_bytes, config.max_batch_bytes, now)
+    expired.extend(late)
     return taken
 
 
 def _solo(request: Request, idle: list[int], config: SchedulerConfig) -> list[Batch]:
     """A large request: alone on one stream, or split across the idle streams."""
-    if request.nbytes >= config.split_min_bytes and len(idle) > 1 and request.graph is None:
+    if (
+        request.nbytes >= config.split_min_bytes
+        and len(idle) > 1
+        and request.graph is None
+        and all(request.tensors[name] is not None for name in request.op.outputs)
+    ):  # a device may leave outputs to the launch (then it runs whole)
         parts = request.op.split(request.tensors, request.scalars, len(idle))
         if parts:
             request.parts_left = len(parts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,6 +27,9 @@ from opsched.ops._base import check_writable
 from opsched.ops.products import Product
 
 __all__ = ["Checked", "Checks", "deadline_of", "priority_of"]
+
+#: Each output's shape and dtype (:meth:`Operator.output_spec`).
+OutputSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
 #: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
 SIGNATURES_KEPT = 4096
@@ -84,10 +87,10 @@ class Checks:
         if known is None:
             scalars = op.check_on(self._product, meta, scalars, allocate=True)
             spec = op.output_spec(meta, scalars)
-            tensors, convert = device.bind(op, tensors, scalars, spec)
+            nbytes = _nbytes(op, meta, spec)
+            tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
             full = device.meta(tensors) if self._meta else tensors
             key, units = op.fusion(full, scalars)
-            nbytes = op.nbytes(full)
             device.check_fits(op, full, scalars, key, units, nbytes)
             if signature is not None:
                 if len(self._known) >= SIGNATURES_KEPT:
@@ -96,7 +99,7 @@ class Checks:
         else:
             scalars, spec, key, units, nbytes = known
             check_writable(op.name, op.outputs, tensors)  # not part of the signature
-            tensors, convert = device.bind(op, tensors, scalars, spec)
+            tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
         return Checked(
             op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
         )
@@ -122,8 +125,27 @@ class Checks:
         if hit is None or hit[0] is not op:
             return None
         _, scalars, spec, key, units, nbytes, signature = hit
-        tensors, convert = self._device.bind(op, op.arguments(args, None)[0], scalars, spec)
+        tensors = op.arguments(args, None)[0]
+        tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
         return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
+
+
+def _nbytes(op: Operator, tensors: Mapping[str, Any], spec: OutputSpec) -> int:
+    """What a request reads and writes: its arrays, and the outputs ``spec`` says it
+    will be given (before they are allocated)."""
+    given = {**tensors, **{n: _Shaped(s, d) for n, (s, d) in spec.items() if tensors[n] is None}}
+    return op.nbytes(given)
+
+
+class _Shaped(NamedTuple):
+    """An output not allocated yet: only its size counts (``nbytes``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def priority_of(priority: object) -> int:

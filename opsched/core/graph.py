@@ -277,5 +277,3 @@ class GraphBuilder:
                 seen.add(id(n))
                 stack.extend(n.deps)
         return False
-
-

@@ -75,8 +75,6 @@ class _NodeRun:
         self.error: BaseException | None = None
 
 
-
-
 @attrs.define(eq=False)
 class GraphRun:
     """The state of one run of a graph on a scheduler (driven by the scheduler).
@@ -294,8 +292,9 @@ async def run_graph(
                 if request.state is RequestState.QUEUED:
                     sched._expire(request)
         await done.wait()
-        if sched._loop.cancel_check is not None:
-            await sched._loop.cancel_check()
+        loop = sched._loop
+        if loop.cancelled is not None and loop.cancelled():
+            await loop.checkpoint()
     except BaseException:
         for request in run.cancel():
             if request.state is RequestState.QUEUED:

@@ -40,6 +40,7 @@ def runs_here(sched: Scheduler) -> bool:
         and threading.get_ident() != sched._loop_thread
     )
 
+
 def run_here(
     sched: Scheduler,
     op: Operator,
@@ -61,9 +62,12 @@ def run_here(
     state: RequestState = RequestState.DONE
     error: BaseException | None = None
     if request.deadline is not None and request.deadline <= time.monotonic():
-        state, error = RequestState.EXPIRED, DeadlineExceededError(
-            f"{op.name}: the deadline had passed when the request was submitted; it was "
-            "not launched"
+        state, error = (
+            RequestState.EXPIRED,
+            DeadlineExceededError(
+                f"{op.name}: the deadline had passed when the request was submitted; it was "
+                "not launched"
+            ),
         )
     elif request.nbytes:
         try:

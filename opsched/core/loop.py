@@ -109,30 +109,24 @@ class LoopHandle:
     #: The backend's name, "asyncio" or "trio".
     library: str
     _later: Callable[..., Any] | None = None
-    _event: Callable[[], LoopEvent] = ThreadEvent  # always given: the loop's own class
-    _idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
+    #: A new event of the loop's own kind (set and awaited on the loop thread). Plain
+    #: callables, not methods: these run for every request.
+    new_event: Callable[[], LoopEvent] = ThreadEvent  # always given: the loop's own class
+    #: True when nothing else is ready to run on the loop right now: then deferring work
+    #: to the next loop step gains nothing, no other task can add to it first. asyncio:
+    #: its ready queue is empty (a private attribute, read defensively: without it this
+    #: says False); trio: ``tasks_runnable == 0``.
+    idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
     _checkpoint: Callable[[], Any] | None = None
-    #: After a wait completed: raise if the caller's anyio cancel scope was cancelled
-    #: meanwhile (None where waits are cancellation points already, as on trio).
-    cancel_check: Callable[[], Any] | None = None
-
-    def idle(self) -> bool:
-        """True when nothing else is ready to run on the loop right now.
-
-        Then deferring work to the next loop step gains nothing: no other task can add to
-        it first. asyncio: its ready queue is empty (a private attribute, read defensively:
-        without it this says False); trio: ``tasks_runnable == 0``.
-        """
-        return self._idle()
+    #: After a wait completed: whether the caller's anyio cancel scope was cancelled
+    #: meanwhile, so that it must pass a :meth:`checkpoint` (None where waits are
+    #: cancellation points already, as on trio).
+    cancelled: Callable[[], bool] | None = None
 
     async def checkpoint(self) -> None:
         """Yield to the loop once (and deliver a pending cancellation)."""
         assert self._checkpoint is not None
         await self._checkpoint()
-
-    def new_event(self) -> LoopEvent:
-        """A new event of the loop's own kind (set and awaited on the loop thread)."""
-        return self._event()
 
     def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop ``delay`` seconds from now (call from the loop).
@@ -206,25 +200,23 @@ def current_loop() -> LoopHandle:
     )
 
 
-def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
-    """After a wait on asyncio: raise if the task's anyio cancel scope was cancelled.
+def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
+    """After a wait on asyncio: whether the task's anyio cancel scope was cancelled.
 
     On asyncio, anyio delivers a cancel scope's cancellation only to a task whose awaited
     future is still pending: a request that finished just before would hand its result to a
     caller whose scope was cancelled. The check runs after every wait, so it must be cheap:
     a plain function that reads the task's scope chain (anyio's own test, done
-    synchronously) and yields to the loop only when a scope really was cancelled, where
-    anyio's ``checkpoint_if_cancelled`` is a coroutine per call (~7 us). An anyio without
-    those internals gets its public, slower check.
+    synchronously); the caller then yields to the loop only when a scope really was
+    cancelled, where anyio's ``checkpoint_if_cancelled`` is a coroutine per call (~7 us).
+    An anyio without those internals gets "always": every wait then checkpoints.
     """
     try:
         from anyio._backends._asyncio import _task_states
 
         _task_states.get  # noqa: B018 - the internal this relies on
     except Exception:
-        import anyio.lowlevel
-
-        return anyio.lowlevel.checkpoint_if_cancelled
+        return _always
     # The two lookups done per wait, without their Python-level wrappers where the
     # internals are as expected: the WeakKeyDictionary's own dict (keys: weak references,
     # equal to a new reference to the same task), and asyncio's current task per loop.
@@ -253,23 +245,11 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
             scope = scope._parent_scope
         return False
 
-    def check() -> Any:
-        return _asyncio_checkpoint() if cancelled() else _DONE
-
-    return check
+    return cancelled
 
 
-class _Done:
-    """An awaitable that completes at once (the common case of the cancel check)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Any:
-        return
-        yield  # pragma: no cover - makes this a generator
-
-
-_DONE = _Done()
+def _always() -> bool:
+    return True
 
 
 async def _asyncio_checkpoint() -> None:

@@ -92,8 +92,16 @@ class Request:
 
     def outcome(self) -> Any:
         """What the caller of a completed request gets (converted for its kind of array)."""
+        result = self.op.result(self.tensors)
         convert = self.convert
-        return self.result if convert is None else convert(self.result)
+        return result if convert is None else convert(result)
+
+    def returned(self) -> Any:
+        """What the waiter of a finished request gets: its outcome, or its error raised."""
+        if self.state is RequestState.DONE:
+            return self.outcome()
+        assert self.error is not None
+        raise self.error
 
 
 _DONE = RequestState.DONE

@@ -165,7 +165,21 @@ class Scheduler:
             # one record, one queue operation, then the wait.
             known = self._checks.known(op, args, priority)
             if known is not None:
-                return await self._wait(self._admit(known))
+                request = self._admit(known)
+                done = request.done
+                if done.is_set():  # empty tensors: finished at submit
+                    return await self._wait(request)
+                # _wait's common case, inline: no coroutine of its own per request
+                loop = self._loop
+                try:
+                    await done.wait()
+                    if loop.cancelled is not None and loop.cancelled():
+                        await loop.checkpoint()
+                except BaseException:
+                    if not done.is_set():
+                        self._abandon(request)
+                    raise
+                return request.returned()
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if cacheable:  # only calls the fast path can serve are worth remembering
             self._checks.remember_call(op, args, checked)
@@ -517,10 +531,10 @@ class Scheduler:
 
     async def _wait(self, request: Request) -> Any:
         done = request.done
-        cancel_check = self._loop.cancel_check
+        loop = self._loop
         try:
             if done.is_set():  # finished inline at submit: still yield once
-                await self._loop.checkpoint()
+                await loop.checkpoint()
             elif request.deadline is None:  # the common case
                 await done.wait()
             else:
@@ -531,16 +545,13 @@ class Scheduler:
                         self._expire(request)
                     else:  # launched before its deadline: the result is on its way
                         await done.wait()
-            if cancel_check is not None:
-                await cancel_check()
+            if loop.cancelled is not None and loop.cancelled():
+                await loop.checkpoint()
         except BaseException:
             if not done.is_set():
                 self._abandon(request)
             raise
-        if request.state is RequestState.DONE:
-            return request.outcome()
-        assert request.error is not None
-        raise request.error
+        return request.returned()
 
     def _finish_empty(self, request: Request) -> None:
         """Finish a request of empty tensors at submit: nothing to launch. Its deadline

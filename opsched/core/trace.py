@@ -189,9 +189,7 @@ class Tracer:
             self._file.close()
 
 
-def trace_launch(
-    tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: Any | None
-) -> None:
+def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: Any | None) -> None:
     """Record one finished launch of ``batch`` (``result``: its work's ``(errors, start,
     end)``, None when the launch itself failed)."""
     requests = batch.requests

@@ -42,6 +42,7 @@ __all__ = [
     "LaunchBatch",
     "LaunchRequest",
     "Prepared",
+    "allocate_missing",
     "is_tensor",
     "meta_of",
     "numpy_dtype",
@@ -107,6 +108,14 @@ _NUMPY_OF = {  # a tensor dtype's name -> numpy dtype
     "uint8": np.dtype(np.uint8),
     "bool": np.dtype(np.bool_),
 }
+
+
+def allocate_missing(op: Operator, tensors: dict[str, Any], scalars: Mapping[str, Any]) -> None:
+    """Allocate the outputs of a checked request that the caller did not give, in place."""
+    for name in op.outputs:  # a loop, not any(): this runs for every request
+        if tensors[name] is None:
+            tensors.update(op.allocate(tensors, scalars))
+            return
 
 
 def is_tensor(value: object) -> bool:
@@ -180,16 +189,15 @@ class Device(abc.ABC):
         tensors: dict[str, Any],
         scalars: dict[str, Any],
         spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        nbytes: int,
     ) -> tuple[dict[str, Any], Converter | None]:
         """A checked request's arrays as the launch uses them, outputs allocated (``spec``:
-        each output's shape and dtype), and the converter of its result (None: as is).
+        each output's shape and dtype; ``nbytes``: what the request reads and writes), and
+        the converter of its result (None: as is).
 
         The default keeps numpy arrays where they are and allocates missing outputs.
         """
-        for name in op.outputs:  # a loop, not any(): this runs for every request
-            if tensors[name] is None:
-                tensors.update(op.allocate(tensors, scalars))
-                break
+        allocate_missing(op, tensors, scalars)
         return tensors, None
 
     def check_fits(  # noqa: B027 - optional hook

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import ParamInvalidError
-from opsched.devices.base import Device, LaunchBatch, Prepared
+from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
 from opsched.devices.streams import InlineStream, Stream, ThreadStream
@@ -117,6 +117,21 @@ class HostDevice(Device):
 
     # --------------------------------------------------------------------- admission
 
+    def bind(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        nbytes: int,
+    ) -> tuple[dict[str, Any], None]:
+        """Outputs the caller did not give are allocated at launch when the request may
+        fuse (a fused launch copies each request's results into a new array of its own:
+        one copy, nothing allocated per request on the loop thread); now otherwise."""
+        if not 0 < nbytes <= self.fuse_max_bytes:
+            allocate_missing(op, tensors, scalars)
+        return tensors, None
+
     def check_fits(
         self,
         op: Operator,
@@ -153,6 +168,7 @@ class HostDevice(Device):
         pool's (the pool belongs to the loop thread), plans cached by geometry."""
         op: Operator = request.op
         tensors = request.tensors
+        allocate_missing(op, tensors, request.scalars)
         key = (
             request.signature,
             tuple(_strides(tensors[n]) for n in op.tensor_names),
@@ -178,6 +194,8 @@ class HostDevice(Device):
     def _prepare_solo(self, batch: LaunchBatch, overflow: bool) -> Prepared | None:
         request = batch.requests[0]
         op: Operator = request.op
+        if batch.part is None:
+            allocate_missing(op, request.tensors, request.scalars)
         tensors, scalars = batch.part or (request.tensors, request.scalars)
         strides = tuple(_strides(tensors[n]) for n in op.tensor_names)
         if batch.part is None and request.signature is not None:

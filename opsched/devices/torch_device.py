@@ -211,6 +211,7 @@ class TorchDevice(Device):
         tensors: dict[str, Any],
         scalars: dict[str, Any],
         spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        nbytes: int,
     ) -> tuple[dict[str, Any], Converter | None]:
         """The request's arrays moved to the device, its outputs allocated there; results
         return as numpy when every array given was numpy (into the caller's ``out=``)."""

@@ -39,6 +39,7 @@ __all__ = [
     "check_types",
     "check_writable",
     "cuts",
+    "deliver",
     "dtype_name",
     "entry_point",
     "index_value",
@@ -172,6 +173,17 @@ def index_value(op: str, name: str, value: object) -> int:
 def cuts(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous, near-equal ranges covering ``range(n)``."""
     return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
+
+
+def deliver(tensors: dict[str, Any], name: str, result: np.ndarray) -> None:
+    """Hand one request its ``result`` from a fused launch: copied into the caller's output
+    ``name``, or, where its launch allocates that output (None), as a new array of its own
+    (never a view of the launch's memory)."""
+    out = tensors[name]
+    if out is None:
+        tensors[name] = result.copy()
+    else:
+        np.copyto(out, result)
 
 
 def signature_groups(requests: Sequence[Any]) -> list[list[int]]:

@@ -28,6 +28,7 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
+    deliver,
     index_value,
     signature_groups,
 )
@@ -239,7 +240,7 @@ class GluBackward(Operator):
             np.copyto(halves[:, 0], oa_row[segment].reshape(rows, half))
             np.copyto(halves[:, 1], ob_row[segment].reshape(rows, half))
             for i, result in zip(members, results, strict=True):
-                np.copyto(requests[i].tensors["out"], result)
+                deliver(requests[i].tensors, "out", result)
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -30,6 +30,7 @@ from opsched.ops._base import (
     check_dtype,
     check_present,
     check_types,
+    deliver,
     dtype_name,
     index_value,
     signature_groups,
@@ -388,25 +389,24 @@ class GroupNormBackward(Operator):
             k, n, c = len(members), first.scalars["N"], first.scalars["C"]
             lo = offsets[members[0]] * cpg
             hi = lo + k * first.units * cpg
-            t = first.tensors
-            if t["dx"] is not None and "dx" in fused:
-                dx = fused["dx"][lo:hi].reshape(k, *t["dx"].shape)
+            want_dx, want_dgamma, want_dbeta = first.scalars["output_mask"]
+            shape = first.tensors["input"].shape
+            if want_dx:
+                dx = fused["dx"][lo:hi].reshape(k, *shape)
                 for i, result in zip(members, dx, strict=True):
-                    np.copyto(requests[i].tensors["dx"], result)
-            for name, stats in (("dgamma", "db"), ("dbeta", "ds")):
-                if t[name] is None:
-                    continue
-                if n == 0:
-                    for i in members:
-                        requests[i].tensors[name][...] = 0
+                    deliver(requests[i].tensors, "dx", result)
+            gamma, mean = first.tensors["gamma"], first.tensors["mean"]
+            stat_shape = gamma.shape if gamma is not None else (c,)
+            for name, stats, wanted in (("dgamma", "db", want_dgamma), ("dbeta", "ds", want_dbeta)):
+                if not wanted:
                     continue
                 rows = fused[stats][lo:hi].reshape(k, n, c)
-                sums = rows[:, 0].copy()
+                sums = rows[:, 0].copy() if n else np.zeros((k, c), F32)
                 for sample in range(1, n):
                     sums += rows[:, sample]
-                results = sums.astype(t[name].dtype)
+                results = sums.astype(mean.dtype).reshape(k, *stat_shape)
                 for i, result in zip(members, results, strict=True):
-                    np.copyto(requests[i].tensors[name], result.reshape(t[name].shape))
+                    deliver(requests[i].tensors, name, result)
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -30,6 +30,7 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
+    deliver,
 )
 from opsched.ops.products import OpSupport
 
@@ -185,8 +186,8 @@ class GroupNormalizationGrad(Operator):
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
         dx_all = fused["dx"]
         for r, offset in zip(requests, offsets, strict=True):
-            dx = r.tensors["dx"]
-            np.copyto(dx, dx_all[offset : offset + dx.shape[0] * dx.shape[1]].reshape(dx.shape))
+            shape = r.tensors["x"].shape
+            deliver(r.tensors, "dx", dx_all[offset : offset + shape[0] * shape[1]].reshape(shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
