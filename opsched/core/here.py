@@ -52,8 +52,7 @@ def run_here(
 ) -> Any:
     admission = sched._admission
     try:
-        tensors, scalars = op.arguments(args, out)
-        checked = sched._checked(op, tensors, scalars, priority, deadline, timeout)
+        checked = sched._checked_call(op, args, out, priority, deadline, timeout)
     except BaseException:
         admission.refused_in_thread()
         raise

@@ -239,8 +239,7 @@ class Scheduler:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
             raise RuntimeError(msg)
         try:
-            tensors, scalars = op.arguments(args, out)
-            checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+            checked = self._checked_call(op, args, out, priority, deadline, timeout)
         except BaseException:
             self._admission.refused_in_thread()
             raise
@@ -437,6 +436,29 @@ class Scheduler:
         self._require_open("new requests")
         deadline = deadline_of(deadline, timeout)
         return self._checks.check(op, tensors, scalars, priority_of(priority), deadline)
+
+    def _checked_call(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> tuple[Any, ...]:
+        """A call's checked request (any thread): by one lookup when the same call without
+        outputs, deadline or timeout passed before, else checked in full (and remembered)."""
+        cacheable = out is None and deadline is None and timeout is None and type(priority) is int
+        if cacheable:
+            self._require_open("new requests")
+            known = self._checks.known(op, args, priority)
+            if known is not None:
+                return known
+        tensors, scalars = op.arguments(args, out)
+        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
+        if cacheable:
+            self._checks.remember_call(op, args, checked)
+        return checked
 
     def _checked_counted(
         self,

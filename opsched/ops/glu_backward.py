@@ -123,16 +123,22 @@ class GluBackward(Operator):
         return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        # the hot path of every repeated call: a flat tuple, no loop
+        # the hot path of every repeated call (dim given or left to its default): a flat
+        # tuple, no loop
         if len(args) == 3:
             g, x, dim = args
-            if type(g) is np.ndarray and type(x) is np.ndarray and type(dim) is int:
-                return (g.shape, g.dtype, x.shape, x.dtype, dim)
+        elif len(args) == 2:
+            (g, x), dim = args, -1
+        else:
+            return super().call_signature(args)
+        if type(g) is np.ndarray and type(x) is np.ndarray and type(dim) is int:
+            return (g.shape, g.dtype, x.shape, x.dtype, dim)
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        if len(args) == 3:  # the hot path: no generic loop
-            return {"grad_out": args[0], "self": args[1], "out": out}, {"dim": args[2]}
+        if 2 <= len(args) <= 3:  # the hot path: no generic loop
+            dim = args[2] if len(args) == 3 else -1
+            return {"grad_out": args[0], "self": args[1], "out": out}, {"dim": dim}
         return super().arguments(args, out)
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
