@@ -21,7 +21,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from opsched._errors import SchedulerClosedError
-from opsched.core.checks import Checked
 from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
 from opsched.core.stats import Counters
 
@@ -42,7 +41,7 @@ class Admission:
         self._loop = loop
         self._lock = threading.Lock()
         self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
-        self._inbox: collections.deque[tuple[Checked, Future[Any]]] = collections.deque()
+        self._inbox: collections.deque[tuple[tuple[Any, ...], Future[Any]]] = collections.deque()
         #: False once the scheduler stops accepting requests.
         self.open = True
         #: Threads that waited for room (counted under the lock).
@@ -98,7 +97,7 @@ class Admission:
                 raise
 
     def put_threadsafe(
-        self, checked: Checked, future: Future[Any], drain: Callable[[], None]
+        self, checked: tuple[Any, ...], future: Future[Any], drain: Callable[[], None]
     ) -> bool:
         """Hand a thread's checked request to the loop, parking the thread while the queue
         is full; ``drain`` is posted to the loop by the first of a burst.
@@ -122,7 +121,7 @@ class Admission:
             parked.wait_blocking()
         return not first or self._loop.post(drain)
 
-    def take_inbox(self) -> list[tuple[Checked, Future[Any]]]:
+    def take_inbox(self) -> list[tuple[tuple[Any, ...], Future[Any]]]:
         """Everything threads handed over since the last call (loop thread)."""
         with self._lock:
             items = list(self._inbox)

@@ -104,6 +104,31 @@ class Checks:
             op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
         )
 
+    def call(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> tuple[Any, ...]:
+        """A public call checked: by one lookup (:meth:`known`) when the same call without
+        outputs, deadline or timeout passed before, else in full (:meth:`check`), and then
+        remembered for the lookup. Raises as :meth:`check`."""
+        cacheable = out is None and deadline is None and timeout is None and type(priority) is int
+        if cacheable:
+            known = self.known(op, args, priority)
+            if known is not None:
+                return known
+        tensors, scalars = op.arguments(args, out)
+        checked = self.check(
+            op, tensors, scalars, priority_of(priority), deadline_of(deadline, timeout)
+        )
+        if cacheable:
+            self.remember_call(op, args, checked)
+        return checked
+
     def remember_call(self, op: Operator, args: Sequence[Any], checked: Checked) -> None:
         """After ``checked`` passed for a call of ``args`` without outputs: let
         :meth:`known` find it by the call itself."""

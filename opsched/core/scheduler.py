@@ -36,7 +36,7 @@ import attrs
 from opsched._errors import DeadlineExceededError, QueueFullError, SchedulerClosedError
 from opsched.core.admission import Admission
 from opsched.core.batching import RequestQueue
-from opsched.core.checks import Checked, Checks, deadline_of, priority_of
+from opsched.core.checks import Checks
 from opsched.core.config import SchedulerConfig
 from opsched.core.dispatch import Dispatcher
 from opsched.core.graph import GraphBuilder, Node, Placeholder
@@ -181,8 +181,6 @@ class Scheduler:
                     raise
                 return request.returned()
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
-        if cacheable:  # only calls the fast path can serve are worth remembering
-            self._checks.remember_call(op, args, checked)
         if not self._admission.has_room():
             if self._admission.full():
                 self._counters.backpressure_waits += 1
@@ -423,20 +421,6 @@ class Scheduler:
 
     # ----------------------------------------------------------------------- submission
 
-    def _checked(
-        self,
-        op: Operator,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Checked:
-        """Everything a request needs that touches no scheduler state (any thread)."""
-        self._require_open("new requests")
-        deadline = deadline_of(deadline, timeout)
-        return self._checks.check(op, tensors, scalars, priority_of(priority), deadline)
-
     def _checked_call(
         self,
         op: Operator,
@@ -446,19 +430,9 @@ class Scheduler:
         deadline: float | None,
         timeout: float | None,
     ) -> tuple[Any, ...]:
-        """A call's checked request (any thread): by one lookup when the same call without
-        outputs, deadline or timeout passed before, else checked in full (and remembered)."""
-        cacheable = out is None and deadline is None and timeout is None and type(priority) is int
-        if cacheable:
-            self._require_open("new requests")
-            known = self._checks.known(op, args, priority)
-            if known is not None:
-                return known
-        tensors, scalars = op.arguments(args, out)
-        checked = self._checked(op, tensors, scalars, priority, deadline, timeout)
-        if cacheable:
-            self._checks.remember_call(op, args, checked)
-        return checked
+        """A call's checked request (any thread; :meth:`Checks.call`)."""
+        self._require_open("new requests")
+        return self._checks.call(op, args, out, priority, deadline, timeout)
 
     def _checked_counted(
         self,
@@ -468,12 +442,11 @@ class Scheduler:
         priority: int,
         deadline: float | None,
         timeout: float | None,
-    ) -> Checked:
+    ) -> tuple[Any, ...]:
         """A public call's arguments checked (on the loop thread), a refusal counted as
         rejected."""
         try:
-            tensors, scalars = op.arguments(args, out)
-            return self._checked(op, tensors, scalars, priority, deadline, timeout)
+            return self._checked_call(op, args, out, priority, deadline, timeout)
         except BaseException:
             self._counters.rejected += 1
             raise
