@@ -199,7 +199,29 @@ class GroupNormBackward(Operator):
         return {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
-        mask = scalars.get("output_mask")
+        # Plain arrays, int sizes and a mask of three bools (the usual call): a flat tuple
+        # built without loops, since this runs for every call; the generic one otherwise.
+        t, s = tensors, scalars
+        dy, x, mean, rstd, gamma = t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"]
+        dx, dgamma, dbeta = t["dx"], t["dgamma"], t["dbeta"]
+        n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
+        nd = np.ndarray
+        if (
+            type(dy) is nd and type(x) is nd and type(mean) is nd and type(rstd) is nd
+            and (gamma is None or type(gamma) is nd) and (dx is None or type(dx) is nd)
+            and (dgamma is None or type(dgamma) is nd) and (dbeta is None or type(dbeta) is nd)
+            and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
+            and type(mask) in (tuple, list) and len(mask) == 3
+            and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
+        ):  # fmt: skip
+            return (
+                dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
+                rstd.dtype, None if gamma is None else (gamma.shape, gamma.dtype),
+                None if dx is None else (dx.shape, dx.dtype),
+                None if dgamma is None else (dgamma.shape, dgamma.dtype),
+                None if dbeta is None else (dbeta.shape, dbeta.dtype),
+                n, c, hxw, group, tuple(mask),
+            )  # fmt: skip
         if isinstance(mask, list):
             scalars = {**scalars, "output_mask": tuple(mask)}
         return super().signature(tensors, scalars)
