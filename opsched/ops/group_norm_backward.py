@@ -87,31 +87,35 @@ class GroupNormBackward(Operator):
     )
 
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        # the hot path of every repeated call (output_mask left to its default): a flat
-        # tuple, no loop; the generic version otherwise
-        if len(args) == 9:
-            dy, x, mean, rstd, gamma, n, c, hxw, group = args
+        # the hot path of every repeated call (output_mask a tuple of bools, or left to its
+        # default): a flat tuple, no loop; the generic version otherwise
+        if 9 <= len(args) <= 10:
+            dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
+            mask = args[9] if len(args) == 10 else _ALL
             nd = np.ndarray
             if (
                 type(dy) is nd and type(x) is nd and type(mean) is nd and type(rstd) is nd
                 and (gamma is None or type(gamma) is nd)
                 and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
+                and type(mask) is tuple and len(mask) == 3
+                and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
             ):  # fmt: skip
                 stats = None if gamma is None else (gamma.shape, gamma.dtype)
                 return (
                     dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
-                    rstd.dtype, stats, n, c, hxw, group,
+                    rstd.dtype, stats, n, c, hxw, group, mask,
                 )  # fmt: skip
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        if len(args) == 9 and out is None:  # the hot path: no generic loop
-            dy, x, mean, rstd, gamma, n, c, hxw, group = args
+        if 9 <= len(args) <= 10 and out is None:  # the hot path: no generic loop
+            dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
+            mask = args[9] if len(args) == 10 else _ALL
             tensors = {
                 "grad_out": dy, "input": x, "mean": mean, "rstd": rstd, "gamma": gamma,
                 "dx": None, "dgamma": None, "dbeta": None,
             }  # fmt: skip
-            return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": _ALL}
+            return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
         return super().arguments(args, out)
 
     def check(

@@ -52,7 +52,7 @@ async def test_calls_with_outputs_or_arrays_of_other_kinds_are_not_cached():
     async with opsched.open_scheduler(streams=1) as sched:
         assert await sched.glu_backward(g, x, out=out) is out
     sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
-    assert sig is not None and sig[-1] == (tuple, (True, False, True))
+    assert sig is not None and sig[-1] == (True, False, True)  # the mask is part of the key
 
 
 def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
@@ -63,11 +63,17 @@ def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
     stats = rand(rng, (2, 2), F32)
     op = GROUP_NORM_BACKWARD
     for gamma in (rand(rng, (4,), F32), None):
-        args = (dy, x, stats, stats, gamma, 2, 4, 3, 2)
-        fast, generic = op.arguments(args, None), Operator.arguments(op, args, None)
-        assert list(fast[0]) == list(generic[0]) and fast[1] == generic[1]
-        assert all(fast[0][k] is generic[0][k] for k in generic[0])
-        assert op.call_signature(args) is not None
+        for args in (
+            (dy, x, stats, stats, gamma, 2, 4, 3, 2),
+            (dy, x, stats, stats, gamma, 2, 4, 3, 2, (True, False, True)),
+        ):
+            fast, generic = op.arguments(args, None), Operator.arguments(op, args, None)
+            assert list(fast[0]) == list(generic[0]) and fast[1] == generic[1]
+            assert all(fast[0][k] is generic[0][k] for k in generic[0])
+            assert op.call_signature(args) is not None
+    default = (dy, x, stats, stats, None, 2, 4, 3, 2)
+    assert op.call_signature(default) == op.call_signature((*default, (True, True, True)))
+    assert op.call_signature(default) != op.call_signature((*default, (True, False, True)))
     with_gamma = op.call_signature((dy, x, stats, stats, stats[0], 2, 4, 3, 2))
     keys = {
         with_gamma,
