@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import anyio
@@ -130,6 +131,28 @@ async def test_chain_bit_identical_to_calls_one_by_one(device):
     for got, want in zip(outs, oracle(), strict=True):
         assert_result(device, got, want)
     assert stats.graph_runs == 1 and stats.graph_nodes == 8 and stats.completed == 8
+
+
+@pytest.mark.anyio
+async def test_a_finished_run_leaves_no_reference_cycles_for_the_collector():
+    # A run links producers and consumers both ways, and each node run to its request:
+    # once the run returns, those links are cut, so reference counting frees it all.
+    rng = np.random.default_rng(21)
+    graph, nodes, _ = chain(rng, length=4)
+    async with opsched.open_scheduler(device="reference") as sched:
+        await sched.run(graph, outputs=nodes[-1:])  # warm-up: caches, pools
+        gc.collect()
+        gc.disable()
+        try:
+            await sched.run(graph, outputs=nodes[-1:])
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = [type(o).__name__ for o in gc.garbage]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert "GraphRun" not in left and "_NodeRun" not in left and "Request" not in left
 
 
 @pytest.mark.anyio
