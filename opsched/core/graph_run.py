@@ -32,7 +32,7 @@ from opsched._errors import (
 from opsched.core.checks import deadline_of, priority_of
 from opsched.core.graph import ARRAY, NODE, GraphBuilder, Node, Placeholder
 from opsched.core.requests import Request, RequestState, finish
-from opsched.devices import Event, meta_of
+from opsched.devices import Device, Event, meta_of
 
 if TYPE_CHECKING:
     from opsched.core.scheduler import Scheduler
@@ -387,11 +387,12 @@ def _submit_node(
     the checked geometry, so nothing is checked again."""
     node = node_run.node
     device = sched.device
-    outputs = node.op.outputs
-    tensors = {
-        n: v if v is None or n in outputs else device.admit(node.name, n, v)
-        for n, v in tensors.items()
-    }
+    if type(device).admit is not Device.admit:  # the host devices take arrays as they are
+        outputs = node.op.outputs
+        tensors = {
+            n: v if v is None or n in outputs else device.admit(node.name, n, v)
+            for n, v in tensors.items()
+        }
     request = sched._record(
         node.op, tensors, node.scalars, node.key, node.units, node.nbytes,
         run.priority, run.deadline, node.signature,
