@@ -15,8 +15,10 @@ the same round; a row is the median over rounds of torch's time / the path's tim
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import time
+import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -31,6 +33,7 @@ from opsched.devices import torch_ops as _torch_ops
 __all__ = [
     "PATHS",
     "PATH_TARGETS",
+    "bench_memory",
     "bench_paths",
     "glu_inputs",
     "gnb_inputs",
@@ -96,22 +99,59 @@ def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int],
     return gnb
 
 
+async def _clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -> None:
+    """``_CLIENTS`` coroutines awaiting ``n`` requests in all (results dropped)."""
+    call = sched.glu_backward if op == "glu" else sched.group_norm_backward
+    share = n // _CLIENTS
+
+    async def client(i: int) -> None:
+        for j in range(share):
+            await call(*inputs[(i * share + j) % len(inputs)])
+
+    await asyncio.gather(*(client(i) for i in range(_CLIENTS)))
+
+
 def _coroutines(target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
     async def main() -> float:
         async with target.open() as sched:
-            call = sched.glu_backward if op == "glu" else sched.group_norm_backward
-            share = n // _CLIENTS
-
-            async def client(i: int) -> None:
-                for j in range(share):
-                    await call(*inputs[(i * share + j) % len(inputs)])
-
-            await asyncio.gather(*(client(i) for i in range(_CLIENTS)))  # warm-up
+            await _clients(sched, op, inputs, n)  # warm-up
             start = time.perf_counter()
-            await asyncio.gather(*(client(i) for i in range(_CLIENTS)))
+            await _clients(sched, op, inputs, n)
             return time.perf_counter() - start
 
     return asyncio.run(main())
+
+
+def bench_memory(target: BenchTarget | None = None, requests: int = 25_600) -> dict[str, Any]:
+    """Memory in the steady state, traced (``tracemalloc``): ``_CLIENTS`` coroutines await
+    tiny GluBackward requests after a warm-up round. ``held_bytes``: what the round left
+    allocated once its results were dropped (anything kept per request shows here);
+    ``peak_per_request``: the round's peak per in-flight request, its own output included."""
+    target = target or BenchTarget()
+    inputs = glu_inputs(np.random.default_rng(0), 64)
+
+    async def main() -> tuple[int, int]:
+        async with target.open() as sched:
+            await _clients(sched, "glu", inputs, requests)  # warm-up: caches, pools
+            gc.collect()
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                await _clients(sched, "glu", inputs, requests)
+                await asyncio.sleep(0)  # the loop lets go of the clients' finished tasks
+                gc.collect()  # and of anything else only the collector frees
+                current, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            return current - base, peak - base
+
+    held, peak = asyncio.run(main())
+    return {
+        "requests": requests,
+        "held_bytes": held,
+        "peak_per_request": peak / _CLIENTS,
+        "output_bytes": inputs[0][1].nbytes,
+    }
 
 
 def _facade(

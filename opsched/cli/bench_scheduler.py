@@ -1,4 +1,4 @@
-"""The scheduler benchmark: five figures, each against a baseline measured in the same run.
+"""The scheduler benchmark: nine figures, each against a baseline measured in the same run.
 
 1. Small-request throughput: 256 coroutines each awaiting 200 requests through the
    scheduler, against the same requests one at a time through the two-phase API (check,
@@ -15,6 +15,8 @@
 8. Paths: the per-request cost of each way in (coroutines, ``submit_*`` from a thread,
    blocking calls, the two-phase API) against torch's operator per request
    (:mod:`opsched.cli.bench_paths`).
+9. Memory: what a steady-state round of tiny awaited requests leaves allocated, and its
+   peak per in-flight request (``tracemalloc``).
 
 Where torch is installed, (1) adds its CPU operator called once per request
 (single-threaded) as a peer.
@@ -37,6 +39,7 @@ import numpy as np
 import opsched
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_paths import (
+    bench_memory,
     bench_paths,
     glu_inputs,
     gnb_inputs,
@@ -319,7 +322,9 @@ def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str,
 
 
 #: Every part, in the order they run.
-PARTS = ("throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps", "paths")
+PARTS = (
+    "throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps", "paths", "memory",
+)  # fmt: skip
 
 
 def bench_scheduler(
@@ -356,6 +361,8 @@ def bench_scheduler(
         result["sweeps"] = _sweeps(target, repeats, clients * per_client // 4)
     if "paths" in parts:
         result["paths"] = bench_paths(target, repeats, clients * per_client // 2)
+    if "memory" in parts:
+        result["memory"] = bench_memory(target, clients * per_client // 4)
     return result
 
 
@@ -452,3 +459,12 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             "8. the per-request cost of every path, against torch's operator per request", file=out
         )
         print_paths(r["paths"], out)
+    if "memory" in r:
+        mem = r["memory"]
+        line(
+            f"9. memory, {mem['requests']} GLU 8x64 awaited",
+            f"{mem['held_bytes']:,} B held after; peak {mem['peak_per_request']:,.0f} B per "
+            f"in-flight request (output {mem['output_bytes']:,} B)",
+            "held <= 64 KiB",
+            mem["held_bytes"] <= 64 << 10,
+        )
