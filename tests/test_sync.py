@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 
 import numpy as np
@@ -84,6 +85,23 @@ def test_cancel_a_queued_future_and_deadline():
         stats = sched.statistics()
     assert not gate.launched_array(victim[1])
     assert stats.cancelled == 1 and stats.expired == 1 and stats.completed == 1
+
+
+def test_a_finished_future_keeps_nothing_of_its_request():
+    # Callers keep futures around; the request record (with every array it was given)
+    # must not live as long as they do.
+    from opsched.core.requests import Request
+
+    rng = np.random.default_rng(13)
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        futures = [sched.submit_glu_backward(*glu_args(rng)) for _ in range(4)]
+        results = [f.result(timeout=30) for f in futures]
+    assert all(r.shape == (4, 8) for r in results)
+    seen, frontier = set(), list(futures)
+    for _ in range(4):  # everything the futures reach, four references deep
+        frontier = [o for f in frontier for o in gc.get_referents(f) if id(o) not in seen]
+        seen.update(map(id, frontier))
+        assert not any(isinstance(o, Request) for o in frontier)
 
 
 def test_call_from_the_loop_thread_is_a_clear_error():

@@ -17,11 +17,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Sized
-from concurrent.futures import Future
 from typing import Any
 
 from opsched._errors import SchedulerClosedError
 from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
+from opsched.core.requests import RequestFuture
 from opsched.core.stats import Counters
 
 __all__ = ["Admission"]
@@ -41,7 +41,7 @@ class Admission:
         self._loop = loop
         self._lock = threading.Lock()
         self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
-        self._inbox: collections.deque[tuple[tuple[Any, ...], Future[Any]]] = collections.deque()
+        self._inbox: collections.deque[tuple[tuple[Any, ...], RequestFuture]] = collections.deque()
         #: False once the scheduler stops accepting requests.
         self.open = True
         #: Threads that waited for room (counted under the lock).
@@ -97,7 +97,7 @@ class Admission:
                 raise
 
     def put_threadsafe(
-        self, checked: tuple[Any, ...], future: Future[Any], drain: Callable[[], None]
+        self, checked: tuple[Any, ...], future: RequestFuture, drain: Callable[[], None]
     ) -> bool:
         """Hand a thread's checked request to the loop, parking the thread while the queue
         is full; ``drain`` is posted to the loop by the first of a burst.
@@ -121,7 +121,7 @@ class Admission:
             parked.wait_blocking()
         return not first or self._loop.post(drain)
 
-    def take_inbox(self) -> list[tuple[tuple[Any, ...], Future[Any]]]:
+    def take_inbox(self) -> list[tuple[tuple[Any, ...], RequestFuture]]:
         """Everything threads handed over since the last call (loop thread)."""
         with self._lock:
             items = list(self._inbox)

@@ -11,7 +11,7 @@ This module knows nothing of devices, operators by name, or batching policy.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from opsched.ops import Operator
 if TYPE_CHECKING:
     from opsched.core.scheduler import Scheduler
 
-__all__ = ["Pending", "Request", "RequestState", "finish"]
+__all__ = ["Pending", "Request", "RequestFuture", "RequestState", "finish"]
 
 _log = get_logger("opsched.scheduler")
 
@@ -45,6 +45,23 @@ class RequestState(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
+
+
+class RequestFuture(Future[Any]):
+    """What a submission from a thread returns: a ``concurrent.futures.Future`` whose
+    ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
+    per request: it would keep the request, and its arrays, as long as the future lives."""
+
+    #: Set on the loop once the request is queued; cleared when it has an outcome.
+    _withdraw: Callable[[], object] | None = None
+
+    def cancel(self) -> bool:
+        cancelled = super().cancel()
+        withdraw = self._withdraw
+        if cancelled and withdraw is not None:
+            self._withdraw = None
+            withdraw()
+        return cancelled
 
 
 @attrs.define(eq=False, slots=True)
@@ -75,7 +92,7 @@ class Request:
     parts_left: int = 0
     launched_at: float = 0.0
     #: For requests submitted from threads: the future their submitter holds.
-    future: Future[Any] | None = None
+    future: RequestFuture | None = None
     #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
     signature: Hashable | None = attrs.field(default=None, kw_only=True)
     #: For a graph node: ``(graph run, node run)``; its launch reports to them.
@@ -143,7 +160,10 @@ def finish(
         else:
             run.finished(node_run, request.error or SchedulerClosedError("cancelled"))
     future = request.future
-    if future is not None and not future.done():
+    if future is not None:
+        future._withdraw = None  # nothing left to withdraw: let go of the request
+        if future.done():  # cancelled by its owner
+            return
         if state is RequestState.DONE:
             future.set_result(request.outcome())
         elif request.error is not None:

@@ -21,6 +21,7 @@ through their descriptions: it never names either. The per-operator methods of t
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import os
 import threading
@@ -43,7 +44,7 @@ from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
 from opsched.core.here import run_here, runs_here
 from opsched.core.loop import LoopEvent, LoopHandle
-from opsched.core.requests import Pending, Request, RequestState, finish
+from opsched.core.requests import Pending, Request, RequestFuture, RequestState, finish
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer
 from opsched.devices import Device
@@ -241,7 +242,7 @@ class Scheduler:
         except BaseException:
             self._admission.refused_in_thread()
             raise
-        future: Future[Any] = Future()
+        future = RequestFuture()
         if not self._admission.put_threadsafe(checked, future, self._drain_inbox):
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
         return future
@@ -471,7 +472,7 @@ class Scheduler:
             convert=convert,
         )  # fmt: skip
 
-    def _admit(self, checked: tuple[Any, ...], future: Future[Any] | None = None) -> Request:
+    def _admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
         """Queue a checked request (or finish it at once if it has nothing to compute).
 
         ``future``: the request came from a thread, which holds that future; it gets a
@@ -486,7 +487,10 @@ class Scheduler:
             return request
         self._queue.push(request)
         if future is not None:
-            future.add_done_callback(self._future_done(request))
+            future._withdraw = functools.partial(self._loop.post, self._abandon_cancelled, request)
+            if future.cancelled():  # cancelled while in the inbox: withdrawn at once
+                self._abandon(request)
+                return request
             if request.deadline is not None:
                 delay = request.deadline - time.monotonic()
                 self._loop.call_later(delay, self._deadline_reached, request)
@@ -506,13 +510,6 @@ class Scheduler:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
             self._admit(checked, future)
-
-    def _future_done(self, request: Request) -> Any:
-        def done(future: Future[Any]) -> None:
-            if future.cancelled():  # cancelled by its owner thread: withdraw on the loop
-                self._loop.post(self._abandon_cancelled, request)
-
-        return done
 
     def _abandon_cancelled(self, request: Request) -> None:
         if not request.done.is_set():
