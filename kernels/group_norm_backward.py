@@ -317,8 +317,8 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
     carve = Carver(workspace)
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     shape2 = (channel_rows, hxw)
-    x2 = _staged(carve, a.x, plan.stage_x, copies).reshape(shape2)
-    dy2 = _staged(carve, a.grad_out, plan.stage_dy, copies).reshape(shape2)
+    x2 = _staged(carve, a.x, plan.stage_x, copies)
+    dy2 = _staged(carve, a.grad_out, plan.stage_dy, copies)
     dx_target = None
     if plan.want_dx and plan.stage_dx:
         dx_target = carve.take(channel_rows * hxw, plan.dtype)
@@ -339,21 +339,31 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
         dgamma32 = _sums_target(a.dgamma if plan.want_dgamma else None, db, plan.c, stores)
         dbeta32 = _sums_target(a.dbeta if plan.want_dbeta else None, ds, plan.c, stores)
     kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
-    dy, dys = _jit.flat(dy2, kind)
-    xf, xs = _jit.flat(x2, kind)
+    dy, dys = _channel_rows(dy2, shape2, kind)
+    xf, xs = _channel_rows(x2, shape2, kind)
     if not plan.want_dx:
         out, os_ = dy, 0  # not written
     elif dx_target is not None:
         out, os_ = _jit.storage(dx_target, kind), hxw
     else:
         assert a.dx is not None
-        out, os_ = _jit.flat(a.dx.reshape(shape2), kind)  # viewable: the plan checked
+        out, os_ = _channel_rows(a.dx, shape2, kind)  # viewable: the plan checked
     args = (
         dy, dys, xf, xs, out, os_, mean32, rstd32, gamma32, period, ds, db, rows, cpg, hxw,
         plan.want_dx, n, c_reduce, dgamma32, dbeta32,
     )  # fmt: skip
     dx_copy = None if dx_target is None or a.dx is None else (a.dx, dx_target)
     return _Launch(tuple(copies), _LOOPS[kind.name], args, dx_copy, tuple(stores))
+
+
+def _channel_rows(
+    array: np.ndarray, shape2: tuple[int, int], kind: _jit.Kind
+) -> tuple[np.ndarray, int]:
+    """``(flat storage, row stride)`` of an operand seen as ``shape2`` (channel rows,
+    HxW): a contiguous one directly (one reshape, not two: this runs per launch)."""
+    if array.flags.c_contiguous:
+        return _jit.storage(array, kind), shape2[1]
+    return _jit.flat(array.reshape(shape2), kind)
 
 
 def _staged(

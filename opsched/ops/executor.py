@@ -75,6 +75,9 @@ class Executor:
     #: The kernel prepared for the bound arrays (Operator.prepare); None until the first
     #: launch after a bind.
     _kernel: Callable[[np.ndarray | None], None] | None = attrs.field(default=None, init=False)
+    #: Whether the bound arrays are the ones the plan was made for (so their overlap is
+    #: planned): False after a bind, until the next launch checks it.
+    _as_planned: bool = attrs.field(default=True, init=False)
 
     @property
     def repeatable(self) -> bool:
@@ -144,6 +147,7 @@ class Executor:
                 raise ParamInvalidError(msg)
         self.tensors.update(arrays)
         self._kernel = None
+        self._as_planned = False
 
     def count_launch(self) -> None:
         """Count a launch whose workspace and bound arrays the owner guarantees (the
@@ -164,6 +168,7 @@ class Executor:
         """
         self.tensors = tensors
         self._kernel = None
+        self._as_planned = False
 
     def destroy(self) -> None:
         """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""
@@ -228,7 +233,7 @@ class Executor:
         ws = self._check_workspace(name, workspace, workspace_size)
         if self._kernel is None:  # arrays (re)bound since the last launch
             tensors = dict(self.tensors)
-            if op.unplanned_overlap(self.plan, tensors):
+            if not self._as_planned and op.unplanned_overlap(self.plan, tensors):
                 msg = (
                     f"{name}: the bound output overlaps an input, but the executor was "
                     "planned for separate buffers; plan a new executor for overlapping arrays"
