@@ -111,6 +111,16 @@ def test_large_request_launches_alone_and_splits_across_idle_streams():
     assert batches[0].requests == [small] and not batches[0].fused  # alone: no gather
 
 
+def test_large_request_whose_outputs_come_at_launch_runs_whole():
+    # A device may leave outputs to the launch (the host devices do for requests that may
+    # fuse): there is nothing to cut into parts yet, so the request runs unsplit.
+    cfg = SchedulerConfig(streams=4, fuse_max_bytes=1000, split_min_bytes=4000)
+    big = glu_request(rows=64, cols=16)
+    big.tensors["out"] = None
+    batches, _, _ = form_batches(queue_of(big), [0, 1, 2], cfg, now=1.0)
+    assert len(batches) == 1 and batches[0].part is None and big.parts_left == 1
+
+
 def test_large_request_alone_when_one_stream_idle():
     cfg = SchedulerConfig(streams=4, fuse_max_bytes=1000, split_min_bytes=4000)
     big = glu_request(rows=64, cols=16)
