@@ -109,7 +109,7 @@ class Request:
 
     def outcome(self) -> Any:
         """What the caller of a completed request gets (converted for its kind of array)."""
-        result = self.op.result(self.tensors)
+        result = self.result
         convert = self.convert
         return result if convert is None else convert(result)
 
@@ -119,9 +119,6 @@ class Request:
             return self.outcome()
         assert self.error is not None
         raise self.error
-
-
-_DONE = RequestState.DONE
 
 
 def finish(
@@ -144,7 +141,7 @@ def finish(
             _log.error("request finished twice", op=request.op.name, request=request.id)
         return
     request.state = state
-    if state is _DONE:  # the common case first: one comparison, one counter
+    if state is RequestState.DONE:  # the common case first: one comparison, one counter
         counters.completed += 1
     else:
         if error is not None and request.error is None:

@@ -166,21 +166,7 @@ class Scheduler:
             # one record, one queue operation, then the wait.
             known = self._checks.known(op, args, priority)
             if known is not None:
-                request = self._admit(known)
-                done = request.done
-                if done.is_set():  # empty tensors: finished at submit
-                    return await self._wait(request)
-                # _wait's common case, inline: no coroutine of its own per request
-                loop = self._loop
-                try:
-                    await done.wait()
-                    if loop.cancelled is not None and loop.cancelled():
-                        await loop.checkpoint()
-                except BaseException:
-                    if not done.is_set():
-                        self._abandon(request)
-                    raise
-                return request.returned()
+                return await self._wait(self._admit(known))
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self._admission.has_room():
             if self._admission.full():
