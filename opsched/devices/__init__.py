@@ -45,8 +45,9 @@ def make_device(
     Args:
         name: a name from :data:`DEVICES` (``torch:cuda:N`` / ``torch:npu:N`` too).
         streams: how many streams.
-        workspace_limit_bytes, executor_cache_limit, fuse_max_bytes: the host devices'
-            workspace pool cap, executor cache size and solo-launch threshold.
+        workspace_limit_bytes, executor_cache_limit: the host devices' workspace pool cap
+            and executor cache size.
+        fuse_max_bytes: the solo-launch threshold (every device).
 
     Raises:
         ValueError: an unknown device name (the message lists the known ones).
@@ -69,6 +70,6 @@ def make_device(
     if name.startswith("torch:"):
         from opsched.devices.torch_device import TorchDevice
 
-        return TorchDevice.create(name, streams)
+        return TorchDevice.create(name, streams, fuse_max_bytes=fuse_max_bytes)
     msg = f"unknown device {name!r}; expected one of {list(DEVICES)}"
     raise ValueError(msg)

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 import attrs
 import ml_dtypes
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from opsched.devices.cache import CacheStatistics
 from opsched.devices.pool import PoolStatistics
@@ -135,9 +136,11 @@ def numpy_dtype(tensor: Any) -> np.dtype:
 
 def meta_of(value: Any) -> Any:
     """What the checks see of an argument: a framework tensor as a zero-byte numpy array of
-    its shape and dtype; anything else as it is."""
+    its shape and dtype (writeable, as a tensor is: it may be an ``out=``); anything else as
+    it is."""
     if is_tensor(value):
-        return np.broadcast_to(np.empty((), numpy_dtype(value)), tuple(value.shape))
+        shape = tuple(value.shape)
+        return as_strided(np.empty((), numpy_dtype(value)), shape, (0,) * len(shape))
     return value
 
 

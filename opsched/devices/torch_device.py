@@ -50,7 +50,7 @@ from opsched.devices.base import (
 )
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import ThreadStream
-from opsched.ops import Operator
+from opsched.ops import Operator, register_array_type
 from opsched.ops.products import product_of_device
 
 __all__ = ["TorchDevice"]
@@ -72,15 +72,19 @@ class TorchDevice(Device):
     torch_device: Any = attrs.field(default=None, kw_only=True)
     framework_streams: list[Any] = attrs.field(factory=list, kw_only=True)
     kind: str = attrs.field(default="torch", kw_only=True)
+    #: Requests at most this large may fuse (the scheduler's ``fuse_max_bytes``).
+    fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _torch: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         import torch
 
         self._torch = torch
+        # the checks see a tensor's shape and dtype only (its device is checked at bind)
+        register_array_type(torch.Tensor)
 
     @classmethod
-    def create(cls, name: str, streams: int) -> TorchDevice:
+    def create(cls, name: str, streams: int, *, fuse_max_bytes: int = 1 << 20) -> TorchDevice:
         """Parse ``torch:cpu`` / ``torch:cuda[:i]`` / ``torch:npu[:i]`` and open it.
 
         Raises:
@@ -130,6 +134,7 @@ class TorchDevice(Device):
             torch_device=torch_device,
             framework_streams=framework,
             reported_product=reported,
+            fuse_max_bytes=fuse_max_bytes,
         )
 
     # ------------------------------------------------------------------ data in and out
@@ -213,17 +218,20 @@ class TorchDevice(Device):
         spec: Mapping[str, tuple[tuple[int, ...], np.dtype]],
         nbytes: int,
     ) -> tuple[dict[str, Any], Converter | None]:
-        """The request's arrays moved to the device, its outputs allocated there; results
-        return as numpy when every array given was numpy (into the caller's ``out=``)."""
+        """The request's arrays moved to the device; results return as numpy when every
+        array given was numpy (into the caller's ``out=``). Outputs the caller did not
+        give come from the launch (views of its stacked output) when the request may fuse;
+        a larger one, which may be split, gets them now."""
         caller_out = {n: v for n, v in tensors.items() if n in spec and isinstance(v, np.ndarray)}
         numpy_in = not any(is_tensor(v) for v in tensors.values())
         data = {
             name: None if value is None else self.admit(op.name, name, value)
             for name, value in tensors.items()
         }
-        for name, (shape, dtype) in spec.items():
-            if data[name] is None:
-                data[name] = self.empty(shape, dtype)
+        if not 0 < nbytes <= self.fuse_max_bytes:  # may be split: parts write into views
+            for name, (shape, dtype) in spec.items():
+                if data[name] is None:
+                    data[name] = self.empty(shape, dtype)
         convert = _to_numpy(op, caller_out) if numpy_in or caller_out else None
         return data, convert
 
@@ -251,8 +259,10 @@ class TorchDevice(Device):
         return Prepared(work)
 
     def execute(self, op: Operator, requests: Sequence[Any], stream: int) -> dict[int, Any]:
-        """Run each request's operator call in turn on ``stream``; return the failures by
-        request id (an injected fault or a framework error fails that request only)."""
+        """Run ``requests`` as one batch-invariant framework launch on ``stream``
+        (:meth:`Operator.framework_batch`); return the failures by request id. An injected
+        fault fails that request only; when the launch raises, each request runs alone in
+        the same layout (the same bits), so only the request that fails gets the error."""
         errors: dict[int, BaseException] = {}
         framework = self.framework_streams[stream] if self.framework_streams else None
         context: Any = contextlib.nullcontext()
@@ -262,13 +272,23 @@ class TorchDevice(Device):
             # copied in): this stream starts after what is queued there now.
             framework.wait_stream(backend.default_stream(self.torch_device))
             context = backend.stream(framework)
-        with context:
-            for r in requests:
-                try:
-                    self.check_fault([r])
-                    op.framework_call(self._torch, r.tensors, r.scalars)
-                except Exception as exc:  # the launch boundary of one request
-                    errors[r.id] = exc
+        live = []
+        for r in requests:
+            try:
+                self.check_fault([r])
+            except Exception as exc:  # an injected fault fails that request only
+                errors[r.id] = exc
+            else:
+                live.append(r)
+        with context, self._torch.no_grad():  # outputs written in place, never recorded
+            try:
+                op.framework_batch(self._torch, live)
+            except Exception:  # find the culprit: each alone, in the same layout
+                for r in live:
+                    try:
+                        op.framework_batch(self._torch, [r])
+                    except Exception as exc:  # the launch boundary of one request
+                        errors[r.id] = exc
             if framework is not None:
                 event = framework.record_event()
                 event.synchronize()  # this stream's thread waits; the loop does not

@@ -9,7 +9,7 @@ regenerated set of entry points.
 This room never imports the scheduler core, the devices or the CLI.
 """
 
-from opsched.ops._base import DTYPE_NAMES, Operator, Parameter, entry_point
+from opsched.ops._base import DTYPE_NAMES, Operator, Parameter, entry_point, register_array_type
 from opsched.ops.glu_backward import GLU_BACKWARD
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
@@ -23,6 +23,7 @@ __all__ = [
     "Operator",
     "Parameter",
     "entry_point",
+    "register_array_type",
 ]
 
 #: Every operator, by its aclnn name, in the order of the generated entry points.

@@ -28,6 +28,7 @@ from opsched._errors import ParamInvalidError, ParamNullptrError
 from opsched.ops.products import OpSupport, Product, check_product
 
 __all__ = [
+    "ARRAY_TYPES",
     "DTYPE_NAMES",
     "FusedGeometry",
     "Operator",
@@ -43,6 +44,7 @@ __all__ = [
     "dtype_name",
     "entry_point",
     "index_value",
+    "register_array_type",
     "signature_groups",
 ]
 
@@ -231,6 +233,17 @@ class Parameter:
 #: Scalar types whose value a cached signature may hold as it is.
 _PLAIN = frozenset((int, bool, float, str))
 
+#: The array types of which the checks see only shape and dtype: numpy's, and a framework
+#: device's tensor type once such a device exists (:func:`register_array_type`). A call of
+#: them is known by its shapes and dtypes (:meth:`Operator.call_signature`).
+ARRAY_TYPES: set[type] = {np.ndarray}
+
+
+def register_array_type(kind: type) -> None:
+    """Let calls passing ``kind`` arrays (a framework's exact tensor type) be known by
+    their shapes and dtypes: a device whose checks see nothing else of them calls this."""
+    ARRAY_TYPES.add(kind)
+
 
 def entry_point(
     fn: Callable[..., Any],
@@ -350,11 +363,12 @@ class Operator(abc.ABC):
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
         """What the checks of a call with these positional arguments (and no outputs)
         depend on: each array's shape and dtype, each scalar's type and value; None when an
-        argument is neither an exact ndarray nor a plain scalar (then nothing is cached)."""
+        argument is neither an array of :data:`ARRAY_TYPES` nor a plain scalar (then
+        nothing is cached)."""
         parts: list[Any] = [self.name]
         for value in args:
             kind = type(value)
-            if kind is np.ndarray:
+            if kind in ARRAY_TYPES:
                 parts.append((value.shape, value.dtype))
             elif (
                 value is None
@@ -400,6 +414,16 @@ class Operator(abc.ABC):
 
         ``torch`` is the framework module, passed in by the device that imported it (this
         room never imports torch).
+        """
+
+    @abc.abstractmethod
+    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
+        """Compute ``requests`` (one fusion key) with a few framework calls, batch-invariant:
+        each request's bits do not depend on the others (:mod:`opsched.ops._framework`).
+
+        An output a request was not given (None) is delivered as a view of the launch's
+        output. Raises whatever the framework raises; the device then runs each request
+        alone through this same method, in the same layout.
         """
 
     @abc.abstractmethod

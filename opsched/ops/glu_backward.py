@@ -20,6 +20,7 @@ from opsched.kernels.glu import (
     prepare_glu_backward,
 )
 from opsched.ops._base import (
+    ARRAY_TYPES,
     FusedGeometry,
     Operator,
     Parameter,
@@ -31,6 +32,13 @@ from opsched.ops._base import (
     deliver,
     index_value,
     signature_groups,
+)
+from opsched.ops._framework import (
+    framework_columns,
+    framework_deliver,
+    framework_groups,
+    framework_rows,
+    framework_stack,
 )
 from opsched.ops.products import OpSupport
 
@@ -131,7 +139,7 @@ class GluBackward(Operator):
             (g, x), dim = args, -1
         else:
             return super().call_signature(args)
-        if type(g) is np.ndarray and type(x) is np.ndarray and type(dim) is int:
+        if type(g) in ARRAY_TYPES and type(x) in ARRAY_TYPES and type(dim) is int:
             return (g.shape, g.dtype, x.shape, x.dtype, dim)
         return super().call_signature(args)
 
@@ -184,6 +192,35 @@ class GluBackward(Operator):
         if tensors["self"].numel():
             result = torch.ops.aten.glu_backward(tensors["grad_out"], tensors["self"], s["dim"])
             tensors["out"].copy_(result)
+
+    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
+        # One request alone is rows ``(outer, 2, half)``: the framework's own layout of it
+        # (a half's row is contiguous, rows ``2 * half`` apart). Requests of one shape stack
+        # their rows, and every call covers whole rows and runs serially on the CPU
+        # (ops/_framework.py): a row computes the same wherever it sits.
+        glu = torch.ops.aten.glu_backward.grad_input
+        for group in framework_groups(requests, _stack_key):
+            x0 = group[0].tensors["self"]
+            outer, half = glu_grid(tuple(x0.shape), group[0].scalars["dim"] % x0.dim())
+            rows = len(group) * outer
+            x = framework_stack(torch, [r.tensors["self"] for r in group]).view(rows, 2, half)
+            g = framework_stack(torch, [r.tensors["grad_out"] for r in group])
+            g = g.view(rows, 1, half)
+            out = torch.empty((rows, 2, half), dtype=x.dtype, device=x.device)
+            columns = framework_columns(half, x.device)
+            if rows * half == 0:
+                pass
+            elif len(columns) == 1:
+                for a, b in framework_rows(rows, half, x.device):
+                    glu(g[a:b], x[a:b], 1, grad_input=out[a:b])
+            else:  # rows too long for one serial call: the same column cuts in every row
+                for row in range(rows):
+                    for a, b in columns:
+                        cut = (slice(row, row + 1), slice(None), slice(a, b))
+                        glu(g[cut], x[cut], 1, grad_input=out[cut])
+            results = out.view(len(group), *x0.shape).unbind(0)
+            for r, result in zip(group, results, strict=True):
+                framework_deliver(r.tensors, "out", result)
 
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every
@@ -269,3 +306,8 @@ class GluBackward(Operator):
 
 #: The GluBackward descriptor.
 GLU_BACKWARD = GluBackward()
+
+
+def _stack_key(request: Any) -> Hashable:
+    """Requests that stack in one framework launch: the same shape and dim."""
+    return request.tensors["self"].shape, request.scalars["dim"]

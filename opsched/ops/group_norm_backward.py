@@ -23,6 +23,7 @@ from opsched.kernels.group_norm_backward import (
     prepare_group_norm_backward,
 )
 from opsched.ops._base import (
+    ARRAY_TYPES,
     FusedGeometry,
     Operator,
     Parameter,
@@ -35,6 +36,7 @@ from opsched.ops._base import (
     index_value,
     signature_groups,
 )
+from opsched.ops._framework import framework_deliver, framework_groups, framework_stack
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
@@ -92,10 +94,10 @@ class GroupNormBackward(Operator):
         if 9 <= len(args) <= 10:
             dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
             mask = args[9] if len(args) == 10 else _ALL
-            nd = np.ndarray
+            kinds = ARRAY_TYPES
             if (
-                type(dy) is nd and type(x) is nd and type(mean) is nd and type(rstd) is nd
-                and (gamma is None or type(gamma) is nd)
+                type(dy) in kinds and type(x) in kinds and type(mean) in kinds
+                and type(rstd) in kinds and (gamma is None or type(gamma) in kinds)
                 and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
                 and type(mask) is tuple and len(mask) == 3
                 and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
@@ -251,6 +253,54 @@ class GroupNormBackward(Operator):
         for out, result in zip(outs, results, strict=True):
             if out is not None and result is not None:
                 out.copy_(result.reshape(out.shape))
+
+    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
+        # Requests of one shape stack their samples as the channels of one sample: x as
+        # (1, samples * C, HxW) in samples * group groups, gamma repeated per sample. aten
+        # computes a channel's sums and a group's dx on one thread each, so dx is each
+        # request's own call, bit for bit, on any number of threads (measured); dgamma /
+        # dbeta come per sample and are summed over a request's samples here, in order,
+        # in float32 (or float64), and rounded once.
+        call = torch.ops.aten.native_group_norm_backward
+        for group in framework_groups(requests, _stack_key):
+            t = [r.tensors for r in group]
+            s = group[0].scalars
+            n, c, hxw, groups, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
+            k, samples = len(group), len(group) * n
+            x0, gamma0, stat_dtype = t[0]["input"], t[0]["gamma"], t[0]["mean"].dtype
+            stat_shape = tuple(gamma0.shape) if gamma0 is not None else (c,)
+            if n * c * hxw == 0:  # nothing to compute: dx is empty, the sums are zero
+                dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
+                stat = torch.zeros((k, *stat_shape), dtype=stat_dtype, device=x0.device)
+                results = (dx, stat, stat.clone())
+            else:
+                # Statistics and gamma in at least float32 (exact): aten then returns the
+                # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
+                wide = torch.promote_types(stat_dtype, torch.float32)
+                # aten reads gamma as contiguous whatever its strides, and cannot give
+                # dgamma without one: an absent gamma is ones (SPEC's meaning of it).
+                if gamma0 is None:
+                    gamma = torch.ones(samples * c, dtype=wide, device=x0.device)
+                else:
+                    gamma = framework_stack(torch, [v["gamma"] for v in t]).view(k, 1, c)
+                    gamma = gamma.to(wide).expand(k, n, c).contiguous().view(samples * c)
+                mean, rstd = (
+                    framework_stack(torch, [v[name] for v in t]).to(wide).view(1, -1)
+                    for name in ("mean", "rstd")
+                )
+                dx, dgamma, dbeta = call(
+                    framework_stack(torch, [v["grad_out"] for v in t]).view(1, -1, hxw),
+                    framework_stack(torch, [v["input"] for v in t]).view(1, -1, hxw),
+                    mean, rstd, gamma, 1, samples * c, hxw, samples * groups, list(mask),
+                )  # fmt: skip
+                sums = (_sample_sums(torch, v, k, n, c, stat_dtype) for v in (dgamma, dbeta))
+                results = (dx, *sums)
+            shapes = (tuple(x0.shape), stat_shape, stat_shape)
+            for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
+                if want:
+                    views = result.view(k, *shape).unbind(0)
+                    for r, view in zip(group, views, strict=True):
+                        framework_deliver(r.tensors, name, view)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
@@ -466,3 +516,23 @@ def _mask(op: str, value: object) -> tuple[bool, bool, bool]:
 
 #: The GroupNormBackward descriptor.
 GROUP_NORM_BACKWARD = GroupNormBackward()
+
+
+def _stack_key(request: Any) -> Hashable:
+    """Requests that stack in one framework launch: the same shapes and scalars."""
+    t = request.tensors
+    gamma = t["gamma"]
+    shapes = (t["grad_out"].shape, t["input"].shape, t["mean"].shape, t["rstd"].shape)
+    return shapes, None if gamma is None else gamma.shape, *request.scalars.values()
+
+
+def _sample_sums(torch: Any, stat: Any, k: int, n: int, c: int, dtype: Any) -> Any:
+    """A stacked launch's per-sample dgamma (or dbeta) summed over each request's ``n``
+    samples in sample order, then rounded once to ``dtype``; None when not computed."""
+    if stat is None:
+        return None
+    per_sample = stat.view(k, n, c)
+    total = per_sample[:, 0]
+    for i in range(1, n):
+        total = total + per_sample[:, i]
+    return total.to(dtype)

@@ -32,6 +32,12 @@ from opsched.ops._base import (
     cuts,
     deliver,
 )
+from opsched.ops._framework import (
+    framework_deliver,
+    framework_groups,
+    framework_rows,
+    framework_stack,
+)
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_GRAD", "GroupNormalizationGrad"]
@@ -128,6 +134,26 @@ class GroupNormalizationGrad(Operator):
         dx = (rstd_ / m) * gamma_ * (m * dy_ - s1 - xhat * s2)
         tensors["dx"].copy_(dx.reshape(x.shape).to(x.dtype))
 
+    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
+        # A request is N * G rows of M elements; requests of one shape stack their rows as
+        # (rows, 1, M), and each call covers whole rows and runs serially on the CPU
+        # (ops/_framework.py): a row's sums and dx are the same wherever it sits.
+        for group in framework_groups(requests, _stack_key):
+            t = [r.tensors for r in group]
+            x0 = t[0]["x"]
+            rows = len(group) * x0.shape[0] * x0.shape[1]
+            m = x0.numel() // max(x0.shape[0] * x0.shape[1], 1)
+            stacked = {
+                name: framework_stack(torch, [v[name] for v in t]).view(rows, 1, size)
+                for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
+            }
+            out = torch.empty((rows, 1, m), dtype=x0.dtype, device=x0.device)
+            for a, b in framework_rows(rows, m, x0.device):
+                chunk = {name: value[a:b] for name, value in stacked.items()}
+                self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
+            for r, view in zip(group, out.view(len(group), *x0.shape).unbind(0), strict=True):
+                framework_deliver(r.tensors, "dx", view)
+
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
     ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -208,3 +234,9 @@ class GroupNormalizationGrad(Operator):
 
 #: The GroupNormalizationGrad descriptor.
 GROUP_NORM_GRAD = GroupNormalizationGrad()
+
+
+def _stack_key(request: Any) -> Hashable:
+    """Requests that stack in one framework launch: the same shapes."""
+    t = request.tensors
+    return tuple(t[name].shape for name in ("x", "dy", "gamma", "mean", "rstd"))

@@ -82,7 +82,7 @@ def test_product_checks_apply_on_torch_devices():
     asyncio.run(main())
 
 
-def test_group_norm_backward_runs_aten_and_fuses_into_one_launch():
+def test_group_norm_backward_fuses_into_one_aten_launch():
     rng = np.random.default_rng(2)
     requests = []
     for n in (1, 2, 3, 2):
@@ -100,8 +100,9 @@ def test_group_norm_backward_runs_aten_and_fuses_into_one_launch():
     assert stats.launches < len(requests)  # one stream task served several requests
     for r, got in zip(requests, outs, strict=True):
         want = torch.ops.aten.native_group_norm_backward(*r, [True] * 3)
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(a, b)  # the framework's own call, bit for bit
+        assert torch.equal(got[0], want[0])  # dx: the framework's own call, bit for bit
+        for a, b in zip(got[1:], want[1:], strict=True):  # summed per sample: within SPEC
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
 
 
 def test_graph_with_tensor_constants_returns_tensors():
@@ -242,7 +243,7 @@ def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PASS") == 7 and "FAIL" not in proc.stdout
+    assert proc.stdout.count("PASS") == 8 and "FAIL" not in proc.stdout
     assert "the framework's call once per request" in proc.stdout  # the throughput ratio
 
 

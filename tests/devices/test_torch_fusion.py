@@ -1,0 +1,243 @@
+"""Fused launches on torch:cpu: batch invariance bit for bit, and SPEC's tolerance against
+the framework's own call on each request.
+
+A request's bits must not depend on the requests it was launched with, or on its position:
+each pooled request is first launched alone through the device, then in random batches
+(shapes mixed, positions shuffled, repeats allowed) with two intra-op threads, and must come
+back with the same bits every time. The framework's own per-request call is the independent
+expectation for the values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import opsched
+from opsched.devices import make_device, torch_ops
+from opsched.devices.base import meta_of
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
+from tests.helpers import BF16, rand
+
+torch = pytest.importorskip("torch")
+
+F64, F32, F16 = np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)
+#: SPEC's (rtol, atol) per dtype, doubled: both sides are within it of the exact value.
+TOL = {F64: (2e-10, 2e-10), F32: (2e-4, 2e-4), F16: (2e-2, 2e-3), BF16: (4e-2, 4e-3)}
+
+
+@pytest.fixture(autouse=True)
+def two_threads() -> Iterator[None]:
+    """Two intra-op threads, so a launch that let aten split a loop would show it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def t(array: np.ndarray) -> Any:
+    return torch_ops.to_torch(array)
+
+
+def glu_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
+    """A random GluBackward call: 1-3 dims, any split dim, odd half lengths included."""
+    shape = [int(v) for v in rng.integers(1, 9, size=int(rng.integers(1, 4)))]
+    dim = int(rng.integers(0, len(shape)))
+    shape[dim] = 2 * int(rng.integers(1, 300))
+    grad_shape = list(shape)
+    grad_shape[dim] //= 2
+    x, g = rand(rng, tuple(shape), dtype, 3.0), rand(rng, tuple(grad_shape), dtype)
+    return t(g), t(x), dim - len(shape) if rng.random() < 0.5 else dim
+
+
+def gnb_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
+    """A random GroupNormBackward call (gamma present or not)."""
+    n, group = int(rng.integers(1, 5)), int(rng.choice([1, 2, 4]))
+    c = group * int(rng.integers(1, 4))
+    hxw = int(rng.choice([1, 5, 37, 64, 200]))
+    dy, x = rand(rng, (n, c, hxw), dtype), rand(rng, (n, c, hxw), dtype)
+    mean = rand(rng, (n, group), dtype, 0.5)
+    rstd = (rng.random((n, group)) + 0.5).astype(dtype)
+    gamma = t(rand(rng, (c,), dtype)) if rng.random() < 0.8 else None
+    return t(dy), t(x), t(mean), t(rstd), gamma, n, c, hxw, group
+
+
+def gn_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
+    """A random GroupNormalizationGrad call."""
+    n, g, m = int(rng.integers(1, 4)), int(rng.integers(1, 5)), int(rng.choice([3, 16, 100]))
+    x, dy, gamma = (rand(rng, (n, g, m), dtype) for _ in range(3))
+    mean = rand(rng, (n, g), dtype, 0.5)
+    rstd = (rng.random((n, g)) + 0.5).astype(dtype)
+    return t(x), t(dy), t(gamma), t(mean), t(rstd)
+
+
+def framework(op: Operator, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The framework's own call on one request (the independent expectation)."""
+    if op is GLU_BACKWARD:
+        return (torch_ops.glu_backward(*args),)
+    if op is GROUP_NORM_GRAD:
+        return (torch_ops.group_norm_grad(*args),)
+    if args[4] is None:  # aten cannot give dgamma without gamma: ones, SPEC's meaning
+        args = (*args[:4], torch.ones(args[6], dtype=args[2].dtype), *args[5:])
+    return tuple(torch_ops.group_norm_backward(*args, [True] * 3))
+
+
+CASES: list[tuple[Operator, Callable[..., tuple[Any, ...]]]] = [
+    (GLU_BACKWARD, glu_args),
+    (GROUP_NORM_BACKWARD, gnb_args),
+    (GROUP_NORM_GRAD, gn_args),
+]
+
+
+def request(op: Operator, args: tuple[Any, ...], rid: int) -> Any:
+    """A checked request as the scheduler hands it to the device (outputs left to it)."""
+    tensors, scalars = op.arguments(args, None)
+    meta = {name: None if v is None else meta_of(v) for name, v in tensors.items()}
+    scalars = op.check(meta, scalars, allocate=True)
+    return types.SimpleNamespace(id=rid, op=op, tensors=dict(tensors), scalars=scalars)
+
+
+def outputs(op: Operator, r: Any) -> list[Any]:
+    return [r.tensors[name] for name in op.outputs]
+
+
+def bits(tensor: Any) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(("op", "make"), CASES, ids=[op.name for op, _ in CASES])
+@pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
+def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtype):
+    if dtype not in op.dtypes:
+        pytest.skip(f"{op.name} takes no {dtype}")
+    rng = np.random.default_rng(abs(hash((op.name, str(dtype)))) % 2**32)
+    pool = [make(rng, dtype) for _ in range(12)]
+    device = make_device("torch:cpu", 1)
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(op, args, i)
+        assert device.execute(op, [r], 0) == {}
+        alone.append([bits(v) for v in outputs(op, r)])
+        for got, want in zip(outputs(op, r), framework(op, args), strict=True):
+            rtol, atol = TOL[dtype]
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    for _ in range(12):  # random compositions, repeats allowed, shuffled positions
+        picks = rng.integers(0, len(pool), size=int(rng.integers(2, 120)))
+        batch = [request(op, pool[j], k) for k, j in enumerate(picks)]
+        assert device.execute(op, batch, 0) == {}
+        for r, j in zip(batch, picks, strict=True):
+            assert [bits(v) for v in outputs(op, r)] == alone[j]
+    device.close()
+
+
+def test_a_launch_never_lets_intra_op_threads_split_a_row():
+    # 15 rows of 301 per request: a batch of k requests is 4,515 * k elements, over aten's
+    # 32,768-element grain from k = 8, and its halfway point falls inside a row for odd k.
+    # Run as one framework call, two threads would split a row and change its tail's bits.
+    rng = np.random.default_rng(7)
+    pool = [(t(rand(rng, (15, 301), F32)), t(rand(rng, (15, 602), F32, 3.0))) for _ in range(64)]
+    device = make_device("torch:cpu", 1)
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(GLU_BACKWARD, args, i)
+        device.execute(GLU_BACKWARD, [r], 0)
+        alone.append(bits(r.tensors["out"]))
+        assert alone[-1] == bits(torch_ops.glu_backward(*args, -1))  # serial: aten's own bits
+    for k in range(9, 64, 2):
+        batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool[:k])]
+        device.execute(GLU_BACKWARD, batch, 0)
+        assert [bits(r.tensors["out"]) for r in batch] == alone[:k]
+    device.close()
+
+
+def test_rows_longer_than_a_serial_call_are_cut_alike_in_every_batch():
+    rng = np.random.default_rng(8)
+    pool = [(t(rand(rng, (2, 40_001), F32)), t(rand(rng, (2, 80_002), F32, 3.0))) for _ in range(3)]
+    device = make_device("torch:cpu", 1)
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(GLU_BACKWARD, args, i)
+        device.execute(GLU_BACKWARD, [r], 0)
+        alone.append(bits(r.tensors["out"]))
+        want = torch_ops.glu_backward(*args, -1)
+        torch.testing.assert_close(r.tensors["out"], want, rtol=2e-4, atol=2e-4)
+    batch = [request(GLU_BACKWARD, pool[j], k) for k, j in enumerate([2, 0, 1, 0])]
+    device.execute(GLU_BACKWARD, batch, 0)
+    assert [bits(r.tensors["out"]) for r in batch] == [alone[j] for j in (2, 0, 1, 0)]
+    device.close()
+
+
+def test_a_failing_request_fails_alone_and_the_others_keep_their_bits():
+    rng = np.random.default_rng(9)
+    pool = [glu_args(rng, F32) for _ in range(6)]
+    device = make_device("torch:cpu", 1)
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(GLU_BACKWARD, args, i)
+        device.execute(GLU_BACKWARD, [r], 0)
+        alone.append(bits(r.tensors["out"]))
+    batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool)]
+    batch[3].tensors["self"] = torch.zeros(batch[3].tensors["self"].shape, device="meta")
+    errors = device.execute(GLU_BACKWARD, batch, 0)
+    assert list(errors) == [3]
+    for i, r in enumerate(batch):
+        if i != 3:
+            assert bits(r.tensors["out"]) == alone[i]
+    device.close()
+
+
+def test_results_given_out_are_written_there_and_others_own_no_caller_memory():
+    rng = np.random.default_rng(10)
+    g, x = t(rand(rng, (4, 8), F32)), t(rand(rng, (4, 16), F32))
+    out = torch.full((4, 16), float("nan"))
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            a, b = await asyncio.gather(sched.glu_backward(g, x, out=out), sched.glu_backward(g, x))
+            return a, b
+
+    a, b = asyncio.run(main())
+    assert a is out and torch.equal(out, b)
+    assert b.data_ptr() not in (g.data_ptr(), x.data_ptr(), out.data_ptr())
+
+
+def test_inputs_that_require_grad_are_computed_without_recording_a_graph():
+    rng = np.random.default_rng(11)
+    g = t(rand(rng, (4, 8), F32)).requires_grad_()
+    x = t(rand(rng, (4, 16), F32)).requires_grad_()
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            return await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(4)))
+
+    for got in asyncio.run(main()):
+        assert got.grad_fn is None and not got.requires_grad
+        assert torch.equal(got, torch_ops.glu_backward(g.detach(), x.detach(), -1))
+
+
+@pytest.mark.parametrize(("op", "make"), CASES, ids=[op.name for op, _ in CASES])
+def test_the_scheduler_fuses_and_each_result_is_the_request_alone(op, make):
+    rng = np.random.default_rng(12)
+    pool = [make(rng, F32) for _ in range(4)]
+    picks = [int(j) for j in rng.integers(0, len(pool), size=48)]
+    calls = [pool[j] for j in picks]
+    method = getattr(opsched.Scheduler, op.method)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            alone = [await method(sched, *args) for args in pool]
+            before = sched.statistics().launches
+            together = await asyncio.gather(*(method(sched, *args) for args in calls))
+            return alone, together, sched.statistics().launches - before
+
+    alone, together, launches = asyncio.run(main())
+    assert launches < len(calls)
+    for j, got in zip(picks, together, strict=True):
+        want = alone[j]
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        assert [bits(v) for v in got] == [bits(v) for v in want]
