@@ -36,7 +36,9 @@ __all__ = [
     "SERIAL_ELEMENTS",
     "framework_deliver",
     "framework_groups",
+    "framework_output",
     "framework_rows",
+    "framework_split",
     "framework_stack",
 ]
 
@@ -67,13 +69,24 @@ def framework_columns(row: int, device: Any) -> list[tuple[int, int]]:
     return [(start, min(row, start + COLUMN_CHUNK)) for start in range(0, row, COLUMN_CHUNK)]
 
 
-def framework_groups(requests: Sequence[Any], key: Callable[[Any], Hashable]) -> list[list[Any]]:
-    """``requests`` grouped by ``key(request)`` (stackable: same shapes and scalars), in
-    order of first appearance."""
+def framework_groups(
+    requests: Sequence[Any],
+    key: Callable[[Any], Hashable],
+    size: Callable[[Any], int],
+    stack_max: int,
+) -> list[list[Any]]:
+    """``requests`` grouped to stack: by ``key(request)`` (the same shapes and scalars), in
+    order of first appearance. A request of at least ``stack_max`` elements
+    (``size(request)``) is a group of its own: it runs on its own tensors, uncopied. Which
+    way a request goes depends on its own size only."""
     groups: dict[Hashable, list[Any]] = {}
+    alone: list[list[Any]] = []
     for request in requests:
-        groups.setdefault(key(request), []).append(request)
-    return list(groups.values())
+        if size(request) >= stack_max:
+            alone.append([request])
+        else:
+            groups.setdefault(key(request), []).append(request)
+    return [*groups.values(), *alone]
 
 
 def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
@@ -82,12 +95,29 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
     return torch.stack(tensors) if len(tensors) > 1 else tensors[0].contiguous()
 
 
+def framework_output(
+    torch: Any, group: Sequence[Any], name: str, shape: Sequence[int], like: Any
+) -> Any:
+    """Where a launch writes output ``name`` of ``group`` stacked as ``shape``: a lone
+    request's own contiguous output tensor where it has one (no copy afterwards), else a
+    new tensor of ``like``'s dtype and device."""
+    own = group[0].tensors[name] if len(group) == 1 else None
+    if own is not None and own.is_contiguous():
+        return own.view(shape)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]:
+    """A stacked output's ``k`` per-request views of ``shape``."""
+    return stacked.view(k, *shape).unbind(0) if k > 1 else (stacked.view(shape),)
+
+
 def framework_deliver(tensors: dict[str, Any], name: str, result: Any) -> None:
-    """Hand one request its ``result`` tensor: written into the output it was given, or,
-    where its launch allocates that output (None), the result itself (a view of the
-    launch's output)."""
+    """Hand one request its ``result`` tensor: written into the output it was given
+    (unless the launch wrote there already), or, where its launch allocates that output
+    (None), the result itself (a view of the launch's output)."""
     out = tensors[name]
     if out is None:
         tensors[name] = result
-    else:
+    elif out.data_ptr() != result.data_ptr():
         out.copy_(result)

@@ -35,7 +35,9 @@ from opsched.ops._base import (
 from opsched.ops._framework import (
     framework_deliver,
     framework_groups,
+    framework_output,
     framework_rows,
+    framework_split,
     framework_stack,
 )
 from opsched.ops.products import OpSupport
@@ -138,7 +140,7 @@ class GroupNormalizationGrad(Operator):
         # A request is N * G rows of M elements; requests of one shape stack their rows as
         # (rows, 1, M), and each call covers whole rows and runs serially on the CPU
         # (ops/_framework.py): a row's sums and dx are the same wherever it sits.
-        for group in framework_groups(requests, _stack_key):
+        for group in framework_groups(requests, _stack_key, _size, _STACK_MAX):
             t = [r.tensors for r in group]
             x0 = t[0]["x"]
             rows = len(group) * x0.shape[0] * x0.shape[1]
@@ -147,11 +149,12 @@ class GroupNormalizationGrad(Operator):
                 name: framework_stack(torch, [v[name] for v in t]).view(rows, 1, size)
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
             }
-            out = torch.empty((rows, 1, m), dtype=x0.dtype, device=x0.device)
+            out = framework_output(torch, group, "dx", (rows, 1, m), x0)
             for a, b in framework_rows(rows, m, x0.device):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
-            for r, view in zip(group, out.view(len(group), *x0.shape).unbind(0), strict=True):
+            views = framework_split(out, len(group), x0.shape)
+            for r, view in zip(group, views, strict=True):
                 framework_deliver(r.tensors, "dx", view)
 
     def output_spec(
@@ -236,7 +239,18 @@ class GroupNormalizationGrad(Operator):
 GROUP_NORM_GRAD = GroupNormalizationGrad()
 
 
+#: Requests of at least this many elements run alone, on their own tensors: copying them
+#: into a stack and the fresh memory it takes cost more than the framework calls a launch
+#: makes (measured on FLOAT, 4 x 64 x 64 requests: 100 us each alone, 150 us stacked).
+_STACK_MAX = 8192
+
+
 def _stack_key(request: Any) -> Hashable:
     """Requests that stack in one framework launch: the same shapes."""
     t = request.tensors
     return tuple(t[name].shape for name in ("x", "dy", "gamma", "mean", "rstd"))
+
+
+def _size(request: Any) -> int:
+    """A request's size as stacking weighs it: its largest operand's elements."""
+    return request.tensors["x"].numel()
