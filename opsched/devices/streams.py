@@ -1,10 +1,12 @@
 """Streams and events, in the vocabulary of ``torch.cuda.Stream`` / ``Event``.
 
 A :class:`Stream` is a FIFO of launches. :class:`ThreadStream` runs it on one worker thread
-(the cpu device, and the torch devices' host side); :class:`InlineStream` runs each launch at
-once in the caller's thread (the reference device). A stream reports each finished launch
-through the ``on_done`` callback it was given, called in the stream's thread (or inline): that
-is the single hand-off point back to the scheduler.
+(the cpu device, and torch:cpu); :class:`FrameworkStream` is a thread that issues its
+launches onto a framework's stream (torch:cuda, torch:npu) and waits for other streams on
+the device; :class:`InlineStream` runs each launch at once in the caller's thread (the
+reference device). A stream reports each finished launch through the ``on_done`` callback it
+was given, called in the stream's thread (or inline): that is the single hand-off point back
+to the scheduler.
 
 This module knows nothing of operators, kernels or the scheduler.
 """
@@ -21,7 +23,15 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Event", "InlineStream", "Stream", "StreamStatistics", "ThreadStream"]
+__all__ = [
+    "Event",
+    "FrameworkStream",
+    "InlineStream",
+    "IssuedEvent",
+    "Stream",
+    "StreamStatistics",
+    "ThreadStream",
+]
 
 Work = Callable[[], Any]
 Done = Callable[[Any, BaseException | None], None]
@@ -146,10 +156,94 @@ class ThreadStream(Stream):
             kind, a, b = item
             if kind == "run":
                 self._run(a, b)
-            elif kind == "record":
-                a._complete()
             else:
-                a.synchronize()
+                self._handle(kind, a)
+
+    def _handle(self, kind: str, a: Any) -> None:
+        """An item that is not a launch: an event to record or to wait for."""
+        if kind == "record":
+            a._complete()
+        else:
+            a.synchronize()
+
+
+@attrs.define(eq=False)
+class IssuedEvent(Event):
+    """An event on a :class:`FrameworkStream`: it completes as any event does, and names
+    the launches before it (``seq`` of them), so that another stream of the device can wait
+    for them on the device as soon as they are issued."""
+
+    stream: FrameworkStream = attrs.field(kw_only=True)
+    seq: int = attrs.field(kw_only=True)
+
+
+@attrs.define(eq=False)
+class FrameworkStream(ThreadStream):
+    """A worker thread that issues its launches onto ``framework``, a framework stream
+    (``torch.cuda.Stream``, torch_npu's): graph edges wait on the device.
+
+    A launch calls :meth:`issued` with a framework event once its kernels are queued (then
+    it may block its own thread until they finish, to report completion). A stream told to
+    :meth:`wait_event` for an :class:`IssuedEvent` of another stream waits in its thread
+    only until those launches are *issued*, then makes ``framework`` wait for their event
+    on the device: its next launch is queued before its producers finish. Other events are
+    waited for on the host, as :class:`ThreadStream` does.
+    """
+
+    framework: Any = attrs.field(default=None, kw_only=True)
+    _enqueued: int = attrs.field(default=0, init=False)  # by the loop thread
+    _issued: int = attrs.field(default=0, init=False)  # by the worker, under _cond
+    _issued_event: Any = attrs.field(default=None, init=False)
+    _pending: bool = attrs.field(default=False, init=False)
+    _cond: threading.Condition = attrs.field(factory=threading.Condition, init=False)
+
+    def enqueue(self, work: Work, on_done: Done) -> None:
+        self._enqueued += 1
+        super().enqueue(work, on_done)
+
+    def record_event(self) -> Event:
+        event = IssuedEvent(stream=self, seq=self._enqueued)
+        self._queue.put(("record", event, None))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if isinstance(event, IssuedEvent) and event.stream is not self:
+            self._queue.put(("device", event, None))
+        elif not isinstance(event, IssuedEvent):  # own events: stream order suffices
+            super().wait_event(event)
+
+    def issued(self, framework_event: Any) -> None:
+        """The running launch's work is queued on ``framework``; ``framework_event`` was
+        recorded after it (called once per launch, in this stream's thread)."""
+        self._pending = False
+        with self._cond:
+            self._issued += 1
+            self._issued_event = framework_event
+            self._cond.notify_all()
+
+    def issued_event(self, seq: int) -> Any:
+        """Block until ``seq`` launches have been issued; return the framework event
+        recorded after the latest (it covers them), or None when the latest had nothing to
+        issue (it has finished on the host)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._issued >= seq)
+            return self._issued_event
+
+    def _run(self, work: Work, on_done: Done) -> None:
+        self._pending = True
+        try:
+            super()._run(work, on_done)
+        finally:
+            if self._pending:  # failed or issued nothing: done on the host already
+                self.issued(None)
+
+    def _handle(self, kind: str, a: Any) -> None:
+        if kind == "device":
+            framework_event = a.stream.issued_event(a.seq)
+            if framework_event is not None:
+                self.framework.wait_event(framework_event)
+        else:
+            super()._handle(kind, a)
 
 
 #: How much lower than the event loop's the stream threads' OS priority is (nice levels).
@@ -185,5 +279,3 @@ class InlineStream(Stream):
 
     def wait_event(self, event: Event) -> None:
         event.synchronize()
-
-

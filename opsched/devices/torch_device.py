@@ -9,17 +9,26 @@ The same scheduler drives the framework's operators on its own devices:
   SPEC check, product profile and fusion key is the numpy devices' own.
 - **Operators**: each operator description's ``framework_call`` (``opsched/ops/``) says
   which framework operator computes it.
-- **Fusion**: a fused launch runs its requests' operator calls back to back in one stream
-  task: one hand-off to the stream and back for the whole batch. The framework's CPU
-  kernels are vectorised with scalar tails, so one call on concatenated inputs would not give
-  each request the bits of its own call (measured for ``glu_backward``); separate calls do.
-  Large requests are split across idle streams as on the numpy devices (tensor views).
+- **Fusion**: a fused launch is a few framework calls on the batch's requests stacked by
+  shape (:meth:`Operator.framework_batch`), batch-invariant by construction: each request's
+  rows keep the framework's own layout of it, and on the CPU no call is large enough for
+  aten to split it between intra-op threads (:mod:`opsched.ops._framework` has the
+  measurements). A request's bits do not depend on the batch, its position or the thread
+  count; GluBackward and GroupNormalizationGrad give the framework's own call's bits where
+  that call is serial, GroupNormBackward its dx (dgamma / dbeta are summed per sample:
+  within SPEC's tolerance). Results the caller gave no ``out=`` for are views of the
+  launch's stacked output. Large requests are split across idle streams as on the numpy
+  devices (tensor views).
 - **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch has
   no streams). On CUDA / NPU that thread issues the launch on its own framework stream
   (after the device's default stream, where the inputs were made), then records a
   framework event and blocks on it: completion reaches the event loop from one
   thread per stream, never one per launch, and a launch's tensors (held by its requests) stay
   alive until that event has completed (no ``record_stream``).
+- **Graph edges** across streams wait on the device there (:class:`FrameworkStream`): a
+  consumer's stream waits only until its producer's kernels are issued, then makes its
+  framework stream ``wait_event`` the producer's framework event, so the consumer's launch
+  is queued before the producer finishes. On torch:cpu the stream thread waits (host).
 - **Memory** is the framework's caching allocator (CUDA / NPU); ``statistics().pool``
   reports its counters there. On the CPU torch has none: the pool statistics are zero.
 
@@ -49,7 +58,7 @@ from opsched.devices.base import (
     meta_of,
 )
 from opsched.devices.pool import PoolStatistics
-from opsched.devices.streams import ThreadStream
+from opsched.devices.streams import FrameworkStream, Stream, ThreadStream
 from opsched.ops import Operator, register_array_type
 from opsched.ops.products import product_of_device
 
@@ -125,9 +134,16 @@ class TorchDevice(Device):
         reported = None
         if kind == "npu" and backend is not None:  # e.g. "Ascend910B2": the SoC names it
             reported = product_of_device(str(backend.get_device_name(torch_device.index)))
+        # on an accelerator each stream's thread issues onto its framework stream, and
+        # graph edges wait there; the CPU has no framework streams
+        threads: list[Stream] = (
+            [FrameworkStream(i, framework=f) for i, f in enumerate(framework)]
+            if framework
+            else [ThreadStream(i) for i in range(streams)]
+        )
         return cls(
             name,
-            [ThreadStream(i) for i in range(streams)],
+            threads,
             inline_capable=False,
             accepts_tensors=True,
             array_kinds="a numpy.ndarray or a torch tensor",
@@ -291,6 +307,9 @@ class TorchDevice(Device):
                         errors[r.id] = exc
             if framework is not None:
                 event = framework.record_event()
+                issuer = self.streams[stream]
+                if isinstance(issuer, FrameworkStream):  # consumers may queue behind it now
+                    issuer.issued(event)
                 event.synchronize()  # this stream's thread waits; the loop does not
         return errors
 
