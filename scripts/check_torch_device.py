@@ -167,32 +167,44 @@ def main(device: str) -> int:
 
     check("a tensor on another device", lambda: asyncio.run(wrong_device()))
 
+    def sync() -> None:  # wait for the queued kernels (torch.cuda, torch.npu)
+        if target.type != "cpu":
+            getattr(torch, target.type).synchronize()
+
     async def throughput() -> str:
-        work = [(tensor(8, 32), tensor(8, 64)) for _ in range(256)]
+        glu = [(tensor(8, 32), tensor(8, 64)) for _ in range(256)]
+        gnb = [(tensor(4, 8, 64), tensor(4, 8, 64), tensor(4, 4), tensor(4, 4).abs() + 0.5,
+                tensor(8), 4, 8, 64, 4) for _ in range(256)]  # fmt: skip
+        cases = [
+            ("GLU 8x64", glu, lambda a: t.glu_backward(a[0], a[1], -1), "glu_backward"),
+            ("GroupNormBackward 4x8x64", gnb, lambda a: t.group_norm_backward(*a, [True] * 3),
+             "group_norm_backward"),
+        ]  # fmt: skip
         rounds = 8
-
-        def per_request() -> float:
-            start = time.perf_counter()
-            for _ in range(rounds):
-                for g, x in work:
-                    t.glu_backward(g, x, -1)
-            if target.type != "cpu":  # wait for the queued kernels (torch.cuda, torch.npu)
-                getattr(torch, target.type).synchronize()
-            return time.perf_counter() - start
-
+        lines = []
         async with opsched.open_scheduler(device=device, streams=2) as sched:
+            for label, work, peer, method in cases:
+                call = getattr(sched, method)
 
-            async def scheduled() -> float:
-                start = time.perf_counter()
-                for _ in range(rounds):
-                    await asyncio.gather(*(sched.glu_backward(g, x) for g, x in work))
-                return time.perf_counter() - start
+                def per_request(work: list[Any] = work, peer: Any = peer) -> float:
+                    start = time.perf_counter()
+                    for _ in range(rounds):
+                        for args in work:
+                            peer(args)
+                    sync()
+                    return time.perf_counter() - start
 
-            await scheduled()  # warm up
-            ratios = [per_request() / await scheduled() for _ in range(3)]
-        speed = statistics.median(ratios)
+                async def scheduled(work: list[Any] = work, call: Any = call) -> float:
+                    start = time.perf_counter()
+                    for _ in range(rounds):
+                        await asyncio.gather(*(call(*args) for args in work))
+                    return time.perf_counter() - start
+
+                await scheduled()  # warm up
+                ratios = [per_request() / await scheduled() for _ in range(3)]
+                lines.append(f"{label} {statistics.median(ratios):.2f}x")
         return (
-            f"{len(work) * rounds} GLU 8x64 requests: the scheduler at {speed:.2f}x the "
+            f"{'; '.join(lines)}: {256 * rounds} requests each, the scheduler against the "
             "framework's call once per request (median of 3; above 1.0x it is cheaper)"
         )
 

@@ -238,12 +238,26 @@ class TorchDevice(Device):
         array given was numpy (into the caller's ``out=``). Outputs the caller did not
         give come from the launch (views of its stacked output) when the request may fuse;
         a larger one, which may be split, gets them now."""
-        caller_out = {n: v for n, v in tensors.items() if n in spec and isinstance(v, np.ndarray)}
-        numpy_in = not any(is_tensor(v) for v in tensors.values())
-        data = {
-            name: None if value is None else self.admit(op.name, name, value)
-            for name, value in tensors.items()
-        }
+        # one pass (this runs for every request): a tensor on this device as it is,
+        # anything else through admit()
+        tensor, where = self._torch.Tensor, self.torch_device
+        on_cpu = where.type == "cpu"
+        caller_out: dict[str, np.ndarray] = {}
+        numpy_in = True
+        data: dict[str, Any] = {}
+        for name, value in tensors.items():
+            if type(value) is tensor and (value.is_cpu if on_cpu else value.device == where):
+                data[name] = value
+                numpy_in = False
+            elif value is None:
+                data[name] = None
+            else:
+                data[name] = self.admit(op.name, name, value)
+                if isinstance(value, np.ndarray):
+                    if name in spec:
+                        caller_out[name] = value
+                else:
+                    numpy_in = False
         if not 0 < nbytes <= self.fuse_max_bytes:  # may be split: parts write into views
             for name, (shape, dtype) in spec.items():
                 if data[name] is None:
