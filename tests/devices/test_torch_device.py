@@ -266,3 +266,53 @@ def test_the_accelerator_check_script_fails_a_wrong_device_by_name(monkeypatch, 
         "FAIL  three operators, fused, each = its own framework call: CheckFailed: "
         "GluBackward differs" in out
     )
+
+
+class _FakeAllocator:
+    """A stand-in for ``torch.cuda``'s allocator functions, recording each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def memory_stats(self, device):
+        self.calls.append("memory_stats")
+        return {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
+                "segment.all.allocated": 2, "allocation.all.allocated": 7}  # fmt: skip
+
+    def reset_peak_memory_stats(self, device):
+        self.calls.append("reset_peak_memory_stats")
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+
+
+def test_memory_statistics_come_from_the_framework_allocator(monkeypatch):
+    from opsched.devices.torch_device import TorchDevice
+
+    fake = _FakeAllocator()
+    monkeypatch.setattr(TorchDevice, "_allocator", lambda self: fake)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            stats = sched.memory_stats()
+            sched.reset_peak_stats()
+            sched.empty_cache()
+            return stats, sched.statistics().pool
+
+    stats, pool = asyncio.run(main())
+    assert stats["reserved_bytes.all.current"] == 4096
+    assert (pool.current, pool.in_use, pool.misses, pool.hits) == (4096, 1024, 2, 5)
+    assert fake.calls[:3] == ["memory_stats", "reset_peak_memory_stats", "empty_cache"]
+
+
+def test_on_the_cpu_torch_has_no_allocator_to_report():
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            await sched.glu_backward(torch.ones(2, 4), torch.ones(2, 8))
+            sched.reset_peak_stats()
+            sched.empty_cache()
+            return sched.memory_stats(), sched.statistics().pool
+
+    stats, pool = asyncio.run(main())
+    assert stats == {}
+    assert (pool.current, pool.peak, pool.allocated, pool.misses) == (0, 0, 0, 0)
