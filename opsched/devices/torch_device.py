@@ -20,7 +20,8 @@ The same scheduler drives the framework's operators on its own devices:
   launch's stacked output. Large requests are split across idle streams as on the numpy
   devices (tensor views).
 - **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch has
-  no streams). On CUDA / NPU that thread issues the launch on its own framework stream
+  no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes`` run
+  inline on an idle stream: measured 15-20% more tiny GLU requests a second than the hop). On CUDA / NPU that thread issues the launch on its own framework stream
   (after the device's default stream, where the inputs were made), then records a
   framework event and blocks on it: completion reaches the event loop from one
   thread per stream, never one per launch, and a launch's tensors (held by its requests) stay
@@ -144,7 +145,7 @@ class TorchDevice(Device):
         return cls(
             name,
             threads,
-            inline_capable=False,
+            inline_capable=kind == "cpu",
             accepts_tensors=True,
             array_kinds="a numpy.ndarray or a torch tensor",
             torch_device=torch_device,
