@@ -85,7 +85,11 @@ def framework_groups(
         if size(request) >= stack_max:
             alone.append([request])
         else:
-            groups.setdefault(key(request), []).append(request)
+            # a request's checked signature (same shapes, dtypes, scalars) where it has
+            # one: already a hashable tuple, no tensor attributes read
+            signature = getattr(request, "signature", None)
+            found = key(request) if signature is None else signature
+            groups.setdefault(found, []).append(request)
     return [*groups.values(), *alone]
 
 
