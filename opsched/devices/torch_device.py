@@ -19,13 +19,14 @@ The same scheduler drives the framework's operators on its own devices:
   within SPEC's tolerance). Results the caller gave no ``out=`` for are views of the
   launch's stacked output. Large requests are split across idle streams as on the numpy
   devices (tensor views).
-- **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch has
-  no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes`` run
-  inline on an idle stream: measured 15-20% more tiny GLU requests a second than the hop). On CUDA / NPU that thread issues the launch on its own framework stream
-  (after the device's default stream, where the inputs were made), then records a
-  framework event and blocks on it: completion reaches the event loop from one
-  thread per stream, never one per launch, and a launch's tensors (held by its requests) stay
-  alive until that event has completed (no ``record_stream``).
+- **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch
+  has no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes``
+  run inline on an idle stream: measured 15-20% more tiny GLU requests a second than the
+  hop). On CUDA / NPU that thread issues the launch on its own framework stream (after the
+  device's default stream, where the inputs were made), then records a framework event and
+  blocks on it: completion reaches the event loop from one thread per stream, never one
+  per launch, and a launch's tensors (held by its requests) stay alive until that event
+  has completed (no ``record_stream``).
 - **Graph edges** across streams wait on the device there (:class:`FrameworkStream`): a
   consumer's stream waits only until its producer's kernels are issued, then makes its
   framework stream ``wait_event`` the producer's framework event, so the consumer's launch

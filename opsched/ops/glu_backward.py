@@ -34,7 +34,6 @@ from opsched.ops._base import (
     signature_groups,
 )
 from opsched.ops._framework import (
-    SERIAL_ELEMENTS,
     framework_columns,
     framework_deliver,
     framework_groups,
@@ -208,22 +207,27 @@ class GluBackward(Operator):
             dim = group[0].scalars["dim"] % x0.dim()
             outer, half = glu_grid(tuple(x0.shape), dim)
             rows = len(group) * outer
+            columns = framework_columns(half, x0.device)
+            calls = framework_rows(torch, rows, half, x0.device)
             if (
-                len(group) == 1 and (rows * half < SERIAL_ELEMENTS or x0.device.type != "cpu")
+                len(group) == 1 and len(columns) == 1 and len(calls) == 1
                 and x0.is_contiguous() and g0.is_contiguous()
             ):  # fmt: skip
-                # alone and serial: aten's own call lays the rows out the same way
-                framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
+                # one call for one request: aten's own, which lays the rows out the same way
+                own = first["out"]
+                if own is not None and own.is_contiguous():
+                    glu(g0, x0, dim, grad_input=own)
+                else:
+                    framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
                 continue
             x = framework_stack(torch, [r.tensors["self"] for r in group]).view(rows, 2, half)
             g = framework_stack(torch, [r.tensors["grad_out"] for r in group])
             g = g.view(rows, 1, half)
             out = framework_output(torch, group, "out", (rows, 2, half), x)
-            columns = framework_columns(half, x.device)
             if rows * half == 0:
                 pass
             elif len(columns) == 1:
-                for a, b in framework_rows(rows, half, x.device):
+                for a, b in calls:
                     glu(g[a:b], x[a:b], 1, grad_input=out[a:b])
             else:  # rows too long for one serial call: the same column cuts in every row
                 for row in range(rows):

@@ -150,7 +150,7 @@ class GroupNormalizationGrad(Operator):
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
             }
             out = framework_output(torch, group, "dx", (rows, 1, m), x0)
-            for a, b in framework_rows(rows, m, x0.device):
+            for a, b in framework_rows(torch, rows, m, x0.device):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
             views = framework_split(out, len(group), x0.shape)
