@@ -264,8 +264,7 @@ class GroupNormBackward(Operator):
         # (1, samples * C, HxW) in samples * group groups, gamma repeated per sample. aten
         # computes a channel's sums and a group's dx on one thread each, so dx is each
         # request's own call, bit for bit, on any number of threads (measured); dgamma /
-        # dbeta come per sample and are summed over a request's samples here, in order,
-        # in float32 (or float64), and rounded once.
+        # dbeta come per sample and are summed over a request's samples here, in order.
         call = torch.ops.aten.native_group_norm_backward
         for group in framework_groups(requests, _stack_key, _size, _STACK_MAX):
             t = [r.tensors for r in group]
@@ -540,16 +539,15 @@ def _sample_sums(
     torch: Any, dgamma: Any, dbeta: Any, k: int, n: int, c: int, dtype: Any
 ) -> tuple[Any, Any]:
     """A stacked launch's per-sample dgamma and dbeta summed over each request's ``n``
-    samples in sample order, then rounded once to ``dtype`` (None where not computed)."""
+    samples, then rounded to ``dtype`` (None where not computed). One ``cumsum`` for both:
+    aten accumulates each (request, channel) lane on its own, in sample order, in float64
+    on the CPU, so a lane's sum does not depend on the lanes beside it."""
     stats = [s for s in (dgamma, dbeta) if s is not None]
     if not stats:
         return None, None
     both = torch.stack(stats) if len(stats) > 1 else stats[0]
-    samples = both.view(len(stats), k, n, c).unbind(2)
-    total = samples[0]
-    for sample in samples[1:]:
-        total = total + sample
-    sums = iter(total.to(dtype).unbind(0))
+    totals = both.view(len(stats), k, n, c).cumsum(2)[:, :, -1].to(dtype).unbind(0)
+    sums = iter(totals)
     return tuple(None if s is None else next(sums) for s in (dgamma, dbeta))  # type: ignore[return-value]
 
 
