@@ -13,9 +13,13 @@ rules come from what the framework's CPU kernels were measured to do (torch 2.x,
 - **Intra-op threads split a loop's range at arbitrary points** (``TensorIterator``
   hands ranges of at least ``at::internal::GRAIN_SIZE`` = 32,768 elements to threads;
   measured: 50 float32 results of a GluBackward changed between 1 and 2 threads over 31
-  sizes). A launch's calls are cut into :func:`framework_rows` chunks below that size, so
-  every call runs on the stream's thread, whatever ``torch.get_num_threads()`` says. A row
-  longer than that is cut into :data:`COLUMN_CHUNK` columns the same way in every batch.
+  sizes). With several intra-op threads a launch's calls are cut between rows into
+  :func:`framework_rows` chunks below that size, so every call runs on the calling thread
+  (with one thread every call does already). A row longer than that is cut into
+  :data:`COLUMN_CHUNK` columns the same way in every batch, whatever the thread count.
+- **Small requests stack, large ones do not.** Each operator names the size from which a
+  request runs alone on its own tensors (copying it in costs more than a call of its own);
+  which way a request goes depends on its own size only.
 - **Kernels that parallelise per row** (the group-norm backward's per-(sample, channel)
   sums) keep a row on one thread, so stacking samples as channels changes nothing (measured
   bit-identical on 1 and 2 threads).
@@ -32,8 +36,8 @@ from typing import Any
 
 __all__ = [
     "COLUMN_CHUNK",
-    "framework_columns",
     "SERIAL_ELEMENTS",
+    "framework_columns",
     "framework_deliver",
     "framework_groups",
     "framework_output",
