@@ -37,6 +37,7 @@ from typing import Any
 __all__ = [
     "COLUMN_CHUNK",
     "SERIAL_ELEMENTS",
+    "framework_cat",
     "framework_columns",
     "framework_deliver",
     "framework_groups",
@@ -44,6 +45,7 @@ __all__ = [
     "framework_rows",
     "framework_split",
     "framework_stack",
+    "framework_stacks",
 ]
 
 #: aten's ``at::internal::GRAIN_SIZE``: a loop over fewer elements runs on the calling
@@ -99,6 +101,33 @@ def framework_groups(
             found = key(request) if signature is None else signature
             groups.setdefault(found, []).append(request)
     return [*groups.values(), *alone]
+
+
+def framework_stacks(
+    requests: Sequence[Any],
+    key: Callable[[Any], Hashable],
+    size: Callable[[Any], int],
+    stack_max: int,
+    row: Callable[[Any], Hashable],
+) -> list[list[list[Any]]]:
+    """:func:`framework_groups`, the groups whose rows match (``row(request)``: the row's
+    length and layout) gathered into one stack each: requests of different shapes share a
+    launch's calls when their rows are alike (a sequence of any length, one hidden size).
+    A request that runs alone stays a stack of its own."""
+    stacks: dict[Hashable, list[list[Any]]] = {}
+    alone: list[list[list[Any]]] = []
+    for group in framework_groups(requests, key, size, stack_max):
+        if len(group) == 1 and size(group[0]) >= stack_max:
+            alone.append([group])
+        else:
+            stacks.setdefault(row(group[0]), []).append(group)
+    return [*stacks.values(), *alone]
+
+
+def framework_cat(torch: Any, tensors: Sequence[Any]) -> Any:
+    """``tensors`` (one row shape) concatenated along their first dimension; a lone one as
+    itself."""
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
 
 
 def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:

@@ -34,13 +34,14 @@ from opsched.ops._base import (
     signature_groups,
 )
 from opsched.ops._framework import (
+    framework_cat,
     framework_columns,
     framework_deliver,
-    framework_groups,
     framework_output,
     framework_rows,
     framework_split,
     framework_stack,
+    framework_stacks,
 )
 from opsched.ops.products import OpSupport
 
@@ -197,33 +198,41 @@ class GluBackward(Operator):
 
     def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
         # One request alone is rows ``(outer, 2, half)``: the framework's own layout of it
-        # (a half's row is contiguous, rows ``2 * half`` apart). Requests of one shape stack
-        # their rows, and every call covers whole rows and runs serially on the CPU
-        # (ops/_framework.py): a row computes the same wherever it sits.
+        # (a half's row is contiguous, rows ``2 * half`` apart). Requests whose rows have one
+        # length stack them, whatever their shapes, and every call covers whole rows and
+        # runs serially on the CPU (ops/_framework.py): a row computes the same wherever it
+        # sits.
         glu = torch.ops.aten.glu_backward.grad_input
-        for group in framework_groups(requests, _stack_key, _size, _STACK_MAX):
-            first = group[0].tensors
+        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _half):
+            first = stack[0][0].tensors
             x0, g0 = first["self"], first["grad_out"]
-            dim = group[0].scalars["dim"] % x0.dim()
-            outer, half = glu_grid(tuple(x0.shape), dim)
-            rows = len(group) * outer
+            half = _half(stack[0][0])
+            outers = [_grid(group[0])[0] * len(group) for group in stack]
+            rows = sum(outers)
             columns = framework_columns(half, x0.device)
             calls = framework_rows(torch, rows, half, x0.device)
             if (
-                len(group) == 1 and len(columns) == 1 and len(calls) == 1
-                and x0.is_contiguous() and g0.is_contiguous()
+                len(stack) == 1 and len(stack[0]) == 1 and len(columns) == 1
+                and len(calls) == 1 and x0.is_contiguous() and g0.is_contiguous()
             ):  # fmt: skip
                 # one call for one request: aten's own, which lays the rows out the same way
+                dim = stack[0][0].scalars["dim"] % x0.dim()
                 own = first["out"]
                 if own is not None and own.is_contiguous():
                     glu(g0, x0, dim, grad_input=own)
                 else:
                     framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
                 continue
-            x = framework_stack(torch, [r.tensors["self"] for r in group]).view(rows, 2, half)
-            g = framework_stack(torch, [r.tensors["grad_out"] for r in group])
-            g = g.view(rows, 1, half)
-            out = framework_output(torch, group, "out", (rows, 2, half), x)
+            x = framework_cat(torch, [
+                framework_stack(torch, [r.tensors["self"] for r in group]).view(n, 2, half)
+                for group, n in zip(stack, outers, strict=True)
+            ])  # fmt: skip
+            g = framework_cat(torch, [
+                framework_stack(torch, [r.tensors["grad_out"] for r in group]).view(n, 1, half)
+                for group, n in zip(stack, outers, strict=True)
+            ])  # fmt: skip
+            members = stack[0] if len(stack) == 1 else [r for group in stack for r in group]
+            out = framework_output(torch, members, "out", (rows, 2, half), x)
             if rows * half == 0:
                 pass
             elif len(columns) == 1:
@@ -234,8 +243,11 @@ class GluBackward(Operator):
                     for a, b in columns:
                         cut = (slice(row, row + 1), slice(None), slice(a, b))
                         glu(g[cut], x[cut], 1, grad_input=out[cut])
-            for r, result in zip(group, framework_split(out, len(group), x0.shape), strict=True):
-                framework_deliver(r.tensors, "out", result)
+            pieces = out.split(outers) if len(stack) > 1 else (out,)
+            for group, piece in zip(stack, pieces, strict=True):
+                shape = group[0].tensors["self"].shape
+                for r, result in zip(group, framework_split(piece, len(group), shape), strict=True):
+                    framework_deliver(r.tensors, "out", result)
 
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every
@@ -337,3 +349,14 @@ def _stack_key(request: Any) -> Hashable:
 def _size(request: Any) -> int:
     """A request's size as stacking weighs it: its largest operand's elements."""
     return request.tensors["self"].numel()
+
+
+def _grid(request: Any) -> tuple[int, int]:
+    """A request's ``(outer, half)``: its rows, and their length."""
+    x = request.tensors["self"]
+    return glu_grid(tuple(x.shape), request.scalars["dim"] % x.dim())
+
+
+def _half(request: Any) -> int:
+    """The length of a request's rows: requests stack when theirs are equal."""
+    return _grid(request)[1]

@@ -33,12 +33,13 @@ from opsched.ops._base import (
     deliver,
 )
 from opsched.ops._framework import (
+    framework_cat,
     framework_deliver,
-    framework_groups,
     framework_output,
     framework_rows,
     framework_split,
     framework_stack,
+    framework_stacks,
 )
 from opsched.ops.products import OpSupport
 
@@ -137,25 +138,35 @@ class GroupNormalizationGrad(Operator):
         tensors["dx"].copy_(dx.reshape(x.shape).to(x.dtype))
 
     def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
-        # A request is N * G rows of M elements; requests of one shape stack their rows as
-        # (rows, 1, M), and each call covers whole rows and runs serially on the CPU
-        # (ops/_framework.py): a row's sums and dx are the same wherever it sits.
-        for group in framework_groups(requests, _stack_key, _size, _STACK_MAX):
-            t = [r.tensors for r in group]
-            x0 = t[0]["x"]
-            rows = len(group) * x0.shape[0] * x0.shape[1]
-            m = x0.numel() // max(x0.shape[0] * x0.shape[1], 1)
+        # A request is N * G rows of M elements; requests whose rows have one length stack
+        # them as (rows, 1, M), whatever their N and G, and each call covers whole rows and
+        # runs serially on the CPU (ops/_framework.py): a row's sums and dx are the same
+        # wherever it sits.
+        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row):
+            x0 = stack[0][0].tensors["x"]
+            m = _row(stack[0][0])
+            counts = [
+                len(group) * group[0].tensors["x"].shape[0] * group[0].tensors["x"].shape[1]
+                for group in stack
+            ]
+            rows = sum(counts)
             stacked = {
-                name: framework_stack(torch, [v[name] for v in t]).view(rows, 1, size)
+                name: framework_cat(torch, [
+                    framework_stack(torch, [r.tensors[name] for r in group]).view(n, 1, size)
+                    for group, n in zip(stack, counts, strict=True)
+                ])
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
-            }
-            out = framework_output(torch, group, "dx", (rows, 1, m), x0)
+            }  # fmt: skip
+            members = stack[0] if len(stack) == 1 else [r for group in stack for r in group]
+            out = framework_output(torch, members, "dx", (rows, 1, m), x0)
             for a, b in framework_rows(torch, rows, m, x0.device):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
-            views = framework_split(out, len(group), x0.shape)
-            for r, view in zip(group, views, strict=True):
-                framework_deliver(r.tensors, "dx", view)
+            pieces = out.split(counts) if len(stack) > 1 else (out,)
+            for group, piece in zip(stack, pieces, strict=True):
+                views = framework_split(piece, len(group), group[0].tensors["x"].shape)
+                for r, view in zip(group, views, strict=True):
+                    framework_deliver(r.tensors, "dx", view)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
@@ -254,3 +265,8 @@ def _stack_key(request: Any) -> Hashable:
 def _size(request: Any) -> int:
     """A request's size as stacking weighs it: its largest operand's elements."""
     return request.tensors["x"].numel()
+
+
+def _row(request: Any) -> int:
+    """The length of a request's rows (M): requests stack when theirs are equal."""
+    return math.prod(request.tensors["x"].shape[2:])

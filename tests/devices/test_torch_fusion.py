@@ -48,7 +48,7 @@ def glu_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
     """A random GluBackward call: 1-3 dims, any split dim, odd half lengths included."""
     shape = [int(v) for v in rng.integers(1, 9, size=int(rng.integers(1, 4)))]
     dim = int(rng.integers(0, len(shape)))
-    shape[dim] = 2 * int(rng.integers(1, 300))
+    shape[dim] = 2 * int(rng.choice([1, 7, 37, 150, 299]))  # shared row lengths stack
     grad_shape = list(shape)
     grad_shape[dim] //= 2
     x, g = rand(rng, tuple(shape), dtype, 3.0), rand(rng, tuple(grad_shape), dtype)
@@ -245,3 +245,41 @@ def test_the_scheduler_fuses_and_each_result_is_the_request_alone(op, make):
         want = alone[j]
         got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
         assert [bits(v) for v in got] == [bits(v) for v in want]
+
+
+class _CountingTorch:
+    """torch, with GluBackward's framework calls counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        real = torch.ops.aten.glu_backward
+
+        def grad_input(*args, **kwargs):
+            self.calls += 1
+            return real.grad_input(*args, **kwargs)
+
+        def glu_backward(*args):
+            self.calls += 1
+            return real(*args)
+
+        glu_backward.grad_input = grad_input  # type: ignore[attr-defined]
+        self.ops = types.SimpleNamespace(aten=types.SimpleNamespace(glu_backward=glu_backward))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def test_requests_of_different_shapes_with_rows_alike_share_one_call():
+    rng = np.random.default_rng(13)
+    shapes = [(2, 74), (5, 74), (3, 2, 74), (1, 74), (4, 2, 6)]  # rows of 37, but the last
+    pool = [(t(rand(rng, (*s[:-1], s[-1] // 2), F32)), t(rand(rng, s, F32, 3.0))) for s in shapes]
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(GLU_BACKWARD, args, i)
+        GLU_BACKWARD.framework_batch(torch, [r])
+        alone.append(bits(r.tensors["out"]))
+    counting = _CountingTorch()
+    batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool * 2)]
+    GLU_BACKWARD.framework_batch(counting, batch)
+    assert counting.calls == 2  # one for the rows of 37, one for the rows of 3
+    assert [bits(r.tensors["out"]) for r in batch] == alone * 2
