@@ -37,10 +37,11 @@ from opsched.ops._base import (
     signature_groups,
 )
 from opsched.ops._framework import (
+    framework_cat,
     framework_deliver,
-    framework_groups,
     framework_split,
     framework_stack,
+    framework_stacks,
 )
 from opsched.ops.products import OpSupport
 
@@ -260,50 +261,81 @@ class GroupNormBackward(Operator):
                 out.copy_(result.reshape(out.shape))
 
     def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
-        # Requests of one shape stack their samples as the channels of one sample: x as
-        # (1, samples * C, HxW) in samples * group groups, gamma repeated per sample. aten
-        # computes a channel's sums and a group's dx on one thread each, so dx is each
-        # request's own call, bit for bit, on any number of threads (measured); dgamma /
-        # dbeta come per sample and are summed over a request's samples here, in order.
+        # Requests whose groups match (channels per group, HxW) stack their samples as the
+        # channels of one sample: x as (1, channels, HxW) in channels / cpg groups, gamma
+        # repeated per sample. aten computes a channel's sums and a group's dx on one
+        # thread each, so dx is each request's own call, bit for bit, on any number of
+        # threads (measured); dgamma / dbeta come per sample and are summed over a
+        # request's samples here, in order.
         call = torch.ops.aten.native_group_norm_backward
-        for group in framework_groups(requests, _stack_key, _size, _STACK_MAX):
-            t = [r.tensors for r in group]
-            s = group[0].scalars
-            n, c, hxw, groups, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
-            k, samples = len(group), len(group) * n
-            x0, gamma0, stat_dtype = t[0]["input"], t[0]["gamma"], t[0]["mean"].dtype
-            stat_shape = tuple(gamma0.shape) if gamma0 is not None else (c,)
-            if n * c * hxw == 0:  # nothing to compute: dx is empty, the sums are zero
-                dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
-                stat = torch.zeros((k, *stat_shape), dtype=stat_dtype, device=x0.device)
-                results = (dx, stat, stat.clone())
-            else:
-                # Statistics and gamma in at least float32 (exact): aten then returns the
-                # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
-                wide = torch.promote_types(stat_dtype, torch.float32)
+        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row):
+            first = stack[0][0]
+            x0, stat_dtype = first.tensors["input"], first.tensors["mean"].dtype
+            mask, hxw = first.scalars["output_mask"], first.scalars["HxW"]
+            if _row(first) is _EMPTY:  # nothing to compute: dx is empty, the sums are zero
+                for group in stack:
+                    self._deliver_empty(torch, group)
+                continue
+            # Statistics and gamma in at least float32 (exact): aten then returns the
+            # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
+            wide = torch.promote_types(stat_dtype, torch.float32)
+            geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
+            channels = [k * n * c for k, n, c in geometry]
+            operands = {
+                name: framework_cat(torch, [
+                    framework_stack(torch, [r.tensors[name] for r in group]).view(-1)
+                    for group in stack
+                ])
+                for name in ("grad_out", "input", "mean", "rstd")
+            }  # fmt: skip
+            gammas = []
+            for group, (k, n, c) in zip(stack, geometry, strict=True):
                 # aten reads gamma as contiguous whatever its strides, and cannot give
-                # dgamma without one: an absent gamma is ones (SPEC's meaning of it).
-                if gamma0 is None:
-                    gamma = torch.ones(samples * c, dtype=wide, device=x0.device)
+                # dgamma without one: an absent gamma is ones (SPEC's meaning of it)
+                if group[0].tensors["gamma"] is None:
+                    gammas.append(torch.ones(k * n * c, dtype=wide, device=x0.device))
                 else:  # [gamma_i] * n per request: one repeat
-                    gamma = framework_stack(torch, [v["gamma"] for v in t]).view(k, c)
-                    gamma = gamma.to(wide).repeat(1, n).view(samples * c)
-                mean, rstd = (
-                    framework_stack(torch, [v[name] for v in t]).to(wide).view(1, -1)
-                    for name in ("mean", "rstd")
-                )
-                dx, dgamma, dbeta = call(
-                    framework_stack(torch, [v["grad_out"] for v in t]).view(1, -1, hxw),
-                    framework_stack(torch, [v["input"] for v in t]).view(1, -1, hxw),
-                    mean, rstd, gamma, 1, samples * c, hxw, samples * groups, list(mask),
-                )  # fmt: skip
-                results = (dx, *_sample_sums(torch, dgamma, dbeta, k, n, c, stat_dtype))
-            shapes = (tuple(x0.shape), stat_shape, stat_shape)
-            for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
-                if want:
-                    views = framework_split(result, k, shape)
-                    for r, view in zip(group, views, strict=True):
-                        framework_deliver(r.tensors, name, view)
+                    gamma = framework_stack(torch, [r.tensors["gamma"] for r in group])
+                    gammas.append(gamma.view(k, c).to(wide).repeat(1, n).view(-1))
+            total = sum(channels)
+            dx, dgamma, dbeta = call(
+                operands["grad_out"].view(1, total, hxw), operands["input"].view(1, total, hxw),
+                operands["mean"].to(wide).view(1, -1), operands["rstd"].to(wide).view(1, -1),
+                framework_cat(torch, gammas), 1, total, hxw, total // (first.scalars["C"]
+                // first.scalars["group"]), list(mask),
+            )  # fmt: skip
+            pieces = [
+                v.view(-1).split([ch * each for ch in channels])
+                if v is not None and len(stack) > 1
+                else (v,) * len(stack)
+                for v, each in ((dx, hxw), (dgamma, 1), (dbeta, 1))
+            ]
+            for i, (group, (k, n, c)) in enumerate(zip(stack, geometry, strict=True)):
+                sums = _sample_sums(torch, pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
+                self._deliver(group, (pieces[0][i], *sums))
+
+    def _deliver(self, group: Sequence[Any], results: Sequence[Any]) -> None:
+        """Hand each request of ``group`` (one shape) its views of ``results`` (dx,
+        dgamma, dbeta stacked over the group; None where not asked for)."""
+        first = group[0].tensors
+        gamma = first["gamma"]
+        stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
+        shapes = (tuple(first["input"].shape), stat_shape, stat_shape)
+        mask = group[0].scalars["output_mask"]
+        for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
+            if want:
+                views = framework_split(result, len(group), shape)
+                for r, view in zip(group, views, strict=True):
+                    framework_deliver(r.tensors, name, view)
+
+    def _deliver_empty(self, torch: Any, group: Sequence[Any]) -> None:
+        """A group with nothing to compute: an empty dx, zero dgamma / dbeta."""
+        first = group[0].tensors
+        x0, gamma, k = first["input"], first["gamma"], len(group)
+        stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
+        dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
+        stat = torch.zeros((k, *stat_shape), dtype=first["mean"].dtype, device=x0.device)
+        self._deliver(group, (dx, stat, stat.clone()))
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
@@ -554,3 +586,15 @@ def _sample_sums(
 def _size(request: Any) -> int:
     """A request's size as stacking weighs it: its largest operand's elements."""
     return request.tensors["input"].numel()
+
+
+#: The row key of a request with nothing to compute (N, C or HxW zero).
+_EMPTY = ("empty",)
+
+
+def _row(request: Any) -> Hashable:
+    """What must match for requests to stack as channels: channels per group and HxW."""
+    s = request.scalars
+    if s["N"] * s["C"] * s["HxW"] == 0:
+        return _EMPTY
+    return s["C"] // s["group"], s["HxW"]

@@ -248,22 +248,28 @@ def test_the_scheduler_fuses_and_each_result_is_the_request_alone(op, make):
 
 
 class _CountingTorch:
-    """torch, with GluBackward's framework calls counted."""
+    """torch, with the calls of one aten operator (and its overloads) counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.calls = 0
-        real = torch.ops.aten.glu_backward
+        real = getattr(torch.ops.aten, name)
+        counter = self
 
-        def grad_input(*args, **kwargs):
-            self.calls += 1
-            return real.grad_input(*args, **kwargs)
+        class Counted:
+            def __call__(self, *args, **kwargs):
+                counter.calls += 1
+                return real(*args, **kwargs)
 
-        def glu_backward(*args):
-            self.calls += 1
-            return real(*args)
+            def __getattr__(self, overload: str):  # grad_input, out, ...
+                target = getattr(real, overload)
 
-        glu_backward.grad_input = grad_input  # type: ignore[attr-defined]
-        self.ops = types.SimpleNamespace(aten=types.SimpleNamespace(glu_backward=glu_backward))
+                def call(*args, **kwargs):
+                    counter.calls += 1
+                    return target(*args, **kwargs)
+
+                return call
+
+        self.ops = types.SimpleNamespace(aten=types.SimpleNamespace(**{name: Counted()}))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -278,8 +284,28 @@ def test_requests_of_different_shapes_with_rows_alike_share_one_call():
         r = request(GLU_BACKWARD, args, i)
         GLU_BACKWARD.framework_batch(torch, [r])
         alone.append(bits(r.tensors["out"]))
-    counting = _CountingTorch()
+    counting = _CountingTorch("glu_backward")
     batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool * 2)]
     GLU_BACKWARD.framework_batch(counting, batch)
     assert counting.calls == 2  # one for the rows of 37, one for the rows of 3
     assert [bits(r.tensors["out"]) for r in batch] == alone * 2
+
+
+def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
+    rng = np.random.default_rng(14)
+    pool = []
+    for n, c in ((1, 4), (2, 4), (3, 8), (2, 8)):  # 2 channels per group, HxW 5: one stack
+        dy, x = rand(rng, (n, c, 5), F32), rand(rng, (n, c, 5), F32)
+        mean, rstd = rand(rng, (n, c // 2), F32), (rng.random((n, c // 2)) + 0.5).astype(F32)
+        gamma = t(rand(rng, (c,), F32)) if c == 8 else None
+        pool.append((t(dy), t(x), t(mean), t(rstd), gamma, n, c, 5, c // 2))
+    alone = []
+    for i, args in enumerate(pool):
+        r = request(GROUP_NORM_BACKWARD, args, i)
+        GROUP_NORM_BACKWARD.framework_batch(torch, [r])
+        alone.append([bits(v) for v in outputs(GROUP_NORM_BACKWARD, r)])
+    counting = _CountingTorch("native_group_norm_backward")
+    batch = [request(GROUP_NORM_BACKWARD, args, i) for i, args in enumerate(pool * 2)]
+    GROUP_NORM_BACKWARD.framework_batch(counting, batch)
+    assert counting.calls == 1
+    assert [[bits(v) for v in outputs(GROUP_NORM_BACKWARD, r)] for r in batch] == alone * 2
