@@ -281,28 +281,26 @@ class GroupNormBackward(Operator):
             wide = torch.promote_types(stat_dtype, torch.float32)
             geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
             channels = [k * n * c for k, n, c in geometry]
-            operands = {
-                name: framework_cat(torch, [
-                    framework_stack(torch, [r.tensors[name] for r in group]).view(-1)
-                    for group in stack
-                ])
-                for name in ("grad_out", "input", "mean", "rstd")
+            total = sum(channels)
+            groups = total // (first.scalars["C"] // first.scalars["group"])
+            shapes: dict[str, tuple[int, ...]] = {
+                "grad_out": (1, total, hxw), "input": (1, total, hxw),
+                "mean": (1, groups), "rstd": (1, groups),
             }  # fmt: skip
+            operands = {name: _stacked(torch, stack, name, shape) for name, shape in shapes.items()}
             gammas = []
             for group, (k, n, c) in zip(stack, geometry, strict=True):
                 # aten reads gamma as contiguous whatever its strides, and cannot give
                 # dgamma without one: an absent gamma is ones (SPEC's meaning of it)
                 if group[0].tensors["gamma"] is None:
                     gammas.append(torch.ones(k * n * c, dtype=wide, device=x0.device))
-                else:  # [gamma_i] * n per request: one repeat
-                    gamma = framework_stack(torch, [r.tensors["gamma"] for r in group])
-                    gammas.append(gamma.view(k, c).to(wide).repeat(1, n).view(-1))
-            total = sum(channels)
+                else:  # [gamma_i] * n per request: one cat (measured 6x cheaper than repeat)
+                    gamma = _wide(framework_stack(torch, [r.tensors["gamma"] for r in group]), wide)
+                    gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
             dx, dgamma, dbeta = call(
-                operands["grad_out"].view(1, total, hxw), operands["input"].view(1, total, hxw),
-                operands["mean"].to(wide).view(1, -1), operands["rstd"].to(wide).view(1, -1),
-                framework_cat(torch, gammas), 1, total, hxw, total // (first.scalars["C"]
-                // first.scalars["group"]), list(mask),
+                operands["grad_out"], operands["input"], _wide(operands["mean"], wide),
+                _wide(operands["rstd"], wide), framework_cat(torch, gammas), 1, total, hxw,
+                groups, list(mask),
             )  # fmt: skip
             pieces = [
                 v.view(-1).split([ch * each for ch in channels])
@@ -578,7 +576,7 @@ def _sample_sums(
     if not stats:
         return None, None
     both = torch.stack(stats) if len(stats) > 1 else stats[0]
-    totals = both.view(len(stats), k, n, c).cumsum(2)[:, :, -1].to(dtype).unbind(0)
+    totals = _wide(both.view(len(stats), k, n, c).cumsum(2)[:, :, -1], dtype).unbind(0)
     sums = iter(totals)
     return tuple(None if s is None else next(sums) for s in (dgamma, dbeta))  # type: ignore[return-value]
 
@@ -586,6 +584,19 @@ def _sample_sums(
 def _size(request: Any) -> int:
     """A request's size as stacking weighs it: its largest operand's elements."""
     return request.tensors["input"].numel()
+
+
+def _stacked(torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: tuple[int, ...]) -> Any:
+    """Operand ``name`` of a stack's requests, stacked group by group, as ``shape``."""
+    parts = [framework_stack(torch, [r.tensors[name] for r in group]) for group in stack]
+    if len(parts) == 1:
+        return parts[0].view(shape)
+    return torch.cat([p.view(-1) for p in parts]).view(shape)
+
+
+def _wide(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` in ``dtype`` (no call when it is already: each costs a few us)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 #: The row key of a request with nothing to compute (N, C or HxW zero).
