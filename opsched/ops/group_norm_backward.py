@@ -36,13 +36,7 @@ from opsched.ops._base import (
     index_value,
     signature_groups,
 )
-from opsched.ops._framework import (
-    framework_cat,
-    framework_deliver,
-    framework_split,
-    framework_stack,
-    framework_stacks,
-)
+from opsched.ops._gnb_framework import gnb_framework_batch
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
@@ -261,79 +255,8 @@ class GroupNormBackward(Operator):
                 out.copy_(result.reshape(out.shape))
 
     def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
-        # Requests whose groups match (channels per group, HxW) stack their samples as the
-        # channels of one sample: x as (1, channels, HxW) in channels / cpg groups, gamma
-        # repeated per sample. aten computes a channel's sums and a group's dx on one
-        # thread each, so dx is each request's own call, bit for bit, on any number of
-        # threads (measured); dgamma / dbeta come per sample and are summed over a
-        # request's samples here, in order.
-        call = torch.ops.aten.native_group_norm_backward
-        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row):
-            first = stack[0][0]
-            x0, stat_dtype = first.tensors["input"], first.tensors["mean"].dtype
-            mask, hxw = first.scalars["output_mask"], first.scalars["HxW"]
-            if _row(first) is _EMPTY:  # nothing to compute: dx is empty, the sums are zero
-                for group in stack:
-                    self._deliver_empty(torch, group)
-                continue
-            # Statistics and gamma in at least float32 (exact): aten then returns the
-            # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
-            wide = torch.promote_types(stat_dtype, torch.float32)
-            geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
-            channels = [k * n * c for k, n, c in geometry]
-            total = sum(channels)
-            groups = total // (first.scalars["C"] // first.scalars["group"])
-            shapes: dict[str, tuple[int, ...]] = {
-                "grad_out": (1, total, hxw), "input": (1, total, hxw),
-                "mean": (1, groups), "rstd": (1, groups),
-            }  # fmt: skip
-            operands = {name: _stacked(torch, stack, name, shape) for name, shape in shapes.items()}
-            gammas = []
-            for group, (k, n, c) in zip(stack, geometry, strict=True):
-                # aten reads gamma as contiguous whatever its strides, and cannot give
-                # dgamma without one: an absent gamma is ones (SPEC's meaning of it)
-                if group[0].tensors["gamma"] is None:
-                    gammas.append(torch.ones(k * n * c, dtype=wide, device=x0.device))
-                else:  # [gamma_i] * n per request: one cat (measured 6x cheaper than repeat)
-                    gamma = _wide(framework_stack(torch, [r.tensors["gamma"] for r in group]), wide)
-                    gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
-            dx, dgamma, dbeta = call(
-                operands["grad_out"], operands["input"], _wide(operands["mean"], wide),
-                _wide(operands["rstd"], wide), framework_cat(torch, gammas), 1, total, hxw,
-                groups, list(mask),
-            )  # fmt: skip
-            pieces = [
-                v.view(-1).split([ch * each for ch in channels])
-                if v is not None and len(stack) > 1
-                else (v,) * len(stack)
-                for v, each in ((dx, hxw), (dgamma, 1), (dbeta, 1))
-            ]
-            for i, (group, (k, n, c)) in enumerate(zip(stack, geometry, strict=True)):
-                sums = _sample_sums(torch, pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
-                self._deliver(group, (pieces[0][i], *sums))
-
-    def _deliver(self, group: Sequence[Any], results: Sequence[Any]) -> None:
-        """Hand each request of ``group`` (one shape) its views of ``results`` (dx,
-        dgamma, dbeta stacked over the group; None where not asked for)."""
-        first = group[0].tensors
-        gamma = first["gamma"]
-        stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
-        shapes = (tuple(first["input"].shape), stat_shape, stat_shape)
-        mask = group[0].scalars["output_mask"]
-        for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
-            if want:
-                views = framework_split(result, len(group), shape)
-                for r, view in zip(group, views, strict=True):
-                    framework_deliver(r.tensors, name, view)
-
-    def _deliver_empty(self, torch: Any, group: Sequence[Any]) -> None:
-        """A group with nothing to compute: an empty dx, zero dgamma / dbeta."""
-        first = group[0].tensors
-        x0, gamma, k = first["input"], first["gamma"], len(group)
-        stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
-        dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
-        stat = torch.zeros((k, *stat_shape), dtype=first["mean"].dtype, device=x0.device)
-        self._deliver(group, (dx, stat, stat.clone()))
+        # stacked as the channels of one sample: opsched/ops/_gnb_framework.py
+        gnb_framework_batch(torch, requests)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
@@ -549,63 +472,3 @@ def _mask(op: str, value: object) -> tuple[bool, bool, bool]:
 
 #: The GroupNormBackward descriptor.
 GROUP_NORM_BACKWARD = GroupNormBackward()
-
-
-#: Requests of at least this many elements run alone, on their own tensors: copying them
-#: into a stack and the fresh memory it takes cost more than the framework calls a launch
-#: makes (measured on FLOAT, 4 x 64 x 64 requests: 100 us each alone, 150 us stacked).
-_STACK_MAX = 8192
-
-
-def _stack_key(request: Any) -> Hashable:
-    """Requests that stack in one framework launch: the same shapes and scalars."""
-    t = request.tensors
-    gamma = t["gamma"]
-    shapes = (t["grad_out"].shape, t["input"].shape, t["mean"].shape, t["rstd"].shape)
-    return shapes, None if gamma is None else gamma.shape, *request.scalars.values()
-
-
-def _sample_sums(
-    torch: Any, dgamma: Any, dbeta: Any, k: int, n: int, c: int, dtype: Any
-) -> tuple[Any, Any]:
-    """A stacked launch's per-sample dgamma and dbeta summed over each request's ``n``
-    samples, then rounded to ``dtype`` (None where not computed). One ``cumsum`` for both:
-    aten accumulates each (request, channel) lane on its own, in sample order, in float64
-    on the CPU, so a lane's sum does not depend on the lanes beside it."""
-    stats = [s for s in (dgamma, dbeta) if s is not None]
-    if not stats:
-        return None, None
-    both = torch.stack(stats) if len(stats) > 1 else stats[0]
-    totals = _wide(both.view(len(stats), k, n, c).cumsum(2)[:, :, -1], dtype).unbind(0)
-    sums = iter(totals)
-    return tuple(None if s is None else next(sums) for s in (dgamma, dbeta))  # type: ignore[return-value]
-
-
-def _size(request: Any) -> int:
-    """A request's size as stacking weighs it: its largest operand's elements."""
-    return request.tensors["input"].numel()
-
-
-def _stacked(torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: tuple[int, ...]) -> Any:
-    """Operand ``name`` of a stack's requests, stacked group by group, as ``shape``."""
-    parts = [framework_stack(torch, [r.tensors[name] for r in group]) for group in stack]
-    if len(parts) == 1:
-        return parts[0].view(shape)
-    return torch.cat([p.view(-1) for p in parts]).view(shape)
-
-
-def _wide(tensor: Any, dtype: Any) -> Any:
-    """``tensor`` in ``dtype`` (no call when it is already: each costs a few us)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-#: The row key of a request with nothing to compute (N, C or HxW zero).
-_EMPTY = ("empty",)
-
-
-def _row(request: Any) -> Hashable:
-    """What must match for requests to stack as channels: channels per group and HxW."""
-    s = request.scalars
-    if s["N"] * s["C"] * s["HxW"] == 0:
-        return _EMPTY
-    return s["C"] // s["group"], s["HxW"]
