@@ -86,9 +86,12 @@ async def _scheduled(
     return times[1:]
 
 
-def bench_medium(target: BenchTarget, repeats: int) -> dict[str, Any]:
+def bench_medium(
+    target: BenchTarget, repeats: int, round_bytes: int = _ROUND_BYTES
+) -> dict[str, Any]:
     """Figure 10: per size and operator, the scheduler's time against torch's per-request
-    calls (median ratio of ``repeats`` interleaved rounds); empty without torch."""
+    calls (median ratio of ``repeats`` interleaved rounds of ``round_bytes`` of input);
+    empty without torch."""
     torch = torch_peer()
     if torch is None:
         return {}
@@ -100,7 +103,7 @@ def bench_medium(target: BenchTarget, repeats: int) -> dict[str, Any]:
     ]
     for op, make, peer in cases:
         for nbytes in SIZES:
-            n = max(_CLIENTS, _ROUND_BYTES // nbytes // _CLIENTS * _CLIENTS)
+            n = max(_CLIENTS, round_bytes // nbytes // _CLIENTS * _CLIENTS)
             work = make(rng, nbytes, n)
             tensors = [
                 tuple(torch_ops.to_torch(a) if isinstance(a, np.ndarray) else a for a in w)

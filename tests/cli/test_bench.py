@@ -50,6 +50,23 @@ def test_paths_benchmark_reports_every_operator_and_path():
     assert "GroupNormBackward 4x8x64, two-phase" in out.getvalue()
 
 
+@pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
+def test_medium_benchmark_reports_every_operator_and_size(device):
+    pytest.importorskip("torch")
+    from opsched.cli.bench_kernels import BenchTarget
+    from opsched.cli.bench_medium import SIZES, bench_medium, print_medium
+
+    result = bench_medium(BenchTarget(device), repeats=1, round_bytes=1)  # 32 requests each
+    rows = result["rows"]
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        (op, size) for op in ("glu_backward", "group_norm_backward") for size in SIZES
+    ]
+    assert all(r["requests"] == 32 and r["speedup"] > 0 for r in rows)
+    lines: list[str] = []
+    print_medium(result, lambda name, *rest: lines.append(name), io.StringIO())
+    assert lines[0] == "10. medium, glu_backward 64 KiB x 32"
+
+
 def test_graph_benchmark_small():
     result = bench_graphs(rounds=1, clients=2, repeats=1)
     assert result["chains"] == 2 and result["graph_chains_per_s"] > 0
