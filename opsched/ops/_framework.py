@@ -90,17 +90,20 @@ def framework_groups(
     (``size(request)``) is a group of its own: it runs on its own tensors, uncopied. Which
     way a request goes depends on its own size only."""
     groups: dict[Hashable, list[Any]] = {}
-    alone: list[list[Any]] = []
     for request in requests:
-        if size(request) >= stack_max:
-            alone.append([request])
+        # a request's checked signature (same shapes, dtypes, scalars) where it has one:
+        # already a hashable tuple, no tensor attributes read
+        signature = getattr(request, "signature", None)
+        found = key(request) if signature is None else signature
+        groups.setdefault(found, []).append(request)
+    stacked: list[list[Any]] = []
+    alone: list[list[Any]] = []
+    for group in groups.values():  # one shape each: one size
+        if size(group[0]) >= stack_max:
+            alone.extend([request] for request in group)
         else:
-            # a request's checked signature (same shapes, dtypes, scalars) where it has
-            # one: already a hashable tuple, no tensor attributes read
-            signature = getattr(request, "signature", None)
-            found = key(request) if signature is None else signature
-            groups.setdefault(found, []).append(request)
-    return [*groups.values(), *alone]
+            stacked.append(group)
+    return [*stacked, *alone]
 
 
 def framework_stacks(
