@@ -26,7 +26,8 @@ The same scheduler drives the framework's operators on its own devices:
   device's default stream, where the inputs were made), then records a framework event and
   blocks on it: completion reaches the event loop from one thread per stream, never one
   per launch, and a launch's tensors (held by its requests) stay alive until that event
-  has completed (no ``record_stream``).
+  has completed. Results the launch allocated on its stream are marked used by the
+  default stream (``record_stream``), where the caller works on them.
 - **Graph edges** across streams wait on the device there (:class:`FrameworkStream`): a
   consumer's stream waits only until its producer's kernels are issued, then makes its
   framework stream ``wait_event`` the producer's framework event, so the consumer's launch
@@ -322,12 +323,33 @@ class TorchDevice(Device):
                     except Exception as exc:  # the launch boundary of one request
                         errors[r.id] = exc
             if framework is not None:
+                _used_by_default_stream(backend.default_stream(self.torch_device), live, op)
                 event = framework.record_event()
                 issuer = self.streams[stream]
                 if isinstance(issuer, FrameworkStream):  # consumers may queue behind it now
                     issuer.issued(event)
                 event.synchronize()  # this stream's thread waits; the loop does not
         return errors
+
+
+def _used_by_default_stream(default: Any, requests: Sequence[Any], op: Operator) -> None:
+    """Mark the memory of results a launch allocated on its own framework stream as used
+    by the device's default stream (``Tensor.record_stream``), where the caller works on
+    them: else, once the caller freed one, the caching allocator could hand its block to
+    this stream's next launch while the caller's kernels still read it. Once per block
+    (the results of a launch are views of a few stacked outputs). Outputs the caller gave
+    or that were allocated at bind came from the default stream already; marking them too
+    is harmless."""
+    seen: set[int] = set()
+    for r in requests:
+        for name in op.outputs:
+            tensor = r.tensors.get(name)
+            if tensor is None:
+                continue
+            block = tensor.untyped_storage().data_ptr()
+            if block not in seen:
+                seen.add(block)
+                tensor.record_stream(default)
 
 
 def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:

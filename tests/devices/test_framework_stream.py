@@ -87,3 +87,35 @@ def test_events_of_other_streams_are_waited_for_on_the_host(streams):
     assert done.wait(WAIT)
     assert order == ["foreign completes", "consumer"]
     assert consumer.framework.waited == []
+
+
+class _FakeTensor:
+    """A result tensor on an accelerator: its block's address, and the streams it was
+    marked as used by."""
+
+    def __init__(self, block: int, marks: list) -> None:
+        self.block, self.marks = block, marks
+
+    def untyped_storage(self):
+        return type("Storage", (), {"data_ptr": lambda _: self.block})()
+
+    def record_stream(self, stream) -> None:
+        self.marks.append((self.block, stream))
+
+
+def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_default_stream():
+    from types import SimpleNamespace
+
+    from opsched.devices.torch_device import _used_by_default_stream
+    from opsched.ops import GROUP_NORM_BACKWARD
+
+    marks: list = []
+    default = object()
+    # two requests whose results are views of two stacked blocks, one output not asked for
+    requests = [
+        SimpleNamespace(tensors={"dx": _FakeTensor(1, marks), "dgamma": _FakeTensor(2, marks),
+                                 "dbeta": None})
+        for _ in range(2)
+    ]  # fmt: skip
+    _used_by_default_stream(default, requests, GROUP_NORM_BACKWARD)
+    assert marks == [(1, default), (2, default)]  # each block once, on the default stream
