@@ -27,7 +27,10 @@ def _common() -> argparse.ArgumentParser:
     group = common.add_argument_group("common options")
     group.add_argument("--config", metavar="PATH", help="scheduler TOML profile (configs/)")
     group.add_argument(
-        "--device", default="cpu", help="cpu (numpy on worker threads) or reference (inline)"
+        "--device",
+        default="cpu",
+        help="cpu (numpy on worker threads), reference (inline), torch:cpu, torch:cuda[:N], "
+        "torch:npu[:N]",
     )
     group.add_argument(
         "--product",

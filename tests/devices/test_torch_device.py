@@ -196,12 +196,42 @@ def test_without_torch_a_torch_device_says_how_to_install_it(tmp_path):
     assert "(2, 4)" in proc.stdout
 
 
-def test_stress_refuses_torch_devices_with_a_reason(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "opsched", "stress", "--device", "torch:cpu", "--requests", "10"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "bit for bit against the numpy oracle" in proc.stderr
+STRESS = {"requests": 1500, "clients": 8, "sync_clients": 1, "templates": 64, "watchdog": 5.0}
+
+
+def _stress(**options):
+    import io
+
+    from opsched.cli.stress import StressOptions, run_stress
+
+    out = io.StringIO()
+    return run_stress(StressOptions(device="torch:cpu", **options), out), out.getvalue()
+
+
+def test_stress_on_torch_cpu_checks_every_result_against_the_request_alone():
+    # Each result must be bit-identical to its request launched alone on the device (batch
+    # invariance) and within SPEC's tolerance of the float64 oracle; faults, deadlines,
+    # cancellation and bad input as on the numpy devices.
+    status, text = _stress(**STRESS)
+    assert status == 0, text
+    assert "0 wrong" in text and "faulted" in text
+
+
+def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatch):
+    from opsched.ops.glu_backward import GluBackward
+
+    real = GluBackward.framework_batch
+
+    def drifting(self, torch_module, requests):
+        real(self, torch_module, requests)
+        if len(requests) > 1:  # batched requests move one ulp-ish away from their solo bits
+            for r in requests:
+                r.tensors["out"].mul_(1 + 2**-20)
+
+    monkeypatch.setattr(GluBackward, "framework_batch", drifting)
+    status, text = _stress(**STRESS)
+    assert status == 1, text
+    assert "not bit-identical to the solo call" in text
 
 
 def test_graph_placeholders_take_tensors_on_a_torch_device():

@@ -79,8 +79,8 @@ class _Harness:
         #: per template: the status the product answers it with (None: supported)
         self.unsupported = [_product_verdict(product, t) for t in templates]
         self.tally = tally
-        # The out arrays of fault and deadline cases, by id(), kept alive until checked:
-        # an id is only unique while its array lives.
+        # The out arrays of fault and deadline cases, by data address, kept alive until
+        # checked: an address is only unique while its array lives.
         self.faulty: dict[int, np.ndarray] = {}
         self.expiring: dict[int, np.ndarray] = {}
 
@@ -88,7 +88,7 @@ class _Harness:
         """Fault injector: fails launches with a fault case; notes launched expired ones."""
         fail = False
         for r in requests:
-            out = id(next(r.tensors[n] for n in r.op.outputs if r.tensors[n] is not None))
+            out = _address(next(r.tensors[n] for n in r.op.outputs if r.tensors[n] is not None))
             if out in self.expiring:
                 self.tally.launched_expired += 1
             fail = fail or out in self.faulty
@@ -112,9 +112,9 @@ class _Harness:
             kw["out"] = tuple(outs) if t.kind == "gnb" else outs[0]
             out = next(o for o in outs if o is not None)  # the array the injector sees
             if case.fate == "fault":
-                self.faulty[id(out)] = out
+                self.faulty[_address(out)] = out
             if case.fate == "deadline":
-                self.expiring[id(out)] = out
+                self.expiring[_address(out)] = out
                 kw["deadline"] = time.monotonic() - 1.0  # already passed: must never launch
         elif case.fate == "deadline":
             kw["deadline"] = time.monotonic() - 1.0
@@ -134,9 +134,9 @@ class _Harness:
         record = functools.partial(self.tally.record, graph=t.kind == "graph")
         if isinstance(out, tuple):
             out = next(o for o in out if o is not None)
-        if out is not None:  # unmark: once checked, its id may be reused by a new array
-            self.faulty.pop(id(out), None)
-            self.expiring.pop(id(out), None)
+        if out is not None:  # unmark: once checked, its memory may be reused by a new array
+            self.faulty.pop(_address(out), None)
+            self.expiring.pop(_address(out), None)
         fate = case.fate
         if t.kind == "graph" and fate in ("invalid", "fault"):
             fate = "valid"  # graphs are not corrupted nor faulted: they run as valid work
@@ -239,3 +239,11 @@ def _submit_sync(
     return None  # graphs go through the async clients
 
 
+def _address(array: Any) -> int:
+    """Where an output array's data starts: what names a request's ``out=`` to the fault
+    injector, the same for the caller's numpy array and the tensor a torch device views it
+    as (alive while its case is in flight, so no two in flight share it)."""
+    data_ptr = getattr(array, "data_ptr", None)
+    if data_ptr is not None:
+        return int(data_ptr())
+    return int(array.__array_interface__["data"][0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -138,15 +139,23 @@ def _gn_args(rng: np.random.Generator, large: bool) -> tuple[np.ndarray, ...]:
     return x, dy, gamma, mean, rstd
 
 
-def make_template(seed: int, index: int, opts: StressOptions) -> _Template:
+#: Each operator's solo call by template kind: the two-phase API (the numpy devices'
+#: oracle of bits), or a torch device's own launch of one request.
+Solos = dict[str, Callable[..., Any]]
+TWO_PHASE: Solos = {"glu": solo_glu, "gn": solo_gn, "gnb": solo_gnb}
+
+
+def make_template(
+    seed: int, index: int, opts: StressOptions, solos: Solos = TWO_PHASE
+) -> _Template:
     """Template ``index`` of a run seeded ``seed`` (deterministic), with both oracles'
-    results computed once: the solo two-phase call's and the independent float64 one."""
-    t = _make_template(seed, index, opts)
+    results computed once: the solo call's (``solos``) and the independent float64 one."""
+    t = _make_template(seed, index, opts, solos)
     dtype = t.expected_arrays[0].dtype if t.expected_arrays else np.dtype(np.float32)
     return attrs.evolve(t, oracle=oracle.expected(t.kind, t.args, dtype))
 
 
-def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
+def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> _Template:
     rng = np.random.default_rng([seed, index])
     large = rng.random() < opts.large
     roll = rng.random()
@@ -154,7 +163,7 @@ def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
         x, dy, gamma, mean, rstd = _gn_args(rng, False)
         gate_shape = (*x.shape[:-1], 2 * x.shape[-1])
         gate = _array(rng, gate_shape, x.dtype)
-        expected = solo_glu(solo_gn(x, dy, gamma, mean, rstd), gate, -1)
+        expected = solos["glu"](solos["gn"](x, dy, gamma, mean, rstd), gate, -1)
         return _Template(
             index,
             "graph",
@@ -169,7 +178,7 @@ def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
             index,
             "gnb",
             args,
-            solo_gnb(*args),
+            solos["gnb"](*args),
             f"gnb input{args[1].shape} N,C,HxW,group={args[5:9]} mask={args[9]} "
             f"{args[1].dtype} gamma={'yes' if args[4] is not None else 'no'}",
         )
@@ -179,7 +188,7 @@ def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
             index,
             "glu",
             (g, x, dim),
-            solo_glu(g, x, dim),
+            solos["glu"](g, x, dim),
             f"glu self{x.shape} dim={dim} {x.dtype} strides={x.strides}",
         )
     args = _gn_args(rng, large)
@@ -187,7 +196,7 @@ def _make_template(seed: int, index: int, opts: StressOptions) -> _Template:
         index,
         "gn",
         args,
-        solo_gn(*args),
+        solos["gn"](*args),
         f"gn x{args[0].shape} {args[0].dtype} strides={args[0].strides}",
     )
 
