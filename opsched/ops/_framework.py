@@ -40,9 +40,10 @@ __all__ = [
     "framework_cat",
     "framework_columns",
     "framework_deliver",
-    "framework_groups",
+    "framework_gather",
     "framework_output",
     "framework_rows",
+    "framework_scatter",
     "framework_split",
     "framework_stack",
     "framework_stacks",
@@ -79,33 +80,6 @@ def framework_columns(row: int, device: Any) -> list[tuple[int, int]]:
     return [(start, min(row, start + COLUMN_CHUNK)) for start in range(0, row, COLUMN_CHUNK)]
 
 
-def framework_groups(
-    requests: Sequence[Any],
-    key: Callable[[Any], Hashable],
-    size: Callable[[Any], int],
-    stack_max: int,
-) -> list[list[Any]]:
-    """``requests`` grouped to stack: by ``key(request)`` (the same shapes and scalars), in
-    order of first appearance. A request of at least ``stack_max`` elements
-    (``size(request)``) is a group of its own: it runs on its own tensors, uncopied. Which
-    way a request goes depends on its own size only."""
-    groups: dict[Hashable, list[Any]] = {}
-    for request in requests:
-        # a request's checked signature (same shapes, dtypes, scalars) where it has one:
-        # already a hashable tuple, no tensor attributes read
-        signature = getattr(request, "signature", None)
-        found = key(request) if signature is None else signature
-        groups.setdefault(found, []).append(request)
-    stacked: list[list[Any]] = []
-    alone: list[list[Any]] = []
-    for group in groups.values():  # one shape each: one size
-        if size(group[0]) >= stack_max:
-            alone.extend([request] for request in group)
-        else:
-            stacked.append(group)
-    return [*stacked, *alone]
-
-
 def framework_stacks(
     requests: Sequence[Any],
     key: Callable[[Any], Hashable],
@@ -113,15 +87,24 @@ def framework_stacks(
     stack_max: int,
     row: Callable[[Any], Hashable],
 ) -> list[list[list[Any]]]:
-    """:func:`framework_groups`, the groups whose rows match (``row(request)``: the row's
-    length and layout) gathered into one stack each: requests of different shapes share a
-    launch's calls when their rows are alike (a sequence of any length, one hidden size).
-    A request that runs alone stays a stack of its own."""
+    """``requests`` as stacks of groups. A group holds requests of one shape (their checked
+    signature where they have one, else ``key(request)``), in order of first appearance;
+    the groups whose rows match (``row(request)``: the row's length and layout) form one
+    stack, so requests of different shapes share a launch's calls when their rows are
+    alike (a sequence of any length, one hidden size). A request of at least ``stack_max``
+    elements (``size``) is a stack of its own and runs on its own tensors, uncopied: which
+    way a request goes depends on its own size only."""
+    groups: dict[Hashable, list[Any]] = {}
+    for request in requests:
+        # the checked signature (same shapes, dtypes, scalars) is already a hashable
+        # tuple: no tensor attributes read per request
+        signature = getattr(request, "signature", None)
+        groups.setdefault(key(request) if signature is None else signature, []).append(request)
     stacks: dict[Hashable, list[list[Any]]] = {}
     alone: list[list[list[Any]]] = []
-    for group in framework_groups(requests, key, size, stack_max):
-        if len(group) == 1 and size(group[0]) >= stack_max:
-            alone.append([group])
+    for group in groups.values():  # one shape each: one size, weighed once
+        if size(group[0]) >= stack_max:
+            alone.extend([[request]] for request in group)
         else:
             stacks.setdefault(row(group[0]), []).append(group)
     return [*stacks.values(), *alone]
@@ -139,16 +122,39 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
     return torch.stack(tensors) if len(tensors) > 1 else tensors[0].contiguous()
 
 
-def framework_output(
-    torch: Any, group: Sequence[Any], name: str, shape: Sequence[int], like: Any
+def framework_gather(
+    torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int]
 ) -> Any:
-    """Where a launch writes output ``name`` of ``group`` stacked as ``shape``: a lone
-    request's own contiguous output tensor where it has one (no copy afterwards), else a
-    new tensor of ``like``'s dtype and device."""
-    own = group[0].tensors[name] if len(group) == 1 else None
+    """Operand ``name`` of a stack's requests, stacked group by group, as ``shape``."""
+    parts = [framework_stack(torch, [r.tensors[name] for r in group]) for group in stack]
+    if len(parts) == 1:
+        return parts[0].view(shape)
+    return torch.cat([part.view(-1) for part in parts]).view(shape)
+
+
+def framework_output(
+    torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int], like: Any
+) -> Any:
+    """Where a launch writes output ``name`` of a stack, as ``shape``: a lone request's own
+    contiguous output tensor where it has one (no copy afterwards), else a new tensor of
+    ``like``'s dtype and device."""
+    alone = len(stack) == 1 and len(stack[0]) == 1
+    own = stack[0][0].tensors[name] if alone else None
     if own is not None and own.is_contiguous():
         return own.view(shape)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def framework_scatter(
+    out: Any, stack: Sequence[Sequence[Any]], name: str, rows: Sequence[int], operand: str
+) -> None:
+    """Hand each request of a stack its view of output ``name``: ``out`` holds each group's
+    ``rows`` in turn, each request's shaped as its ``operand``."""
+    pieces = out.split(list(rows)) if len(stack) > 1 else (out,)
+    for group, piece in zip(stack, pieces, strict=True):
+        views = framework_split(piece, len(group), group[0].tensors[operand].shape)
+        for r, view in zip(group, views, strict=True):
+            framework_deliver(r.tensors, name, view)
 
 
 def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]:

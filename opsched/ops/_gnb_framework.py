@@ -14,6 +14,7 @@ from typing import Any
 from opsched.ops._framework import (
     framework_cat,
     framework_deliver,
+    framework_gather,
     framework_split,
     framework_stack,
     framework_stacks,
@@ -50,7 +51,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
             "grad_out": (1, total, hxw), "input": (1, total, hxw),
             "mean": (1, groups), "rstd": (1, groups),
         }  # fmt: skip
-        operands = {name: _stacked(torch, stack, name, shape) for name, shape in shapes.items()}
+        operands = {n: framework_gather(torch, stack, n, shape) for n, shape in shapes.items()}
         gammas = []
         for group, (k, n, c) in zip(stack, geometry, strict=True):
             # aten reads gamma as contiguous whatever its strides, and cannot give
@@ -76,13 +77,17 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
             _deliver(group, (pieces[0][i], *sums))
 
 
+def _stat_shape(request: Any) -> tuple[int, ...]:
+    """The shape of a request's dgamma and dbeta: gamma's, or (C,) without one."""
+    gamma = request.tensors["gamma"]
+    return tuple(gamma.shape) if gamma is not None else (request.scalars["C"],)
+
+
 def _deliver(group: Sequence[Any], results: Sequence[Any]) -> None:
     """Hand each request of ``group`` (one shape) its views of ``results`` (dx,
     dgamma, dbeta stacked over the group; None where not asked for)."""
-    first = group[0].tensors
-    gamma = first["gamma"]
-    stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
-    shapes = (tuple(first["input"].shape), stat_shape, stat_shape)
+    stat_shape = _stat_shape(group[0])
+    shapes = (tuple(group[0].tensors["input"].shape), stat_shape, stat_shape)
     mask = group[0].scalars["output_mask"]
     for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
         if want:
@@ -93,11 +98,10 @@ def _deliver(group: Sequence[Any], results: Sequence[Any]) -> None:
 
 def _deliver_empty(torch: Any, group: Sequence[Any]) -> None:
     """A group with nothing to compute: an empty dx, zero dgamma / dbeta."""
-    first = group[0].tensors
-    x0, gamma, k = first["input"], first["gamma"], len(group)
-    stat_shape = tuple(gamma.shape) if gamma is not None else (group[0].scalars["C"],)
+    first, k = group[0].tensors, len(group)
+    x0 = first["input"]
     dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
-    stat = torch.zeros((k, *stat_shape), dtype=first["mean"].dtype, device=x0.device)
+    stat = torch.zeros((k, *_stat_shape(group[0])), dtype=first["mean"].dtype, device=x0.device)
     _deliver(group, (dx, stat, stat.clone()))
 
 
@@ -134,14 +138,6 @@ def _sample_sums(
 def _size(request: Any) -> int:
     """A request's size as stacking weighs it: its largest operand's elements."""
     return request.tensors["input"].numel()
-
-
-def _stacked(torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: tuple[int, ...]) -> Any:
-    """Operand ``name`` of a stack's requests, stacked group by group, as ``shape``."""
-    parts = [framework_stack(torch, [r.tensors[name] for r in group]) for group in stack]
-    if len(parts) == 1:
-        return parts[0].view(shape)
-    return torch.cat([p.view(-1) for p in parts]).view(shape)
 
 
 def _wide(tensor: Any, dtype: Any) -> Any:

@@ -34,13 +34,12 @@ from opsched.ops._base import (
     signature_groups,
 )
 from opsched.ops._framework import (
-    framework_cat,
     framework_columns,
     framework_deliver,
+    framework_gather,
     framework_output,
     framework_rows,
-    framework_split,
-    framework_stack,
+    framework_scatter,
     framework_stacks,
 )
 from opsched.ops.products import OpSupport
@@ -223,16 +222,9 @@ class GluBackward(Operator):
                 else:
                     framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
                 continue
-            x = framework_cat(torch, [
-                framework_stack(torch, [r.tensors["self"] for r in group]).view(n, 2, half)
-                for group, n in zip(stack, outers, strict=True)
-            ])  # fmt: skip
-            g = framework_cat(torch, [
-                framework_stack(torch, [r.tensors["grad_out"] for r in group]).view(n, 1, half)
-                for group, n in zip(stack, outers, strict=True)
-            ])  # fmt: skip
-            members = stack[0] if len(stack) == 1 else [r for group in stack for r in group]
-            out = framework_output(torch, members, "out", (rows, 2, half), x)
+            x = framework_gather(torch, stack, "self", (rows, 2, half))
+            g = framework_gather(torch, stack, "grad_out", (rows, 1, half))
+            out = framework_output(torch, stack, "out", (rows, 2, half), x)
             if rows * half == 0:
                 pass
             elif len(columns) == 1:
@@ -243,11 +235,7 @@ class GluBackward(Operator):
                     for a, b in columns:
                         cut = (slice(row, row + 1), slice(None), slice(a, b))
                         glu(g[cut], x[cut], 1, grad_input=out[cut])
-            pieces = out.split(outers) if len(stack) > 1 else (out,)
-            for group, piece in zip(stack, pieces, strict=True):
-                shape = group[0].tensors["self"].shape
-                for r, result in zip(group, framework_split(piece, len(group), shape), strict=True):
-                    framework_deliver(r.tensors, "out", result)
+            framework_scatter(out, stack, "out", outers, "self")
 
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every

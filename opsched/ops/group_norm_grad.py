@@ -33,12 +33,10 @@ from opsched.ops._base import (
     deliver,
 )
 from opsched.ops._framework import (
-    framework_cat,
-    framework_deliver,
+    framework_gather,
     framework_output,
     framework_rows,
-    framework_split,
-    framework_stack,
+    framework_scatter,
     framework_stacks,
 )
 from opsched.ops.products import OpSupport
@@ -151,22 +149,14 @@ class GroupNormalizationGrad(Operator):
             ]
             rows = sum(counts)
             stacked = {
-                name: framework_cat(torch, [
-                    framework_stack(torch, [r.tensors[name] for r in group]).view(n, 1, size)
-                    for group, n in zip(stack, counts, strict=True)
-                ])
+                name: framework_gather(torch, stack, name, (rows, 1, size))
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
-            }  # fmt: skip
-            members = stack[0] if len(stack) == 1 else [r for group in stack for r in group]
-            out = framework_output(torch, members, "dx", (rows, 1, m), x0)
+            }
+            out = framework_output(torch, stack, "dx", (rows, 1, m), x0)
             for a, b in framework_rows(torch, rows, m, x0.device):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
-            pieces = out.split(counts) if len(stack) > 1 else (out,)
-            for group, piece in zip(stack, pieces, strict=True):
-                views = framework_split(piece, len(group), group[0].tensors["x"].shape)
-                for r, view in zip(group, views, strict=True):
-                    framework_deliver(r.tensors, "dx", view)
+            framework_scatter(out, stack, "dx", counts, "x")
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
