@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,30 +112,52 @@ def bits(tensor: Any) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def all_bits(op: Operator, r: Any) -> list[bytes]:
+    """The bits of each output of a request that ran."""
+    return [bits(v) for v in outputs(op, r)]
+
+
+def run(
+    op: Operator, calls: list[tuple[Any, ...]], execute: Any = None, framework_module: Any = None
+) -> list[Any]:
+    """``calls`` as requests launched together: through a device's ``execute`` (asserting
+    none failed), else straight through the operator with ``framework_module`` (torch, or a
+    stand-in that counts calls)."""
+    batch = [request(op, args, i) for i, args in enumerate(calls)]
+    if execute is not None:
+        assert execute(op, batch, 0) == {}
+    else:
+        op.framework_batch(framework_module or torch, batch)
+    return batch
+
+
+def alone(op: Operator, pool: list[tuple[Any, ...]], execute: Any = None) -> list[Any]:
+    """Each call of ``pool`` launched by itself (see :func:`run`): the requests."""
+    return [run(op, [args], execute)[0] for args in pool]
+
+
 @pytest.mark.parametrize(("op", "make"), CASES, ids=[op.name for op, _ in CASES])
 @pytest.mark.parametrize("dtype", [F64, F32, F16, BF16], ids=str)
 def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtype):
     if dtype not in op.dtypes:
         pytest.skip(f"{op.name} takes no {dtype}")
-    rng = np.random.default_rng(abs(hash((op.name, str(dtype)))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{op.name} {dtype}".encode()))  # fixed per case
     pool = [make(rng, dtype) for _ in range(12)]
     device = make_device("torch:cpu", 1)
-    alone = []
+    solo = []
     for i, args in enumerate(pool):
-        r = request(op, args, i)
         torch.set_num_threads(1 + i % 2)  # alone on one thread or two: the same bits
-        assert device.execute(op, [r], 0) == {}
-        alone.append([bits(v) for v in outputs(op, r)])
+        (r,) = run(op, [args], device.execute)
+        solo.append(all_bits(op, r))
         for got, want in zip(outputs(op, r), framework(op, args), strict=True):
             rtol, atol = TOL[dtype]
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
     torch.set_num_threads(2)
     for _ in range(12):  # random compositions, repeats allowed, shuffled positions
         picks = rng.integers(0, len(pool), size=int(rng.integers(2, 120)))
-        batch = [request(op, pool[j], k) for k, j in enumerate(picks)]
-        assert device.execute(op, batch, 0) == {}
+        batch = run(op, [pool[j] for j in picks], device.execute)
         for r, j in zip(batch, picks, strict=True):
-            assert [bits(v) for v in outputs(op, r)] == alone[j]
+            assert all_bits(op, r) == solo[j]
     device.close()
 
 
@@ -146,16 +169,12 @@ def test_a_launch_never_lets_intra_op_threads_split_a_row():
     rng = np.random.default_rng(7)
     pool = [(t(rand(rng, (5, 301), F32)), t(rand(rng, (5, 602), F32, 3.0))) for _ in range(64)]
     device = make_device("torch:cpu", 1)
-    alone = []
-    for i, args in enumerate(pool):
-        r = request(GLU_BACKWARD, args, i)
-        device.execute(GLU_BACKWARD, [r], 0)
-        alone.append(bits(r.tensors["out"]))
-        assert alone[-1] == bits(torch_ops.glu_backward(*args, -1))  # serial: aten's own bits
+    solo = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
+    for args, got in zip(pool, solo, strict=True):  # serial: aten's own bits
+        assert got == [bits(torch_ops.glu_backward(*args, -1))]
     for k in range(23, 64, 2):  # two threads, as the fixture set
-        batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool[:k])]
-        device.execute(GLU_BACKWARD, batch, 0)
-        assert [bits(r.tensors["out"]) for r in batch] == alone[:k]
+        batch = run(GLU_BACKWARD, pool[:k], device.execute)
+        assert [all_bits(GLU_BACKWARD, r) for r in batch] == solo[:k]
     device.close()
 
 
@@ -163,16 +182,13 @@ def test_rows_longer_than_a_serial_call_are_cut_alike_in_every_batch():
     rng = np.random.default_rng(8)
     pool = [(t(rand(rng, (2, 40_001), F32)), t(rand(rng, (2, 80_002), F32, 3.0))) for _ in range(3)]
     device = make_device("torch:cpu", 1)
-    alone = []
-    for i, args in enumerate(pool):
-        r = request(GLU_BACKWARD, args, i)
-        device.execute(GLU_BACKWARD, [r], 0)
-        alone.append(bits(r.tensors["out"]))
+    lone = alone(GLU_BACKWARD, pool, device.execute)
+    for args, r in zip(pool, lone, strict=True):
         want = torch_ops.glu_backward(*args, -1)
         torch.testing.assert_close(r.tensors["out"], want, rtol=2e-4, atol=2e-4)
-    batch = [request(GLU_BACKWARD, pool[j], k) for k, j in enumerate([2, 0, 1, 0])]
-    device.execute(GLU_BACKWARD, batch, 0)
-    assert [bits(r.tensors["out"]) for r in batch] == [alone[j] for j in (2, 0, 1, 0)]
+    batch = run(GLU_BACKWARD, [pool[j] for j in (2, 0, 1, 0)], device.execute)
+    solo = [all_bits(GLU_BACKWARD, r) for r in lone]
+    assert [all_bits(GLU_BACKWARD, r) for r in batch] == [solo[j] for j in (2, 0, 1, 0)]
     device.close()
 
 
@@ -180,18 +196,14 @@ def test_a_failing_request_fails_alone_and_the_others_keep_their_bits():
     rng = np.random.default_rng(9)
     pool = [glu_args(rng, F32) for _ in range(6)]
     device = make_device("torch:cpu", 1)
-    alone = []
-    for i, args in enumerate(pool):
-        r = request(GLU_BACKWARD, args, i)
-        device.execute(GLU_BACKWARD, [r], 0)
-        alone.append(bits(r.tensors["out"]))
+    solo = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
     batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool)]
     batch[3].tensors["self"] = torch.zeros(batch[3].tensors["self"].shape, device="meta")
     errors = device.execute(GLU_BACKWARD, batch, 0)
     assert list(errors) == [3]
     for i, r in enumerate(batch):
         if i != 3:
-            assert bits(r.tensors["out"]) == alone[i]
+            assert all_bits(GLU_BACKWARD, r) == solo[i]
     device.close()
 
 
@@ -279,16 +291,11 @@ def test_requests_of_different_shapes_with_rows_alike_share_one_call():
     rng = np.random.default_rng(13)
     shapes = [(2, 74), (5, 74), (3, 2, 74), (1, 74), (4, 2, 6)]  # rows of 37, but the last
     pool = [(t(rand(rng, (*s[:-1], s[-1] // 2), F32)), t(rand(rng, s, F32, 3.0))) for s in shapes]
-    alone = []
-    for i, args in enumerate(pool):
-        r = request(GLU_BACKWARD, args, i)
-        GLU_BACKWARD.framework_batch(torch, [r])
-        alone.append(bits(r.tensors["out"]))
+    solo = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool)]
     counting = _CountingTorch("glu_backward")
-    batch = [request(GLU_BACKWARD, args, i) for i, args in enumerate(pool * 2)]
-    GLU_BACKWARD.framework_batch(counting, batch)
+    batch = run(GLU_BACKWARD, pool * 2, framework_module=counting)
     assert counting.calls == 2  # one for the rows of 37, one for the rows of 3
-    assert [bits(r.tensors["out"]) for r in batch] == alone * 2
+    assert [all_bits(GLU_BACKWARD, r) for r in batch] == solo * 2
 
 
 def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
@@ -299,13 +306,8 @@ def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
         mean, rstd = rand(rng, (n, c // 2), F32), (rng.random((n, c // 2)) + 0.5).astype(F32)
         gamma = t(rand(rng, (c,), F32)) if c == 8 else None
         pool.append((t(dy), t(x), t(mean), t(rstd), gamma, n, c, 5, c // 2))
-    alone = []
-    for i, args in enumerate(pool):
-        r = request(GROUP_NORM_BACKWARD, args, i)
-        GROUP_NORM_BACKWARD.framework_batch(torch, [r])
-        alone.append([bits(v) for v in outputs(GROUP_NORM_BACKWARD, r)])
+    solo = [all_bits(GROUP_NORM_BACKWARD, r) for r in alone(GROUP_NORM_BACKWARD, pool)]
     counting = _CountingTorch("native_group_norm_backward")
-    batch = [request(GROUP_NORM_BACKWARD, args, i) for i, args in enumerate(pool * 2)]
-    GROUP_NORM_BACKWARD.framework_batch(counting, batch)
+    batch = run(GROUP_NORM_BACKWARD, pool * 2, framework_module=counting)
     assert counting.calls == 1
-    assert [[bits(v) for v in outputs(GROUP_NORM_BACKWARD, r)] for r in batch] == alone * 2
+    assert [all_bits(GROUP_NORM_BACKWARD, r) for r in batch] == solo * 2
