@@ -21,7 +21,7 @@ import numpy as np
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices import torch_ops
 
-__all__ = ["bench_medium", "on_device", "print_medium"]
+__all__ = ["as_tensors", "bench_medium", "on_device", "print_medium"]
 
 F32 = np.float32
 #: Bytes of one request's ``self`` (GLU) / ``input`` (GroupNormBackward).
@@ -57,14 +57,17 @@ def _gnb_peer(args: tuple[Any, ...]) -> object:
     return torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
 
 
-def on_device(target: BenchTarget, work: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """``work`` as the scheduler takes it: tensors on a torch device (a torch user's own
-    calls), numpy arrays elsewhere."""
-    if not target.device.startswith("torch"):
-        return work
+def as_tensors(work: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Each call of ``work`` with its numpy arrays as torch CPU tensors."""
     return [
         tuple(torch_ops.to_torch(a) if isinstance(a, np.ndarray) else a for a in w) for w in work
     ]
+
+
+def on_device(target: BenchTarget, work: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``work`` as the scheduler takes it: tensors on a torch device (a torch user's own
+    calls), numpy arrays elsewhere."""
+    return as_tensors(work) if target.device.startswith("torch") else work
 
 
 async def _scheduled(
@@ -105,10 +108,7 @@ def bench_medium(
         for nbytes in SIZES:
             n = max(_CLIENTS, round_bytes // nbytes // _CLIENTS * _CLIENTS)
             work = make(rng, nbytes, n)
-            tensors = [
-                tuple(torch_ops.to_torch(a) if isinstance(a, np.ndarray) else a for a in w)
-                for w in work
-            ]
+            tensors = as_tensors(work)
             mine = on_device(target, work)
             ratios = []
             for _ in range(repeats):
