@@ -52,6 +52,19 @@ __all__ = [
 ]
 
 
+#: How many forks separate this process from the one that imported the module: a portal
+#: made before a fork is unusable after it. A counter, because ``os.getpid()`` is a system
+#: call and the check runs on every call.
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class _Portal:
     """An event loop on a daemon thread of its own, reached through anyio's blocking portal,
     and whether it can still be called: not after it closed, and not from a process forked
@@ -82,6 +95,7 @@ class _Portal:
         self.portal = ready.result()
         self.thread_id = self._thread.ident
         self.pid = os.getpid()
+        self.forks = _FORKS[0]
         self.closed = False
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -107,7 +121,7 @@ class _Portal:
         """
         if self.closed:
             raise SchedulerClosedError("this opsched.sync scheduler is closed")
-        if self.pid != os.getpid():
+        if self.forks != _FORKS[0]:
             msg = (
                 f"this opsched.sync scheduler belongs to process {self.pid}; its threads did "
                 f"not survive the fork into process {os.getpid()}: open a new one here (the "

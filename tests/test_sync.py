@@ -87,6 +87,32 @@ def test_cancel_a_queued_future_and_deadline():
     assert stats.cancelled == 1 and stats.expired == 1 and stats.completed == 1
 
 
+def test_futures_work_with_the_standard_waiting_tools():
+    # The futures' condition is a leaner one than concurrent.futures builds: wait(),
+    # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
+    rng = np.random.default_rng(12)
+    blocker = glu_args(rng)
+    gate = Gate(hold=blocker[1])
+    with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        sched.scheduler.device.inject_faults(gate)
+        held = sched.submit_glu_backward(*blocker)
+        assert gate.entered.wait(10)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            held.result(timeout=0)  # still running: a timed wait times out
+        queued = [sched.submit_glu_backward(*glu_args(rng)) for _ in range(3)]
+        called = threading.Event()
+        queued[0].add_done_callback(lambda f: called.set())
+        assert queued[2].cancel() and queued[2].cancelled()
+        done, pending = concurrent.futures.wait(queued, timeout=0)
+        assert done == {queued[2]} and len(pending) == 2
+        gate.open()
+        finished = set(concurrent.futures.as_completed([held, *queued[:2]], timeout=30))
+        assert finished == {held, *queued[:2]} and called.wait(10)
+        assert all(f.exception() is None and f.result().shape == (4, 8) for f in finished)
+        with pytest.raises(concurrent.futures.CancelledError):
+            queued[2].result()
+
+
 def test_a_finished_future_keeps_nothing_of_its_request():
     # Callers keep futures around; the request record (with every array it was given)
     # must not live as long as they do.

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Sized
+from collections.abc import Callable
 from typing import Any
 
 from opsched._errors import SchedulerClosedError
+from opsched.core.batching import RequestQueue
 from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
 from opsched.core.requests import RequestFuture
 from opsched.core.stats import Counters
@@ -35,7 +36,7 @@ class Admission:
         "thread_refused", "thread_waits",
     )  # fmt: skip
 
-    def __init__(self, cap: int, queue: Sized, loop: LoopHandle) -> None:
+    def __init__(self, cap: int, queue: RequestQueue, loop: LoopHandle) -> None:
         self._cap = cap
         self._queue = queue
         self._loop = loop
@@ -68,7 +69,7 @@ class Admission:
 
     def has_room(self) -> bool:
         """Whether a task may queue now: below the cap, and nobody parked ahead of it."""
-        return len(self._queue) < self._cap and not self._waiters
+        return self._queue.live < self._cap and not self._waiters
 
     def full(self) -> bool:
         """Whether the queue is at the cap."""

@@ -52,7 +52,7 @@ class Batch:
     @property
     def units(self) -> int:
         """Units of fused capacity the batch needs."""
-        return sum(r.units for r in self.requests)
+        return sum([r.units for r in self.requests])
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +60,7 @@ class Batch:
         if self.part is not None:
             tensors = self.part[0]
             return sum(t.nbytes for t in tensors.values())
-        return sum(r.nbytes for r in self.requests)
+        return sum([r.nbytes for r in self.requests])
 
 
 @attrs.define(eq=False)
@@ -73,14 +73,15 @@ class RequestQueue:
 
     _heaps: dict[Hashable, list[tuple[int, int, Request]]] = attrs.field(factory=dict)
     _bytes: dict[Hashable, int] = attrs.field(factory=dict)
-    _live: int = 0
+    #: Live requests (``len()``; read as an attribute on the hot path, never written outside).
+    live: int = 0
     peak: int = 0
     #: When a list, every popped request is also appended to it (the dispatcher's record of
     #: what a batch formation round took, to fail them if the round raises).
     taken: list[Request] | None = None
 
     def __len__(self) -> int:
-        return self._live
+        return self.live
 
     def push(self, request: Request) -> None:
         """Queue ``request``."""
@@ -90,15 +91,15 @@ class RequestQueue:
             heap = self._heaps[key] = []
         heapq.heappush(heap, (-request.priority, request.id, request))
         self._bytes[key] = self._bytes.get(key, 0) + request.nbytes
-        self._live += 1
-        if self._live > self.peak:
-            self.peak = self._live
+        self.live += 1
+        if self.live > self.peak:
+            self.peak = self.live
 
     def discard(self, request: Request, state: RequestState) -> None:
         """Take a queued ``request`` out (lazily), leaving it in ``state``."""
         request.state = state
         self._bytes[request.key] -= request.nbytes
-        self._live -= 1
+        self.live -= 1
 
     def head(self, key: Hashable) -> Request | None:
         """The next live request of ``key``, dropping dead entries on the way."""
@@ -117,7 +118,7 @@ class RequestQueue:
         """Remove and return the head of ``key`` (call :meth:`head` first)."""
         request = heapq.heappop(self._heaps[key])[2]
         self._bytes[key] -= request.nbytes
-        self._live -= 1
+        self.live -= 1
         if self.taken is not None:
             self.taken.append(request)
         return request
@@ -159,7 +160,7 @@ class RequestQueue:
                 continue
             taken.append(request)
             nbytes += size
-        self._live -= popped
+        self.live -= popped
         if not heap:
             del self._heaps[key]
             self._bytes.pop(key, None)
@@ -192,7 +193,7 @@ class RequestQueue:
         out = [r for heap in self._heaps.values() for _, _, r in heap]
         self._heaps.clear()
         self._bytes.clear()
-        self._live = 0
+        self.live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
 
 

@@ -67,7 +67,8 @@ class Dispatcher:
     #: Set once the scheduler has shut down: dispatches do nothing.
     closed: bool = attrs.field(default=False, init=False)
     _idle: list[int] = attrs.field(init=False)
-    _pending: bool = attrs.field(default=False, init=False)
+    #: Whether a dispatch is already scheduled (read on the hot path: a plain attribute).
+    pending: bool = attrs.field(default=False, init=False)
     _memory_wait: bool = attrs.field(default=False, init=False)
     _launching: dict[int, _Launch] = attrs.field(factory=dict, init=False)
     _quiet: LoopEvent | None = attrs.field(default=None, init=False)
@@ -75,15 +76,10 @@ class Dispatcher:
     def __attrs_post_init__(self) -> None:
         self._idle = list(range(len(self.device.streams)))
 
-    @property
-    def pending(self) -> bool:
-        """Whether a dispatch is already scheduled."""
-        return self._pending
-
     def schedule(self) -> None:
         """Dispatch at the next loop turn (once, however many ask)."""
-        if not self._pending:
-            self._pending = True
+        if not self.pending:
+            self.pending = True
             self.loop.call_soon(self.dispatch)
 
     async def drained(self) -> None:
@@ -95,7 +91,7 @@ class Dispatcher:
 
     def dispatch(self) -> None:
         """Start launches on the idle streams (runs on the loop thread, never awaits)."""
-        self._pending = False
+        self.pending = False
         if self.closed:
             return
         queue, tracer = self.queue, self.tracer
@@ -235,14 +231,20 @@ class Dispatcher:
         self._memory_wait = False
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
+        failed = error is not None or bool(errors)
+        counters, done = self.counters, RequestState.DONE
         for request in batch.requests:
-            cause = error if error is not None else errors.get(request.id)
-            if cause is not None and request.error is None:
-                request.error = launch_error(request, cause)
+            if failed:
+                cause = error if error is not None else errors.get(request.id)
+                if cause is not None and request.error is None:
+                    request.error = launch_error(request, cause)
             request.parts_left -= 1
             if request.parts_left <= 0:
                 self.running -= 1
-                self._resolve(request)
+                if request.abandoned or request.error is not None:
+                    self._resolve(request)
+                else:  # the common case, without the call to _resolve
+                    finish(request, done, counters)
         op = batch.requests[0].op
         outcome = result if error is None else None
         log_launch(op, batch, outcome)

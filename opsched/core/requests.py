@@ -10,9 +10,12 @@ This module knows nothing of devices, operators by name, or batching policy.
 
 from __future__ import annotations
 
+import collections
 import enum
+import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from concurrent.futures._base import PENDING
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -47,20 +50,59 @@ class RequestState(enum.Enum):
     EXPIRED = "expired"
 
 
+class _FutureCondition(threading.Condition):
+    """The condition of a :class:`RequestFuture`: a ``threading.Condition`` over a plain
+    lock whose methods live on the class instead of being bound per instance (Condition's
+    own ``__init__`` makes five bound methods). A burst of submissions holds thousands of
+    futures at once, and every object they hold makes the garbage collector's full passes,
+    which walk the whole heap, come sooner."""
+
+    def __init__(self) -> None:  # no super().__init__(): its bound methods are the cost
+        self._lock = threading.Lock()
+        self._waiters: collections.deque[Any] = collections.deque()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
 class RequestFuture(Future[Any]):
     """What a submission from a thread returns: a ``concurrent.futures.Future`` whose
     ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
-    per request: it would keep the request, and its arrays, as long as the future lives."""
+    per request: it would keep the request, and its arrays, as long as the future lives.
+    Its condition is a :class:`_FutureCondition` (six objects per future instead of
+    eleven)."""
 
-    #: Set on the loop once the request is queued; cleared when it has an outcome.
-    _withdraw: Callable[[], object] | None = None
+    def __init__(self) -> None:
+        # Future.__init__'s fields (the same in every supported Python), its condition lean
+        self._condition = _FutureCondition()
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+    #: Set on the loop once the request is queued, with the request it withdraws
+    #: (called with it); both cleared when the request has an outcome.
+    _withdraw: Callable[[Any], object] | None = None
+    _request: Any = None
+    #: Set by :meth:`cancel` before it looks at ``_withdraw``: read by the loop, after it
+    #: set ``_withdraw``, without taking the future's lock (one of the two sees the other).
+    withdrawn = False
 
     def cancel(self) -> bool:
         cancelled = super().cancel()
-        withdraw = self._withdraw
-        if cancelled and withdraw is not None:
-            self._withdraw = None
-            withdraw()
+        if cancelled:
+            # No executor will pick it up to notify its waiters (concurrent.futures.wait,
+            # as_completed): do it now, as an executor would.
+            self.set_running_or_notify_cancel()
+            self.withdrawn = True
+            withdraw, request = self._withdraw, self._request
+            if withdraw is not None:
+                self._withdraw = self._request = None
+                withdraw(request)
         return cancelled
 
 
@@ -115,8 +157,10 @@ class Request:
 
     def returned(self) -> Any:
         """What the waiter of a finished request gets: its outcome, or its error raised."""
-        if self.state is RequestState.DONE:
-            return self.outcome()
+        if self.state is RequestState.DONE:  # outcome(), inlined: this runs per request
+            result = self.op.result(self.tensors)
+            convert = self.convert
+            return result if convert is None else convert(result)
         assert self.error is not None
         raise self.error
 
@@ -158,7 +202,7 @@ def finish(
             run.finished(node_run, request.error or SchedulerClosedError("cancelled"))
     future = request.future
     if future is not None:
-        future._withdraw = None  # nothing left to withdraw: let go of the request
+        future._withdraw = future._request = None  # nothing to withdraw: let go of it
         if future.done():  # cancelled by its owner
             return
         if state is RequestState.DONE:

@@ -21,7 +21,6 @@ through their descriptions: it never names either. The per-operator methods of t
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import os
 import threading
@@ -473,8 +472,8 @@ class Scheduler:
             return request
         self._queue.push(request)
         if future is not None:
-            future._withdraw = functools.partial(self._loop.post, self._abandon_cancelled, request)
-            if future.cancelled():  # cancelled while in the inbox: withdrawn at once
+            future._request, future._withdraw = request, self._withdraw_posted
+            if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
                 self._abandon(request)
                 return request
             if request.deadline is not None:
@@ -483,7 +482,9 @@ class Scheduler:
             self._dispatcher.schedule()
             return request
         dispatcher = self._dispatcher
-        if self._loop.idle() and not dispatcher.pending:
+        if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
+            return request
+        if self._loop.idle():
             dispatcher.dispatch()  # nobody else can join this batch: launch now, no loop hop
         else:
             dispatcher.schedule()  # others are about to submit: let them, then fuse
@@ -496,6 +497,10 @@ class Scheduler:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
             self._admit(checked, future)
+
+    def _withdraw_posted(self, request: Request) -> None:
+        """A thread's future was cancelled (any thread): withdraw its request on the loop."""
+        self._loop.post(self._abandon_cancelled, request)
 
     def _abandon_cancelled(self, request: Request) -> None:
         if not request.done.is_set():

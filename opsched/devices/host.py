@@ -290,7 +290,7 @@ class HostDevice(Device):
         try:
             self.check_fault(requests)
             offsets = op.gather(requests, arrays)
-            units = sum(r.units for r in requests)
+            units = sum([r.units for r in requests])
             self.run_kernel(op, plan, op.fused_prefix(arrays, units), workspace)
             op.scatter(requests, arrays, offsets)
         except Exception as exc:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from opsched.cli.stress import StressOptions, run_stress
-from opsched.core.dispatch import Dispatcher
+from opsched.core import dispatch
 from opsched.core.scheduler import Scheduler
 from opsched.devices.pool import WorkspacePool
 from opsched.ops.glu_backward import GluBackward
@@ -51,23 +51,23 @@ def test_replay_runs_one_request():
 def broken(monkeypatch, what: str) -> None:
     """Break the scheduler one way, for a few requests only."""
     if what == "drops":
-        real = Dispatcher._resolve
+        real = dispatch.finish
 
-        def drop(self, request):
+        def drop(request, *args):
             if request.id % 211 == 7 and request.graph is None:
                 return  # never resolved
-            real(self, request)
+            real(request, *args)
 
-        monkeypatch.setattr(Dispatcher, "_resolve", drop)
+        monkeypatch.setattr(dispatch, "finish", drop)
     elif what == "duplicates":
-        real = Dispatcher._resolve
+        real = dispatch.finish
 
-        def twice(self, request):
-            real(self, request)
+        def twice(request, *args):
+            real(request, *args)
             if request.id % 97 == 5:
-                real(self, request)  # a second delivery of the same request
+                real(request, *args)  # a second delivery of the same request
 
-        monkeypatch.setattr(Dispatcher, "_resolve", twice)
+        monkeypatch.setattr(dispatch, "finish", twice)
     elif what == "corrupts":
         real = GluBackward.scatter
 
