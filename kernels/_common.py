@@ -9,6 +9,7 @@ what makes results bit-identical however requests are later batched.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,16 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
+def address(array: np.ndarray) -> int:
+    """The address of ``array``'s first byte. For a writeable array through ctypes'
+    buffer protocol (about 0.25 us), not ``array.ctypes`` (1-2 us: it builds a helper
+    object), since this runs per launch."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):  # read-only, empty, or not contiguous
+        return int(array.ctypes.data)
+
+
 def aligned(nbytes: int) -> int:
     """Round ``nbytes`` up to a multiple of :data:`ALIGN`."""
     return -(-nbytes // ALIGN) * ALIGN
@@ -45,7 +56,7 @@ class Carver:
 
     def __init__(self, workspace: np.ndarray | None) -> None:
         self._ws = workspace
-        base = 0 if workspace is None else workspace.ctypes.data
+        base = 0 if workspace is None else address(workspace)
         self._offset = (-base) % ALIGN
 
     @property

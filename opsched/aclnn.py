@@ -53,6 +53,10 @@ def _planner(op: Operator) -> Callable[..., tuple[int, Executor]]:
     device), and ``product=``."""
     names = [p.name for p in op.parameters] + list(op.outputs)
     tensor_names = set(op.tensor_names)
+    # Where each kind of argument sits, for two comprehensions per call (no membership test
+    # per argument: this runs for every call).
+    tensor_at = [(n, i) for i, n in enumerate(names) if n in tensor_names]
+    scalar_at = [(n, i) for i, n in enumerate(names) if n not in tensor_names]
     kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD
     signature = inspect.Signature(
         [inspect.Parameter(p.name, kinds, annotation=p.annotation) for p in op.parameters]
@@ -66,10 +70,8 @@ def _planner(op: Operator) -> Callable[..., tuple[int, Executor]]:
         if named or len(args) != len(names):  # keywords, or a wrong count: bind (or raise)
             bound = signature.bind(*args, **named)
             args = tuple(bound.arguments[n] for n in names)
-        tensors: dict[str, Any] = {}
-        scalars: dict[str, Any] = {}
-        for name, value in zip(names, args, strict=True):
-            (tensors if name in tensor_names else scalars)[name] = value
+        tensors = {name: args[i] for name, i in tensor_at}
+        scalars = {name: args[i] for name, i in scalar_at}
         return get_workspace_size(op, tensors, scalars, product)
 
     outputs = ", ".join(f"``{name}``" for name in op.outputs)

@@ -372,7 +372,7 @@ class PlanCache:
         for array in tensors.values():
             if array is not None and not array.flags.c_contiguous:
                 return None
-        writeable = tuple(t is None or t.flags.writeable for t in map(tensors.get, op.outputs))
+        writeable = tuple([t is None or t.flags.writeable for t in map(tensors.get, op.outputs)])
         return op.name, product, signature, writeable, op.overlaps_any(tensors)
 
     def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:

@@ -407,8 +407,9 @@ class GroupNormBackward(Operator):
             if "gamma" in fused:
                 n, c = first.scalars["N"], first.scalars["C"]
                 rows = fused["gamma"][start:offset].reshape(len(members), n, c)
-                gammas = np.stack([requests[i].tensors["gamma"].reshape(c) for i in members])
-                np.copyto(rows, gammas[:, None, :])
+                # one flat concatenate (np.stack adds an axis to each array in Python)
+                gammas = np.concatenate([requests[i].tensors["gamma"] for i in members], None)
+                np.copyto(rows, gammas.reshape(len(members), 1, c))
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
