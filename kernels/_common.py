@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def address(array: np.ndarray) -> int:
     buffer protocol (about 0.25 us), not ``array.ctypes`` (1-2 us: it builds a helper
     object), since this runs per launch."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        return ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, array)))
     except (TypeError, ValueError, BufferError):  # read-only, empty, or not contiguous
         return int(array.ctypes.data)
 
