@@ -15,6 +15,7 @@ through their descriptions.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,9 @@ class GraphRun:
     runs: dict[int, _NodeRun] = attrs.field(factory=dict)
     left: int = 0
     cancelled: bool = False
+    #: Whether some node of the run failed: only then can a finishing node have a failed
+    #: producer to blame (the common run never looks).
+    failed: bool = False
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
     def start(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> None:
@@ -168,20 +172,22 @@ class GraphRun:
         """``nr``'s request reached a final state (``error`` None: success)."""
         if nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED):
             return
-        upstream = next(
-            (
-                self.runs[d.index]
-                for d in nr.node.deps
-                if self.runs[d.index].state is NodeState.FAILED
-            ),
-            None,
-        )
-        if error is None and upstream is not None:
-            error = _upstream_error(nr.node, upstream)
+        if error is None and self.failed:
+            upstream = next(
+                (
+                    self.runs[d.index]
+                    for d in nr.node.deps
+                    if self.runs[d.index].state is NodeState.FAILED
+                ),
+                None,
+            )
+            if upstream is not None:
+                error = _upstream_error(nr.node, upstream)
         if error is None:
             nr.state = NodeState.DONE
         else:
             nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED
+            self.failed = self.failed or nr.state is NodeState.FAILED
             nr.error = error
             self._fail_downstream(nr)
         self._settle(nr)
@@ -210,6 +216,7 @@ class GraphRun:
         for consumer in failed.consumers:
             if consumer.state is NodeState.WAITING:
                 consumer.state = NodeState.FAILED
+                self.failed = True
                 consumer.error = _upstream_error(consumer.node, failed)
                 self._settle(consumer)
                 self._fail_downstream(consumer)
@@ -311,8 +318,9 @@ async def run_graph(
             if request.state is RequestState.QUEUED:
                 sched._abandon(request)
         raise
-    given = list((inputs or {}).values())
-    given += [v for node in graph.nodes for v in node.args.values()]
+    given = itertools.chain(  # read only by a device that converts results (torch)
+        (inputs or {}).values(), (v for node in graph.nodes for v in node.args.values())
+    )
     convert = sched.device.graph_converter(given)
     try:
         outs = run.result()

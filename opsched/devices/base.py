@@ -23,7 +23,7 @@ devices are created by :func:`opsched.devices.make_device`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -223,7 +223,7 @@ class Device(abc.ABC):
         """A new array of ``shape`` and ``dtype`` on this device (a caller's output)."""
         return np.empty(tuple(shape), dtype)
 
-    def graph_converter(self, given: Sequence[Any]) -> Converter | None:
+    def graph_converter(self, given: Iterable[Any]) -> Converter | None:
         """How a graph run's results return to the caller, given the arrays the caller
         passed (its inputs and node constants); None: as they are."""
         return None

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -268,7 +268,7 @@ class TorchDevice(Device):
         convert = _to_numpy(op, caller_out) if numpy_in or caller_out else None
         return data, convert
 
-    def graph_converter(self, given: Sequence[Any]) -> Converter | None:
+    def graph_converter(self, given: Iterable[Any]) -> Converter | None:
         """A graph run returns numpy unless some array given to it was a tensor."""
         if any(is_tensor(v) for v in given):
             return None

@@ -282,6 +282,36 @@ async def test_dependent_launches_on_another_stream_while_its_producer_runs():
         assert_same_bits(got, want)
 
 
+@pytest.mark.anyio
+async def test_a_consumer_launched_before_its_producer_failed_fails_with_it():
+    # The consumer is already launched (on the other stream, waiting on the producer's
+    # event) when the producer's launch fails: the consumer's launch then runs on the
+    # producer's unwritten output and returns; the run must still fail it as upstream.
+    rng = np.random.default_rng(18)
+    graph, nodes, _ = chain(rng, length=2)
+    first_x = graph.nodes[0].args["x"]
+    gate, fail = Gate(hold=first_x), FailWhen(first_x)
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(lambda requests: gate(requests) or fail(requests))
+        async with anyio.create_task_group() as tg:
+            caught = []
+
+            async def go():
+                with pytest.raises(GraphExecutionError) as info:
+                    await sched.run(graph, outputs=nodes)
+                caught.append(info.value)
+
+            tg.start_soon(go)
+            await settle(lambda: sched.statistics().launches == 2)
+            gate.open()
+    err = caught[0]
+    first, second = (n.name for n in graph.nodes)
+    assert set(err.failed) == {first, second}
+    assert isinstance(err.failed[first], RuntimeLaunchError)
+    assert isinstance(err.failed[second], UpstreamFailedError)
+    assert err.failed[second].__cause__ is err.failed[first]
+
+
 # ---------------------------------------------------------------- failures, cancel
 
 
