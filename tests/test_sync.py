@@ -87,6 +87,14 @@ def test_cancel_a_queued_future_and_deadline():
     assert stats.cancelled == 1 and stats.expired == 1 and stats.completed == 1
 
 
+def test_request_futures_set_every_field_a_future_has():
+    # RequestFuture sets Future's fields itself (to build a leaner condition): a Python that
+    # adds a field to Future must fail here, not in a user's wait().
+    from opsched.core.requests import RequestFuture
+
+    assert set(vars(concurrent.futures.Future())) <= set(vars(RequestFuture()))
+
+
 def test_futures_work_with_the_standard_waiting_tools():
     # The futures' condition is a leaner one than concurrent.futures builds: wait(),
     # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
