@@ -10,6 +10,12 @@ the same round; a row is the median over rounds of torch's time / the path's tim
   waiting on each future.
 - ``sync``: one thread calling the blocking facade one request at a time.
 - ``two-phase``: ``opsched.aclnn`` per request (workspace size, workspace, launch).
+
+For GLU one more row, a reference without a target: ``bare batcher``, the floor under the
+coroutine row. It is the issue's 40-line asyncio batcher: a list, one flush per loop turn,
+one stacked numpy GLU backward, ``set_result`` per future. It has no checks, priorities,
+cancellation, bookkeeping or results of their own. On this machine the loop's own wake-up
+of each waiter is most of it.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ F32 = np.float32
 
 #: The paths, in the order each round runs them.
 PATHS = ("coroutines", "submit", "sync", "two-phase")
+#: The reference row measured for GLU after its paths (no target: see the module docstring).
+FLOOR = "bare batcher"
 #: The speed each path should reach against torch's operator per request.
 PATH_TARGETS = {"coroutines": 1.5, "submit": 1.0, "sync": 0.5, "two-phase": 0.5}
 _CLIENTS = 256
@@ -109,6 +117,45 @@ async def _clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -
             await call(*inputs[(i * share + j) % len(inputs)])
 
     await asyncio.gather(*(client(i) for i in range(_CLIENTS)))
+
+
+class _BareBatcher:
+    """The floor of the coroutine path (see the module docstring): what batching tiny
+    GluBackward requests costs with nothing but asyncio and numpy."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queued: list[tuple[np.ndarray, np.ndarray, asyncio.Future[np.ndarray]]] = []
+
+    def glu_backward(self, grad_out: np.ndarray, x: np.ndarray) -> asyncio.Future[np.ndarray]:
+        future = self._loop.create_future()
+        if not self._queued:
+            self._loop.call_soon(self._flush)
+        self._queued.append((grad_out, x, future))
+        return future
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        g = np.stack([q[0] for q in queued])
+        x = np.stack([q[1] for q in queued])
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        s = 1 / (1 + np.exp(-b))
+        grad_a = g * s
+        out = np.concatenate([grad_a, grad_a * (a - a * s)], axis=-1)
+        for (_, _, future), result in zip(queued, out, strict=True):
+            future.set_result(result)
+
+
+def _bare_batcher(inputs: list[tuple[Any, ...]], n: int) -> float:
+    async def main() -> float:
+        batcher = _BareBatcher()
+        await _clients(batcher, "glu", inputs, n)  # warm-up, as for the coroutine path
+        start = time.perf_counter()
+        await _clients(batcher, "glu", inputs, n)
+        return time.perf_counter() - start
+
+    return asyncio.run(main())
 
 
 def _coroutines(target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
@@ -202,6 +249,8 @@ def _run_path(
         return _coroutines(target, op, inputs, n)
     if path in ("submit", "sync"):
         return _facade(target, op, inputs, n, submit=path == "submit")
+    if path == FLOOR:
+        return _bare_batcher(inputs, n)
     return _two_phase(op, inputs, n)
 
 
@@ -219,8 +268,9 @@ def bench_paths(
     for op in ops:
         inputs = (glu_inputs if op == "glu" else gnb_inputs)(np.random.default_rng(0), 4096)
         peer = torch_per_request(op, inputs) if torch is not None else None
-        for path in PATHS:
-            n = requests if path in ("coroutines", "submit") else max(_CLIENTS, requests // 10)
+        for path in (*PATHS, FLOOR) if op == "glu" else PATHS:
+            many = path in ("coroutines", "submit", FLOOR)
+            n = requests if many else max(_CLIENTS, requests // 10)
             ours, peers, ratios = [], [], []
             for _ in range(repeats):  # torch right before the path, in every round
                 t_peer = None
@@ -257,8 +307,14 @@ def print_paths(result: dict[str, Any], out: TextIO) -> None:
     )
     for row in result["rows"]:
         label = f"{names[row['op']]}, {row['path']}"
-        target = PATH_TARGETS[row["path"]]
-        if "speedup_vs_torch" in row:
+        target = PATH_TARGETS.get(row["path"])
+        if target is None and "speedup_vs_torch" in row:  # the reference row
+            print(
+                f"{label:<40}{row['us']:>11.1f}{row['torch_us']:>10.1f}"
+                f"{row['speedup_vs_torch']:>9.2f}x{'':>9}  (reference: the floor)",
+                file=out,
+            )
+        elif "speedup_vs_torch" in row:
             speed = row["speedup_vs_torch"]
             verdict = "reached" if speed >= target else "NOT reached"
             print(

@@ -8,11 +8,12 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
-from opsched.cli.bench_paths import PATHS
+from opsched.cli.bench_paths import FLOOR, PATHS
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -41,13 +42,31 @@ def test_paths_benchmark_reports_every_operator_and_path():
     result = bench_scheduler(repeats=1, parts=("paths",), clients=16, per_client=16)
     rows = result["paths"]["rows"]
     assert [(r["op"], r["path"]) for r in rows] == [
-        (op, path) for op in ("glu", "gnb") for path in PATHS
+        *[("glu", path) for path in (*PATHS, FLOOR)],
+        *[("gnb", path) for path in PATHS],
     ]
     assert all(r["us"] > 0 and r["requests"] >= 1 for r in rows)
     out = io.StringIO()
     print_scheduler_report(result, out)
     assert "8. the per-request cost of every path" in out.getvalue()
     assert "GroupNormBackward 4x8x64, two-phase" in out.getvalue()
+
+
+def test_the_reference_batcher_computes_glu_backward():
+    # the floor row must do the real work, or its figure means nothing
+    import asyncio
+
+    from opsched.cli.bench_paths import _BareBatcher, glu_inputs
+    from tests.sched_helpers import solo_glu
+
+    inputs = glu_inputs(np.random.default_rng(4), 5)
+
+    async def main():
+        batcher = _BareBatcher()
+        return await asyncio.gather(*(batcher.glu_backward(g, x) for g, x in inputs))
+
+    for (g, x), got in zip(inputs, asyncio.run(main()), strict=True):
+        np.testing.assert_allclose(got, solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
