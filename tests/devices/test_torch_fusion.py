@@ -79,8 +79,15 @@ def gn_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
 
 
 def framework(op: Operator, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The framework's own call on one request (the independent expectation)."""
+    """The framework's own call on one request (the independent expectation). GLU in
+    FLOAT16 / BFLOAT16: aten's call in float64, rounded once (aten's CPU kernel in those
+    dtypes rounds sigmoid(b) first and misses SPEC's tolerance where 1 - s cancels; the
+    device computes them in float32, as SPEC says)."""
     if op is GLU_BACKWARD:
+        g, x = args[:2]
+        if x.dtype in (torch.float16, torch.bfloat16):
+            exact = torch_ops.glu_backward(g.double(), x.double(), *args[2:])
+            return (exact.to(x.dtype),)
         return (torch_ops.glu_backward(*args),)
     if op is GROUP_NORM_GRAD:
         return (torch_ops.group_norm_grad(*args),)
@@ -158,6 +165,32 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
         batch = run(op, [pool[j] for j in picks], device.execute)
         for r, j in zip(batch, picks, strict=True):
             assert all_bits(op, r) == solo[j]
+    device.close()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_half_precision_glu_is_within_spec_where_atens_cpu_kernel_is_not(dtype):
+    # 131,072 elements of [-3, 3], as the stress harness draws them: aten's own BFLOAT16
+    # call on the CPU misses SPEC's tolerance here (1.12x the allowed error, measured); the
+    # device's result, computed in float32 and rounded once, must be within it, alone and
+    # in a batch.
+    rng = np.random.default_rng(21)
+    pool = [
+        (t((rng.random((64, 1024)) * 6 - 3).astype(dtype)),
+         t((rng.random((64, 2048)) * 6 - 3).astype(dtype)))
+        for _ in range(2)
+    ]  # fmt: skip
+    device = make_device("torch:cpu", 1)
+    rtol, atol = (1e-3, 1e-3) if dtype == F16 else (2e-2, 2e-3)  # SPEC's GLU tolerances
+    for got, (g, x) in zip(
+        [*alone(GLU_BACKWARD, pool, device.execute), *run(GLU_BACKWARD, pool, device.execute)],
+        pool + pool,
+        strict=True,
+    ):
+        want = torch_ops.glu_backward(g.double(), x.double(), -1)
+        scale = max(1.0, want.abs().max().item())
+        out = outputs(GLU_BACKWARD, got)[0].double()
+        torch.testing.assert_close(out, want, rtol=rtol, atol=atol * scale)
     device.close()
 
 
