@@ -42,7 +42,8 @@ class Admission:
         self._loop = loop
         self._lock = threading.Lock()
         self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
-        self._inbox: collections.deque[tuple[tuple[Any, ...], RequestFuture]] = collections.deque()
+        #: Futures of checked requests from threads, each holding its request (``checked``).
+        self._inbox: collections.deque[RequestFuture] = collections.deque()
         #: False once the scheduler stops accepting requests.
         self.open = True
         #: Threads that waited for room (counted under the lock).
@@ -112,7 +113,8 @@ class Admission:
                 room = len(self._inbox) + len(self._queue) < self._cap
                 # A thread woken from the FIFO goes on; a newcomer queues behind the parked.
                 if not self.open or (room and (parked is not None or not self._waiters)):
-                    self._inbox.append((checked, future))
+                    future.checked = checked  # no pair per request: one object less to hold
+                    self._inbox.append(future)
                     first = len(self._inbox) == 1
                     break
                 if parked is None:
@@ -122,7 +124,7 @@ class Admission:
             parked.wait_blocking()
         return not first or self._loop.post(drain)
 
-    def take_inbox(self) -> list[tuple[tuple[Any, ...], RequestFuture]]:
+    def take_inbox(self) -> list[RequestFuture]:
         """Everything threads handed over since the last call (loop thread)."""
         with self._lock:
             items = list(self._inbox)

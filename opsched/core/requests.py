@@ -84,6 +84,9 @@ class RequestFuture(Future[Any]):
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
 
+    #: The checked request, from submission until the loop queues it (the inbox holds
+    #: the future alone).
+    checked: tuple[Any, ...] | None = None
     #: Set on the loop once the request is queued, with the request it withdraws
     #: (called with it); both cleared when the request has an outcome.
     _withdraw: Callable[[Any], object] | None = None

@@ -97,6 +97,9 @@ class Scheduler:
     _wake: LoopEvent | None = attrs.field(default=None, init=False)
     _wake_at: float | None = attrs.field(default=None, init=False)
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
+    #: ``self._withdraw_posted``, bound once: each queued thread request's future holds it
+    #: (a bound method per request would be one more object for the collector to walk).
+    _withdraw_hook: Any = attrs.field(default=None, init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     _service: Any = attrs.field(default=None, init=False)
     #: Records a timeline trace when set (``open_scheduler(trace=...)``).
@@ -111,6 +114,7 @@ class Scheduler:
         )
         self._admission = Admission(self.config.max_queued_requests, self._queue, self._loop)
         self._checks = Checks(self.device, self._product)
+        self._withdraw_hook = self._withdraw_posted
         self._dispatcher = Dispatcher(
             self.config, self.device, self._loop, self._queue, self._counters, self._tracer,
             self._expired, self._wake_space, self._arm_timer,
@@ -229,6 +233,7 @@ class Scheduler:
             raise
         future = RequestFuture()
         if not self._admission.put_threadsafe(checked, future, self._drain_inbox):
+            future.checked = None  # nothing will queue it: let go of its arrays
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
         return future
 
@@ -472,7 +477,7 @@ class Scheduler:
             return request
         self._queue.push(request)
         if future is not None:
-            future._request, future._withdraw = request, self._withdraw_posted
+            future._request, future._withdraw = request, self._withdraw_hook
             if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
                 self._abandon(request)
                 return request
@@ -492,7 +497,9 @@ class Scheduler:
 
     def _drain_inbox(self) -> None:
         """Queue every request submitted from threads since the last drain (loop thread)."""
-        for checked, future in self._admission.take_inbox():
+        for future in self._admission.take_inbox():
+            checked, future.checked = future.checked, None
+            assert checked is not None  # put_threadsafe set it
             if self._state is not SchedulerState.OPEN:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
