@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from opsched.cli.stress import StressOptions, run_stress
 from opsched.core import dispatch
 from opsched.core.scheduler import Scheduler
 from opsched.devices.pool import WorkspacePool
+from opsched.devices.streams import ThreadStream
 from opsched.ops.glu_backward import GluBackward
 
 SMALL = {"requests": 1500, "clients": 8, "sync_clients": 1, "templates": 64, "watchdog": 3.0}
@@ -101,6 +103,20 @@ def broken(monkeypatch, what: str) -> None:
             real(self, block, event)
 
         monkeypatch.setattr(WorkspacePool, "release", leak)
+    elif what == "strands a thread":
+        real_close = ThreadStream.close
+
+        def strand(self):
+            if self.index == 1 and not STRANDED:
+                STRANDED.append((self, real_close))  # its worker never told to stop
+                return
+            real_close(self)
+
+        monkeypatch.setattr(ThreadStream, "close", strand)
+
+
+#: Streams a "strands a thread" run left running, stopped by the test afterwards.
+STRANDED: list[tuple[ThreadStream, Any]] = []
 
 
 @pytest.mark.parametrize(
@@ -111,11 +127,17 @@ def broken(monkeypatch, what: str) -> None:
         ("counts a refusal twice", "counters match the harness's"),
         ("corrupts", "every result right"),
         ("leaks", "workspace blocks all returned"),
+        ("strands a thread", "no scheduler thread alive"),
     ],
 )
 def test_a_broken_scheduler_is_reported(monkeypatch, what, check):
     broken(monkeypatch, what)
-    status, text = stress(**SMALL)
+    try:
+        status, text = stress(**SMALL)
+    finally:
+        while STRANDED:
+            stream, close = STRANDED.pop()
+            close(stream)
     assert status == 1, text
     line = next(line for line in text.splitlines() if line.strip().startswith(check))
     assert "FAILED" in line, text

@@ -37,11 +37,13 @@ def _rss_bytes() -> int:
     return int(peak * (1 if sys.platform == "darwin" else 1024))
 
 
-def _scheduler_threads() -> list[str]:
+def _scheduler_threads(before: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """Scheduler threads alive now, but for those in ``before`` (other schedulers of the
+    process, alive before the run: not the run's to join)."""
     return [
         t.name
         for t in threading.enumerate()
-        if t.name.startswith(("opsched-stream", "opsched-portal"))
+        if t.name.startswith(("opsched-stream", "opsched-portal")) and t not in before
     ]
 
 
@@ -92,6 +94,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     config = resolve_config(opts.config, overrides)
     harness = _Harness(opts, templates, tally, product_named(config.product))
     rss_start = _rss_bytes()
+    before = frozenset(threading.enumerate())
     # Memory bound: what can be alive at once. Each async client holds one request, each
     # sync thread a burst of 256; each request's arrays (inputs, output, the oracle's copy)
     # are counted four times over; plus two pools' worth of workspace and 256 MiB of slack.
@@ -124,7 +127,7 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
     if progress is not None:
         progress.close()
 
-    checks = _final_checks(stats, tally, clock, bound)
+    checks = _final_checks(stats, tally, clock, bound, before)
     report = _report(opts, stats, tally, clock, elapsed, checks, bound, started)
     report["product"] = config.product
     _print_summary(report, out)
@@ -336,13 +339,18 @@ def _accounting(stats: opsched.SchedulerStatistics, tally: _Tally) -> tuple[bool
 
 
 def _final_checks(
-    stats: opsched.SchedulerStatistics, tally: _Tally, clock: _Clock, bound: int
+    stats: opsched.SchedulerStatistics,
+    tally: _Tally,
+    clock: _Clock,
+    bound: int,
+    before: frozenset[threading.Thread],
 ) -> dict[str, tuple[bool, str]]:
-    """The checks after shutdown: name -> (held, detail)."""
+    """The checks after shutdown: name -> (held, detail). ``before``: the threads alive
+    before the run."""
     issued = clock.issued if clock.issued else len(tally.resolved)
     lost = tally.outcomes.get("lost", 0) + max(0, issued - len(tally.resolved))
     total = stats.completed + stats.failed + stats.cancelled + stats.expired
-    threads = _scheduler_threads()
+    threads = _scheduler_threads(before)
     peak = _rss_bytes()
     return {
         "every request resolved exactly once": (
