@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,14 +69,22 @@ def test_errors_reach_the_caller(device):
             sched.glu_backward(g, x)
 
 
-def test_cancel_a_queued_future_and_deadline():
-    rng = np.random.default_rng(3)
+@contextlib.contextmanager
+def one_stream_held(rng) -> Iterator[tuple[opsched.sync.SyncScheduler, Gate, Any]]:
+    """A sync scheduler of one stream, held by a first request until ``gate.open()``:
+    yields the scheduler, the gate and that request's future."""
     blocker = glu_args(rng)
     gate = Gate(hold=blocker[1])
     with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
         sched.scheduler.device.inject_faults(gate)
         first = sched.submit_glu_backward(*blocker)
         assert gate.entered.wait(10)  # the only stream is now held
+        yield sched, gate, first
+
+
+def test_cancel_a_queued_future_and_deadline():
+    rng = np.random.default_rng(3)
+    with one_stream_held(rng) as (sched, gate, first):
         victim = glu_args(rng)
         doomed = sched.submit_glu_backward(*victim)
         assert doomed.cancel()
@@ -99,12 +110,7 @@ def test_futures_work_with_the_standard_waiting_tools():
     # The futures' condition is a leaner one than concurrent.futures builds: wait(),
     # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
     rng = np.random.default_rng(12)
-    blocker = glu_args(rng)
-    gate = Gate(hold=blocker[1])
-    with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
-        sched.scheduler.device.inject_faults(gate)
-        held = sched.submit_glu_backward(*blocker)
-        assert gate.entered.wait(10)
+    with one_stream_held(rng) as (sched, gate, held):
         with pytest.raises(concurrent.futures.TimeoutError):
             held.result(timeout=0)  # still running: a timed wait times out
         queued = [sched.submit_glu_backward(*glu_args(rng)) for _ in range(3)]

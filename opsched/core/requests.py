@@ -75,15 +75,6 @@ class RequestFuture(Future[Any]):
     Its condition is a :class:`_FutureCondition` (six objects per future instead of
     eleven)."""
 
-    def __init__(self) -> None:
-        # Future.__init__'s fields (the same in every supported Python), its condition lean
-        self._condition = _FutureCondition()
-        self._state = PENDING
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
-
     #: The checked request, from submission until the loop queues it (the inbox holds
     #: the future alone).
     checked: tuple[Any, ...] | None = None
@@ -94,6 +85,15 @@ class RequestFuture(Future[Any]):
     #: Set by :meth:`cancel` before it looks at ``_withdraw``: read by the loop, after it
     #: set ``_withdraw``, without taking the future's lock (one of the two sees the other).
     withdrawn = False
+
+    def __init__(self) -> None:
+        # Future.__init__'s fields (the same in every supported Python), its condition lean
+        self._condition = _FutureCondition()
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
 
     def cancel(self) -> bool:
         cancelled = super().cancel()

@@ -217,15 +217,12 @@ class GluBackward(Operator):
             wide = x0.device.type == "cpu" and x0.dtype in (torch.float16, torch.bfloat16)
             if (
                 len(stack) == 1 and len(stack[0]) == 1 and len(columns) == 1
-                and len(calls) == 1 and x0.is_contiguous() and g0.is_contiguous()
+                and len(calls) == 1 and x0.is_contiguous() and g0.is_contiguous() and not wide
             ):  # fmt: skip
                 # one call for one request: aten's own, which lays the rows out the same way
                 dim = stack[0][0].scalars["dim"] % x0.dim()
                 own = first["out"]
-                if wide:
-                    result = torch.ops.aten.glu_backward(g0.float(), x0.float(), dim)
-                    framework_deliver(first, "out", result.to(x0.dtype))
-                elif own is not None and own.is_contiguous():
+                if own is not None and own.is_contiguous():
                     glu(g0, x0, dim, grad_input=own)
                 else:
                     framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
