@@ -276,6 +276,7 @@ def _new_scheduler(
         workspace_limit_bytes=config.workspace_limit_bytes,
         executor_cache_limit=config.executor_cache_limit,
         fuse_max_bytes=config.fuse_max_bytes,
+        split_min_bytes=config.split_min_bytes,
     )
     tracer = None
     try:

@@ -39,6 +39,7 @@ def make_device(
     workspace_limit_bytes: int = 64 << 20,
     executor_cache_limit: int = 1024,
     fuse_max_bytes: int = 1 << 20,
+    split_min_bytes: int = 8 << 20,
 ) -> Device:
     """Create the device called ``name`` with ``streams`` streams.
 
@@ -47,7 +48,9 @@ def make_device(
         streams: how many streams.
         workspace_limit_bytes, executor_cache_limit: the host devices' workspace pool cap
             and executor cache size.
-        fuse_max_bytes: the solo-launch threshold (every device).
+        fuse_max_bytes: the solo-launch threshold (the host devices).
+        split_min_bytes: the size from which the scheduler may split a request across
+            streams (a torch device gives such a request its outputs before the launch).
 
     Raises:
         ValueError: an unknown device name (the message lists the known ones).
@@ -70,6 +73,6 @@ def make_device(
     if name.startswith("torch:"):
         from opsched.devices.torch_device import TorchDevice
 
-        return TorchDevice.create(name, streams, fuse_max_bytes=fuse_max_bytes)
+        return TorchDevice.create(name, streams, split_min_bytes=split_min_bytes)
     msg = f"unknown device {name!r}; expected one of {list(DEVICES)}"
     raise ValueError(msg)

@@ -84,8 +84,9 @@ class TorchDevice(Device):
     torch_device: Any = attrs.field(default=None, kw_only=True)
     framework_streams: list[Any] = attrs.field(factory=list, kw_only=True)
     kind: str = attrs.field(default="torch", kw_only=True)
-    #: Requests at most this large may fuse (the scheduler's ``fuse_max_bytes``).
-    fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
+    #: Requests at least this large may be split across streams (the scheduler's
+    #: ``split_min_bytes``): they get their outputs before the launch.
+    split_min_bytes: int = attrs.field(default=8 << 20, kw_only=True)
     _torch: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -96,7 +97,7 @@ class TorchDevice(Device):
         register_array_type(torch.Tensor)
 
     @classmethod
-    def create(cls, name: str, streams: int, *, fuse_max_bytes: int = 1 << 20) -> TorchDevice:
+    def create(cls, name: str, streams: int, *, split_min_bytes: int = 8 << 20) -> TorchDevice:
         """Parse ``torch:cpu`` / ``torch:cuda[:i]`` / ``torch:npu[:i]`` and open it.
 
         Raises:
@@ -153,7 +154,7 @@ class TorchDevice(Device):
             torch_device=torch_device,
             framework_streams=framework,
             reported_product=reported,
-            fuse_max_bytes=fuse_max_bytes,
+            split_min_bytes=split_min_bytes,
         )
 
     # ------------------------------------------------------------------ data in and out
@@ -239,8 +240,8 @@ class TorchDevice(Device):
     ) -> tuple[dict[str, Any], Converter | None]:
         """The request's arrays moved to the device; results return as numpy when every
         array given was numpy (into the caller's ``out=``). Outputs the caller did not
-        give come from the launch (views of its stacked output) when the request may fuse;
-        a larger one, which may be split, gets them now."""
+        give come from the launch (its own result, or a view of its stacked output); one
+        the scheduler may split across streams gets them now, for its parts to write."""
         # one pass (this runs for every request): a tensor on this device as it is,
         # anything else through admit()
         tensor, where = self._torch.Tensor, self.torch_device
@@ -261,7 +262,9 @@ class TorchDevice(Device):
                         caller_out[name] = value
                 else:
                     numpy_in = False
-        if not 0 < nbytes <= self.fuse_max_bytes:  # may be split: parts write into views
+        if nbytes == 0 or (
+            nbytes >= self.split_min_bytes and op.splits and len(self.streams) > 1
+        ):  # may be split: parts write into views
             for name, (shape, dtype) in spec.items():
                 if data[name] is None:
                     data[name] = self.empty(shape, dtype)

@@ -43,6 +43,9 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
         # Statistics and gamma in at least float32 (exact): aten then returns the
         # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
         wide = torch.promote_types(stat_dtype, torch.float32)
+        if _size(first) >= _STACK_MAX:  # large: alone, whatever it was launched with
+            _alone(torch, first, wide)
+            continue
         geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
         channels = [k * n * c for k, n, c in geometry]
         total = sum(channels)
@@ -75,6 +78,26 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
         for i, (group, (k, n, c)) in enumerate(zip(stack, geometry, strict=True)):
             sums = _sample_sums(torch, pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
             _deliver(group, (pieces[0][i], *sums))
+
+
+def _alone(torch: Any, request: Any, wide: Any) -> None:
+    """Run a large request as aten's own call on its own tensors and geometry (aten sums
+    dgamma / dbeta over the samples itself), statistics and gamma widened as a stacked
+    launch widens them; its results come in its own shapes (no view to make)."""
+    t, s = request.tensors, request.scalars
+    x, gamma, mask = t["input"], t["gamma"], s["output_mask"]
+    if gamma is None:  # aten cannot give dgamma without one: ones, SPEC's meaning of it
+        gamma = torch.ones(s["C"], dtype=wide, device=x.device)
+    # aten reads every operand as contiguous whatever its strides (measured): made so
+    results = torch.ops.aten.native_group_norm_backward(
+        t["grad_out"].contiguous(), x.contiguous(), _wide(t["mean"], wide).contiguous(),
+        _wide(t["rstd"], wide).contiguous(), _wide(gamma, wide).contiguous(),
+        s["N"], s["C"], s["HxW"], s["group"], list(mask),
+    )  # fmt: skip
+    stat_dtype = t["mean"].dtype
+    for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
+        if mask[i]:
+            framework_deliver(t, name, result if i == 0 else _wide(result, stat_dtype))
 
 
 def _stat_shape(request: Any) -> tuple[int, ...]:

@@ -83,6 +83,7 @@ class GroupNormBackward(Operator):
     output_annotation: ClassVar[str] = "np.ndarray | None"
     tensor_names: ClassVar[tuple[str, ...]] = _INPUTS + _OUTPUTS
     outputs: ClassVar[tuple[str, ...]] = _OUTPUTS
+    splits: ClassVar[bool] = False  # dgamma / dbeta reduce over every sample
     overlap_inputs: ClassVar[tuple[str, ...]] = ("grad_out", "input")
     dtypes: ClassVar[tuple[np.dtype, ...]] = tuple(
         np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)

@@ -105,6 +105,34 @@ def test_group_norm_backward_fuses_into_one_aten_launch():
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
 
 
+def test_large_requests_split_across_streams_where_their_operator_allows():
+    """GluBackward of at least ``split_min_bytes`` runs in parts on both idle streams;
+    GroupNormBackward (its dgamma / dbeta reduce over every sample) runs whole, as aten's
+    own call on its own tensors: the same bits."""
+    rng = np.random.default_rng(5)
+    g, x = (torch.from_numpy(rand(rng, shape, F32)) for shape in ((64, 256), (64, 512)))
+    dy, xn = (torch.from_numpy(rand(rng, (4, 8, 1024), F32)) for _ in range(2))
+    mean = torch.from_numpy(rand(rng, (4, 4), F32))
+    rstd = torch.from_numpy((rng.random((4, 4)) + 0.5).astype(F32))
+    gnb = (dy, xn, mean, rstd, torch.from_numpy(rand(rng, (8,), F32)), 4, 8, 1024, 4)
+    config = {"fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 16}
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=2, **config) as sched:
+            glu = await sched.glu_backward(g, x)
+            glu_launches = sched.statistics().launches
+            norm = await sched.group_norm_backward(*gnb)
+            return glu, glu_launches, norm, sched.statistics().launches - glu_launches
+
+    glu, glu_launches, norm, norm_launches = asyncio.run(main())
+    assert glu_launches == 2  # one part on each stream
+    assert torch.equal(glu, torch.ops.aten.glu_backward(g, x, -1))
+    assert norm_launches == 1
+    want = torch.ops.aten.native_group_norm_backward(*gnb, [True] * 3)
+    for got, expected in zip(norm, want, strict=True):
+        assert torch.equal(got, expected)
+
+
 def test_graph_with_tensor_constants_returns_tensors():
     rng = np.random.default_rng(3)
     x, dy, gamma, mean, rstd = (torch.from_numpy(a) for a in gn_inputs(rng, (2, 3, 8), F32))

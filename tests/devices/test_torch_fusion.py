@@ -45,22 +45,28 @@ def t(array: np.ndarray) -> Any:
     return torch_ops.to_torch(array)
 
 
-def glu_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
-    """A random GluBackward call: 1-3 dims, any split dim, odd half lengths included."""
+def glu_args(rng: np.random.Generator, dtype: np.dtype, large: bool = False) -> tuple[Any, ...]:
+    """A random GluBackward call: 1-3 dims, any split dim, odd half lengths included;
+    ``large``: 9,000 elements or more (it runs alone, from 4,096)."""
     shape = [int(v) for v in rng.integers(1, 9, size=int(rng.integers(1, 4)))]
     dim = int(rng.integers(0, len(shape)))
     shape[dim] = 2 * int(rng.choice([1, 7, 37, 150, 299]))  # shared row lengths stack
+    if large:
+        shape[dim] = 2 * 4500
     grad_shape = list(shape)
     grad_shape[dim] //= 2
     x, g = rand(rng, tuple(shape), dtype, 3.0), rand(rng, tuple(grad_shape), dtype)
     return t(g), t(x), dim - len(shape) if rng.random() < 0.5 else dim
 
 
-def gnb_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
-    """A random GroupNormBackward call (gamma present or not)."""
+def gnb_args(rng: np.random.Generator, dtype: np.dtype, large: bool = False) -> tuple[Any, ...]:
+    """A random GroupNormBackward call (gamma present or not); ``large``: 9,000 elements
+    or more (it runs alone, from 8,192)."""
     n, group = int(rng.integers(1, 5)), int(rng.choice([1, 2, 4]))
     c = group * int(rng.integers(1, 4))
     hxw = int(rng.choice([1, 5, 37, 64, 200, 900]))  # alone from 8,192 elements
+    if large:
+        hxw = -(-9000 // (n * c))
     dy, x = rand(rng, (n, c, hxw), dtype), rand(rng, (n, c, hxw), dtype)
     mean = rand(rng, (n, group), dtype, 0.5)
     rstd = (rng.random((n, group)) + 0.5).astype(dtype)
@@ -68,10 +74,13 @@ def gnb_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
     return t(dy), t(x), t(mean), t(rstd), gamma, n, c, hxw, group
 
 
-def gn_args(rng: np.random.Generator, dtype: np.dtype) -> tuple[Any, ...]:
-    """A random GroupNormalizationGrad call."""
+def gn_args(rng: np.random.Generator, dtype: np.dtype, large: bool = False) -> tuple[Any, ...]:
+    """A random GroupNormalizationGrad call; ``large``: 9,000 elements or more (it runs
+    alone, from 8,192)."""
     n, g = int(rng.integers(1, 4)), int(rng.integers(1, 5))
     m = int(rng.choice([3, 16, 100, 1500]))  # alone from 8,192 elements
+    if large:
+        m = -(-9000 // (n * g))
     x, dy, gamma = (rand(rng, (n, g, m), dtype) for _ in range(3))
     mean = rand(rng, (n, g), dtype, 0.5)
     rstd = (rng.random((n, g)) + 0.5).astype(dtype)
@@ -149,7 +158,8 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
     if dtype not in op.dtypes:
         pytest.skip(f"{op.name} takes no {dtype}")
     rng = np.random.default_rng(zlib.crc32(f"{op.name} {dtype}".encode()))  # fixed per case
-    pool = [make(rng, dtype) for _ in range(12)]
+    # the large request first: alone on one thread, then in batches on two
+    pool = [make(rng, dtype, large=True)] + [make(rng, dtype) for _ in range(11)]
     device = make_device("torch:cpu", 1)
     solo = []
     for i, args in enumerate(pool):
@@ -223,6 +233,26 @@ def test_rows_longer_than_a_serial_call_are_cut_alike_in_every_batch():
     solo = [all_bits(GLU_BACKWARD, r) for r in lone]
     assert [all_bits(GLU_BACKWARD, r) for r in batch] == [solo[j] for j in (2, 0, 1, 0)]
     device.close()
+
+
+def test_a_large_group_norm_backward_reads_strided_operands_by_their_strides():
+    """A large request runs as aten's own call on its tensors; aten reads every operand as
+    if contiguous, so strided ones must come out as the call on contiguous copies."""
+    rng = np.random.default_rng(11)
+    n, c, hxw, group = 2, 8, 1024, 4
+
+    def strided(shape: tuple[int, ...]) -> Any:  # every other element of the last dim
+        return t(rand(rng, (*shape[:-1], 2 * shape[-1]), F32))[..., ::2]
+
+    dy, x = strided((n, c, hxw)), strided((n, c, hxw))
+    mean = strided((n, group))
+    rstd = t((rng.random((n, 2 * group)) + 0.5).astype(F32))[:, ::2]
+    args = (dy, x, mean, rstd, strided((c,)), n, c, hxw, group)
+    (r,) = alone(GROUP_NORM_BACKWARD, [args], make_device("torch:cpu", 1).execute)
+    contiguous = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    want = framework(GROUP_NORM_BACKWARD, contiguous)
+    for got, expected in zip(outputs(GROUP_NORM_BACKWARD, r), want, strict=True):
+        assert torch.equal(got, expected)
 
 
 def test_a_failing_request_fails_alone_and_the_others_keep_their_bits():

@@ -265,7 +265,7 @@ def test_a_reporting_device_sets_the_product_and_a_contradiction_is_an_error():
     from opsched._api import _new_scheduler
     from opsched.devices.host import CpuDevice
 
-    def fake_npu(name, streams, **limits):
+    def fake_npu(name, streams, split_min_bytes, **limits):  # the torch devices' own
         device = CpuDevice.create(streams, **limits)
         device.reported_product = "atlas-training"  # as torch_npu would report it
         return device
