@@ -71,9 +71,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _repeats(nbytes: int) -> int:
-    """Enough repeats for a stable median without spending minutes on 16M elements."""
-    return max(5, min(200, (64 << 20) // max(nbytes, 1)))
+def _repeats(nbytes: int, least: int = 1) -> int:
+    """Enough repeats for a stable median without spending minutes on 16M elements (at
+    least 9, and at least ``least``)."""
+    return max(9, least, min(200, (64 << 20) // max(nbytes, 1)))
 
 
 def _glu_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
@@ -162,7 +163,7 @@ def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[
     }
 
 
-def _measure(case: dict[str, Any]) -> dict[str, Any]:
+def _measure(case: dict[str, Any], least: int = 1) -> dict[str, Any]:
     ex: Executor = case["executor"]
     ex.set_repeatable()
     size = case["size"]
@@ -171,7 +172,7 @@ def _measure(case: dict[str, Any]) -> dict[str, Any]:
     nbytes = case["nbytes"]
     src = np.ones(nbytes // 2, np.uint8)  # a copy reads and writes nbytes in all
     dst = np.empty_like(src)
-    reps = _repeats(nbytes)
+    reps = _repeats(nbytes, least)
     launch(workspace, size, ex)  # warm up: page in out and the workspace
     np.copyto(dst, src)
     fast, copy, ratios = [], [], []
@@ -213,8 +214,10 @@ def bench_kernels(
     dtypes: tuple[str, ...] = tuple(_DTYPES),
     ops: tuple[str, ...] = ("glu", "gn", "gnb"),
     seed: int = 0,
+    repeats: int = 1,
 ) -> list[dict[str, Any]]:
-    """Measure the fast kernels; return one row per (operator, dtype, size)."""
+    """Measure the fast kernels; return one row per (operator, dtype, size), each the
+    median of interleaved repeats (at least ``repeats``; more for small sizes)."""
     rng = np.random.default_rng(seed)
     builders = {"glu": _glu_case, "gn": _gn_case, "gnb": _gnb_case}
     torch = torch_peer()
@@ -222,7 +225,7 @@ def bench_kernels(
     for op in ops:
         for name in dtypes:
             for n in sizes:
-                row = _measure(builders[op](n, _DTYPES[name], rng, torch))
+                row = _measure(builders[op](n, _DTYPES[name], rng, torch), repeats)
                 row.update(dtype=name, elements=n)
                 rows.append(row)
     return rows

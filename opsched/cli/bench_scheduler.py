@@ -5,7 +5,9 @@
    plan, workspace, launch) with no scheduler.
 2. Idle latency: one request at a time; scheduler median minus direct median.
 3. Event-loop responsiveness: a 1 ms ticker's lag while 32 large GLU requests run.
-4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1.
+4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1; and one GLU
+   of 16M elements (``self`` 2048x8192, ``out=`` given) awaited alone, which the scheduler
+   splits across the idle streams: streams=2 against streams=1.
 5. Steady state: new workspace allocations and executor-cache hit rate in the measured
    round of (1), after two warm-up rounds of the same workload.
 6. Tracing overhead: the throughput of (1) for GLU with a timeline trace recorded, against
@@ -35,6 +37,7 @@ import asyncio
 import pathlib
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -312,19 +315,59 @@ async def _scaling_run(target: BenchTarget, streams: int, requests: int) -> floa
         return time.perf_counter() - start
 
 
+async def _split_run(target: BenchTarget, streams: int, calls: int) -> float:
+    """Seconds per call of one 16M-element GLU awaited alone ``calls`` times (into the same
+    ``out=``: the result's fresh pages would cost more than the kernel)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2048, 8192)).astype(F32)
+    g = rng.standard_normal((2048, 4096)).astype(F32)
+    out = np.empty_like(x)
+    async with target.open(streams=streams) as sched:
+        await sched.glu_backward(g, x, out=out)  # warm-up
+        start = time.perf_counter()
+        for _ in range(calls):
+            await sched.glu_backward(g, x, out=out)
+        return (time.perf_counter() - start) / calls
+
+
+def _copy_scaling() -> float:
+    """The machine's own scaling for the split figure: a copy of the 16M-element GLU's bytes
+    (160 MiB) on two threads, each half, against one thread: what memory bandwidth allows."""
+    src = np.ones(80 << 20, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # pages in
+    half = src.size // 2
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    one = time.perf_counter() - start
+    parts = [slice(0, half), slice(half, None)]
+    threads = [threading.Thread(target=np.copyto, args=(dst[p], src[p])) for p in parts]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return one / (time.perf_counter() - start)
+
+
 def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str, Any]:
-    ratios, one, two = [], [], []
+    ratios, one, two, split, copy = [], [], [], [], []
     for _ in range(repeats):
         t1 = asyncio.run(_scaling_run(target, 1, requests))
         t2 = asyncio.run(_scaling_run(target, 2, requests))
         one.append(requests / t1)
         two.append(requests / t2)
         ratios.append(t1 / t2)
+    for _ in range(repeats):  # after the rounds above: their memory is not this one's
+        split.append(asyncio.run(_split_run(target, 1, 4)) / asyncio.run(_split_run(target, 2, 4)))
+        copy.append(_copy_scaling())
     return {
         "requests": requests,
         "streams1_rps": statistics.median(one),
         "streams2_rps": statistics.median(two),
         "speedup": statistics.median(ratios),
+        "split_speedup": statistics.median(split),
+        "copy_speedup": statistics.median(copy),
     }
 
 
@@ -437,6 +480,12 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             f"{sc['streams2_rps']:.1f}/s vs {sc['streams1_rps']:.1f}/s = {sc['speedup']:.2f}x",
             ">= 1.5x",
             sc["speedup"] >= 1.5,
+        )
+        line(
+            "4. split scaling, one GLU of 16M elements",
+            f"streams=2 {sc['split_speedup']:.2f}x streams=1 (copy: {sc['copy_speedup']:.2f}x)",
+            ">= 1.7x",
+            sc["split_speedup"] >= 1.7,
         )
     for key in ("throughput_glu", "throughput_gn", "throughput_gnb"):
         if key in r:

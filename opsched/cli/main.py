@@ -314,7 +314,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("== kernels: fast kernels against a numpy copy of the same bytes", file=out)
         sizes = (1 << 10, 1 << 12) if quick else tuple(_size(t) for t in args.sizes.split(","))
         dtypes = ("FLOAT",) if quick else dtypes
-        results["kernels"] = _bench.bench_kernels(sizes, dtypes, ops)
+        results["kernels"] = _bench.bench_kernels(
+            sizes, dtypes, ops, repeats=1 if quick else args.repeats
+        )
         _bench.print_kernel_table(results["kernels"], out)
     traced = False
     if "scheduler" in which:

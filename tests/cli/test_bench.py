@@ -29,6 +29,27 @@ def test_kernel_benchmark_reports_every_row():
     assert "GroupNormBackward" in out.getvalue()
 
 
+def test_kernel_benchmark_takes_at_least_the_repeats_asked_for():
+    """``--repeats`` is a floor on the interleaved repeats of each row; large sizes get 9
+    by default (small ones get more, up to 200)."""
+    (default,) = bench_kernels(sizes=(1 << 20,), dtypes=("FLOAT",), ops=("glu",))
+    (asked,) = bench_kernels(sizes=(1 << 20,), dtypes=("FLOAT",), ops=("glu",), repeats=12)
+    assert (default["repeats"], asked["repeats"]) == (9, 12)
+
+
+def test_scaling_figures_print_with_the_machines_copy_scaling():
+    from opsched.cli.bench_scheduler import _copy_scaling
+
+    copy = _copy_scaling()
+    assert copy > 0
+    scaling = {"requests": 64, "streams1_rps": 100.0, "streams2_rps": 180.0, "speedup": 1.8}
+    out = io.StringIO()
+    figures = {**scaling, "split_speedup": 1.5, "copy_speedup": copy}
+    print_scheduler_report({"repeats": 1, "device": "cpu", "scaling": figures}, out)
+    assert "4. split scaling, one GLU of 16M elements" in out.getvalue()
+    assert f"(copy: {copy:.2f}x)" in out.getvalue() and "NOT reached" in out.getvalue()
+
+
 def test_scheduler_benchmark_small():
     result = bench_scheduler(repeats=1, parts=("throughput",), clients=4, per_client=5)
     for key in ("throughput_glu", "throughput_gn"):
