@@ -4,8 +4,9 @@
 
 For each operator it submits many requests at once (tensors on the device and numpy
 arrays), and checks each result bit for bit against the framework's own call on that request
-alone; then a graph, the sync facade, a split request, fault isolation, a tensor on the wrong
-device, and the throughput of tiny requests against the framework's call once per request.
+alone; then a graph, the sync facade, a split request, a large GroupNormBackward (the
+framework's own call), fault isolation, a tensor on the wrong device, and the throughput
+of tiny requests against the framework's call once per request.
 Prints one line per check and exits 1 if any failed. Checks raise :class:`CheckFailed`, never
 a bare ``assert`` (``python -O`` would remove those, and a broken device would pass).
 """
@@ -142,6 +143,18 @@ def main(device: str) -> int:
         return f"{launches} parts"
 
     check("a large request split across streams", lambda: asyncio.run(split()))
+
+    async def large_norm() -> str:
+        r = (tensor(4, 64, 1024), tensor(4, 64, 1024), tensor(4, 16), tensor(4, 16).abs() + 0.5,
+             tensor(64), 4, 64, 1024, 16)  # fmt: skip
+        async with opsched.open_scheduler(device=device, streams=2) as sched:
+            got = await sched.group_norm_backward(*r)
+        want = t.group_norm_backward(*r, [True] * 3)
+        for name, a, b in zip(("dx", "dgamma", "dbeta"), got, want, strict=True):
+            require(torch.equal(a, b), f"GroupNormBackward's {name} differs")
+        return "262,144 elements: the framework's own call on its tensors, bit for bit"
+
+    check("a large GroupNormBackward runs whole", lambda: asyncio.run(large_norm()))
 
     async def isolation() -> str:
         work = [(tensor(4, 8), tensor(4, 16)) for _ in range(10)]
