@@ -301,7 +301,7 @@ def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PASS") == 8 and "FAIL" not in proc.stdout
+    assert proc.stdout.count("PASS") == 9 and "FAIL" not in proc.stdout
     assert "the framework's call once per request" in proc.stdout  # the throughput ratio
 
 
