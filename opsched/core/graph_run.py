@@ -172,6 +172,10 @@ class GraphRun:
         """``nr``'s request reached a final state (``error`` None: success)."""
         if nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED):
             return
+        # Let go of the request (its tensors, its waits) now, not when the run ends: held
+        # by the run, a run's requests all stayed alive, and the objects they kept made the
+        # young-generation collections come 40 times per 10,240 nodes instead of once.
+        nr.request = None
         if error is None and self.failed:
             upstream = next(
                 (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import anyio
 import numpy as np
@@ -153,6 +154,27 @@ async def test_a_finished_run_leaves_no_reference_cycles_for_the_collector():
             gc.garbage.clear()
             gc.enable()
     assert "GraphRun" not in left and "_NodeRun" not in left and "Request" not in left
+
+
+@pytest.mark.anyio
+async def test_a_finished_nodes_request_is_freed_while_its_run_goes_on():
+    # A run that kept every node's request (its tensors, its waits) until it returned made
+    # the young-generation collections come 40 times per 10,240 nodes instead of once.
+    rng = np.random.default_rng(22)
+    graph, nodes, _ = chain(rng, length=4)
+    seen: list[weakref.ref] = []
+    alive_at_launch: list[int] = []
+
+    def watch(requests):  # called with each launch's requests (a fault hook that never fails)
+        alive_at_launch.append(sum(ref() is not None for ref in seen))
+        seen.extend(weakref.ref(r) for r in requests)
+        return False
+
+    async with opsched.open_scheduler(device="reference") as sched:
+        sched.device.inject_faults(watch)
+        await sched.run(graph, outputs=nodes[-1:])
+    # each node launches after its producer finished: by then that request is gone
+    assert len(alive_at_launch) == 4 and alive_at_launch == [0, 0, 0, 0]
 
 
 @pytest.mark.anyio
