@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _jit
-from ._common import Carver, must_stage, overlaps, store, workspace_bytes
+from ._common import ALIGN, Carver, address, must_stage, overlaps, store, workspace_bytes
 
 __all__ = [
     "BLOCK_BYTES",
@@ -311,6 +311,9 @@ def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
 
 def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
     """Carve the workspace, note the copies into it, and lay out the loop's arguments."""
+    plain = _lay_out_plain(plan, a, n, workspace)
+    if plain is not None:
+        return plain
     group, cpg, hxw = plan.group, plan.cpg, plan.hxw
     rows = n * group
     channel_rows = n * plan.c
@@ -354,6 +357,32 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
     )  # fmt: skip
     dx_copy = None if dx_target is None or a.dx is None else (a.dx, dx_target)
     return _Launch(tuple(copies), _LOOPS[kind.name], args, dx_copy, tuple(stores))
+
+
+def _lay_out_plain(plan: GnbPlan, a: _Arrays, n: int, workspace: Any) -> _Launch | None:
+    """The usual launch laid out with the fewest numpy calls (6.9 -> 4.7 us; a tiny
+    launch's loop takes 2): FLOAT, C-contiguous operands, all three outputs, nothing staged,
+    the sums in the workspace (ds / db as one aligned buffer, within the planned bytes).
+    The arguments :func:`_lay_out` gives such a launch; None for any other."""
+    p, c, hxw = plan, plan.c, plan.hxw
+    wanted = p.want_dx and p.want_dgamma and p.want_dbeta and workspace is not None
+    if p.dtype != F32 or p.stage_x or p.stage_dy or p.stage_dx or p.stats_out or not wanted:
+        return None
+    arrays = (a.grad_out, a.x, a.dx, a.mean, a.rstd, a.dgamma, a.dbeta)
+    for array in arrays if a.gamma is None else (*arrays, a.gamma):
+        if array is None or array.dtype is not F32 or not array.flags.c_contiguous:
+            return None
+    start, channel_rows = -address(workspace) % ALIGN, n * c
+    if start + 8 * channel_rows > workspace.nbytes:
+        return None  # too small: the general lay-out says so
+    sums = workspace[start : start + 8 * channel_rows].view(F32)
+    gamma = (_ONE, 1) if a.gamma is None else (a.gamma.reshape(-1), a.gamma.size)
+    dy, x, dx, mean, rstd, dgamma, dbeta = [array.reshape(-1) for array in arrays]  # type: ignore[union-attr]
+    args = (
+        dy, hxw, x, hxw, dx, hxw, mean, rstd, *gamma, sums[:channel_rows], sums[channel_rows:],
+        n * p.group, p.cpg, hxw, True, n, c, dgamma, dbeta,
+    )  # fmt: skip
+    return _Launch((), _gnb_float32, args, None, ())
 
 
 def _channel_rows(
@@ -428,25 +457,9 @@ def _gnb_body(  # type: ignore[no-untyped-def]
     :func:`reduce_over_samples`); each may be ``db`` / ``ds`` itself.
     """
     _gnb_rows(
-        dy,
-        dys,
-        x,
-        xs,
-        dx,
-        dxs,
-        mean,
-        rstd,
-        gamma,
-        period,
-        ds,
-        db,
-        rows,
-        cpg,
-        hxw,
-        want_dx,
-        load,
-        store,
-    )
+        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
+        load, store,
+    )  # fmt: skip
     for k in range(c):
         s_db, s_ds = db[k], ds[k]
         for s in range(1, n):

@@ -58,7 +58,7 @@ class _NodeRun:
 
     __slots__ = (
         "block", "consumers", "consumers_left", "error", "event", "node", "output",
-        "producers", "request", "state", "waiting", "wanted",
+        "producers", "request", "request_id", "state", "waiting", "wanted",
     )  # fmt: skip
 
     def __init__(self, node: Node, wanted: bool) -> None:
@@ -71,7 +71,8 @@ class _NodeRun:
         self.consumers_left = 0
         self.output: np.ndarray | None = None
         self.block: Any = None
-        self.request: Request | None = None
+        self.request: Request | None = None  # let go of once final (see finished)
+        self.request_id: int | None = None  # its id, kept: the trace draws edges by it
         self.event: Event | None = None
         self.error: BaseException | None = None
 
@@ -154,7 +155,8 @@ class GraphRun:
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = self.fresh(shape, dtype)
         nr.state = NodeState.QUEUED
-        nr.request = self.submit(self, nr, tensors, waits)
+        nr.request = request = self.submit(self, nr, tensors, waits)
+        nr.request_id = request.id
 
     # ------------------------------------------------------------------ scheduler hooks
 
@@ -174,8 +176,10 @@ class GraphRun:
             return
         # Let go of the request (its tensors, its waits) now, not when the run ends: held
         # by the run, a run's requests all stayed alive, and the objects they kept made the
-        # young-generation collections come 40 times per 10,240 nodes instead of once.
-        nr.request = None
+        # young-generation collections come 40 times per 10,240 nodes instead of once. A
+        # requested node of several outputs keeps it: its result is the request's tuple.
+        if not (nr.wanted and len(nr.node.op.outputs) > 1):
+            nr.request = None
         if error is None and self.failed:
             upstream = next(
                 (

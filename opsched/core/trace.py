@@ -212,7 +212,7 @@ def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: A
     for r in requests:
         if r.graph is not None:
             node_run = r.graph[1]
-            producers = [p.request.id for p in node_run.producers if p.request is not None]
+            producers = [p.request_id for p in node_run.producers if p.request_id is not None]
             edges.append((r.id, producers))
     if edges:
         args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]

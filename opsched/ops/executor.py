@@ -369,10 +369,12 @@ class PlanCache:
         signature = op.signature(tensors, scalars)
         if signature is None:
             return None
-        for array in tensors.values():
-            if array is not None and not array.flags.c_contiguous:
+        # one flags object per array (each ``.flags`` builds one): this runs for every call
+        flags = {name: array.flags for name, array in tensors.items() if array is not None}
+        for f in flags.values():
+            if not f.c_contiguous:
                 return None
-        writeable = tuple([t is None or t.flags.writeable for t in map(tensors.get, op.outputs)])
+        writeable = tuple([n not in flags or flags[n].writeable for n in op.outputs])
         return op.name, product, signature, writeable, op.overlaps_any(tensors)
 
     def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
