@@ -195,7 +195,7 @@ async def test_diamond_fan_out_fan_in(device):
     t = solo_gn(x, dy, gamma, mean, rstd)
     want = solo_gn(solo_glu(t, gate1, -1), solo_glu(t, gate2, -1), gamma2, mean2, rstd2)
     assert_result(device, out, want)
-    assert stats.pool.in_use == 0  # intermediates went back to the pool
+    assert stats.pool.in_use == 0  # launch workspaces went back to the pool
     # ...which holds them on the numpy devices (torch's allocator has them on torch:cpu)
     assert stats.pool.allocated > 0 or device.startswith("torch")
 

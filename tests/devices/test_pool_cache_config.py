@@ -103,6 +103,26 @@ def executor():
     return ex
 
 
+def test_graph_intermediates_come_from_the_pool_only_when_large():
+    """Large intermediates reuse pooled memory (fresh pages fault); small ones are plain
+    arrays, which malloc reuses more cheaply than the pool's bookkeeping."""
+    from opsched.devices import make_device
+    from opsched.devices.host import POOLED_INTERMEDIATE_BYTES
+
+    device = make_device("cpu", 1)
+    f32 = np.dtype(np.float32)
+    try:
+        small, token = device.intermediate((2, 4, 8), f32)
+        assert token is None and small.shape == (2, 4, 8) and small.dtype == f32
+        large, token = device.intermediate((POOLED_INTERMEDIATE_BYTES // 4,), f32)
+        assert token is not None and large.shape == (POOLED_INTERMEDIATE_BYTES // 4,)
+        assert device.memory_statistics().in_use >= POOLED_INTERMEDIATE_BYTES
+        device.release(token)
+        assert device.memory_statistics().in_use == 0
+    finally:
+        device.close()
+
+
 def test_cache_lru_eviction_destroys():
     cache = ExecutorCache(limit=2)
     e1, e2, e3 = executor(), executor(), executor()
