@@ -53,6 +53,10 @@ class NodeState(enum.Enum):
     FED = "fed"  # its value was given in ``inputs``
 
 
+#: The states a node ends in.
+_FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
+
+
 class _NodeRun:
     """One node's state in one run (a plain slotted class: a run makes one per node)."""
 
@@ -172,7 +176,7 @@ class GraphRun:
 
     def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
         """``nr``'s request reached a final state (``error`` None: success)."""
-        if nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED):
+        if nr.state in _FINAL:
             return
         # Let go of the request (its tensors, its waits) now, not when the run ends: held
         # by the run, a run's requests all stayed alive, and the objects they kept made the
@@ -244,8 +248,8 @@ class GraphRun:
             self.done()
 
     def _maybe_release(self, nr: _NodeRun) -> None:
-        final = nr.state in (NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED)
-        if nr.block is not None and final and nr.consumers_left == 0:
+        # the cheap test first: most nodes hold no pooled block (small intermediates)
+        if nr.block is not None and nr.consumers_left == 0 and nr.state in _FINAL:
             self.release(nr.block)
             nr.block = None
 
