@@ -16,6 +16,10 @@ coroutine row. It is the issue's 40-line asyncio batcher: a list, one flush per 
 one stacked numpy GLU backward, ``set_result`` per future. It has no checks, priorities,
 cancellation, bookkeeping or results of their own. On this machine the loop's own wake-up
 of each waiter is most of it.
+
+Every timed window (torch's and each path's) starts right after a full garbage collection:
+a window pays for the collections its own allocations set off, never for a full pass (50-60
+ms with numba's objects alive) that another window's leftovers made due.
 """
 
 from __future__ import annotations
@@ -151,6 +155,7 @@ def _bare_batcher(inputs: list[tuple[Any, ...]], n: int) -> float:
     async def main() -> float:
         batcher = _BareBatcher()
         await _clients(batcher, "glu", inputs, n)  # warm-up, as for the coroutine path
+        gc.collect()
         start = time.perf_counter()
         await _clients(batcher, "glu", inputs, n)
         return time.perf_counter() - start
@@ -162,6 +167,7 @@ def _coroutines(target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: 
     async def main() -> float:
         async with target.open() as sched:
             await _clients(sched, op, inputs, n)  # warm-up
+            gc.collect()
             start = time.perf_counter()
             await _clients(sched, op, inputs, n)
             return time.perf_counter() - start
@@ -211,6 +217,7 @@ def _facade(
             call, queue = sched.group_norm_backward, sched.submit_group_norm_backward
         for args in inputs[: min(n, 256)]:  # warm-up: the signatures, the executors
             call(*args)
+        gc.collect()
         start = time.perf_counter()
         if submit:
             futures = [queue(*inputs[k % len(inputs)]) for k in range(n)]
@@ -224,6 +231,7 @@ def _facade(
 
 def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
     """What a caller of ``opsched.aclnn`` writes: outputs, workspace size, launch."""
+    gc.collect()
     start = time.perf_counter()
     if op == "glu":
         for k in range(n):
@@ -275,6 +283,7 @@ def bench_paths(
             for _ in range(repeats):  # torch right before the path, in every round
                 t_peer = None
                 if peer is not None:
+                    gc.collect()
                     start = time.perf_counter()
                     for k in range(n):
                         peer(k)
