@@ -206,8 +206,7 @@ class GluBackward(Operator):
         for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _half):
             if len(stack) == 1 and len(stack[0]) == 1 and _lone(torch, stack[0][0]):
                 continue
-            first = stack[0][0].tensors
-            x0, g0 = first["self"], first["grad_out"]
+            x0 = stack[0][0].tensors["self"]
             half = _half(stack[0][0])
             outers = [_grid(group[0])[0] * len(group) for group in stack]
             rows = sum(outers)
@@ -218,18 +217,6 @@ class GluBackward(Operator):
             # SPEC's tolerance (measured: 1.12x the allowed error on 131,072 BFLOAT16
             # elements of [-3, 3]). SPEC computes them in float32, rounded once: so do we.
             wide = x0.device.type == "cpu" and x0.dtype in (torch.float16, torch.bfloat16)
-            if (
-                len(stack) == 1 and len(stack[0]) == 1 and len(columns) == 1
-                and len(calls) == 1 and x0.is_contiguous() and g0.is_contiguous() and not wide
-            ):  # fmt: skip
-                # one call for one request: aten's own, which lays the rows out the same way
-                dim = stack[0][0].scalars["dim"] % x0.dim()
-                own = first["out"]
-                if own is not None and own.is_contiguous():
-                    glu(g0, x0, dim, grad_input=own)
-                else:
-                    framework_deliver(first, "out", torch.ops.aten.glu_backward(g0, x0, dim))
-                continue
             x = framework_gather(torch, stack, "self", (rows, 2, half))
             g = framework_gather(torch, stack, "grad_out", (rows, 1, half))
             out = framework_output(torch, stack, "out", (rows, 2, half), x)
@@ -344,17 +331,22 @@ _STACK_MAX = 4096
 
 
 def _lone(torch: Any, request: Any) -> bool:
-    """Run a request launched alone as aten's own call where that is the layout the general
-    path would give it too, and say whether it did: contiguous operands computed in their
-    own dtype, and, on the CPU, a grid of fewer than ``SERIAL_ELEMENTS`` elements (one
-    serial call, never cut into rows or columns). The few checks cost less than the
-    general path's geometry (measured: about 5 us a request on torch:cpu)."""
+    """Run a request launched alone as aten's own call, which lays its rows out as the
+    stacked path does, wherever that path would make one call of it; say whether it did.
+    That is: contiguous operands computed in their own dtype (on the CPU, FLOAT16 /
+    BFLOAT16 are widened: the stacked path), and on the CPU no cut into serial calls: a
+    grid under ``SERIAL_ELEMENTS``, or one intra-op thread and rows under it (as
+    :func:`framework_rows` and :func:`framework_columns` cut). The checks cost less than
+    the stacked path's geometry (measured: about 5 us a request on torch:cpu)."""
     t = request.tensors
     x, g = t["self"], t["grad_out"]
-    if x.is_cpu and (
-        x.dtype in (torch.float16, torch.bfloat16) or x.numel() >= 2 * SERIAL_ELEMENTS
-    ):
-        return False
+    if x.is_cpu:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return False
+        if x.numel() >= 2 * SERIAL_ELEMENTS and (
+            torch.get_num_threads() > 1 or _half(request) >= SERIAL_ELEMENTS
+        ):
+            return False
     if not (x.is_contiguous() and g.is_contiguous()):
         return False
     dim, own = request.scalars["dim"] % x.dim(), t["out"]

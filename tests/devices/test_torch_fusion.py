@@ -235,6 +235,24 @@ def test_rows_longer_than_a_serial_call_are_cut_alike_in_every_batch():
     device.close()
 
 
+def test_a_lone_request_over_a_serial_call_has_the_same_bits_on_one_thread_or_two():
+    # Alone, a request of 32,768 grid elements or more is cut into serial calls on two
+    # threads and is one call on one thread (both whole rows); rows longer than that are
+    # cut into the same columns on any number of threads. Either way, the same bits.
+    rng = np.random.default_rng(9)
+    pool = [
+        (t(rand(rng, (rows, half), F32)), t(rand(rng, (rows, 2 * half), F32, 3.0)))
+        for rows, half in ((7, 4_999), (13, 3_001), (1, 40_001), (3, 33_333))
+    ]
+    device = make_device("torch:cpu", 1)
+    torch.set_num_threads(1)
+    one = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
+    torch.set_num_threads(2)
+    two = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
+    device.close()
+    assert one == two
+
+
 def test_a_large_group_norm_backward_reads_strided_operands_by_their_strides():
     """A large request runs as aten's own call on its tensors; aten reads every operand as
     if contiguous, so strided ones must come out as the call on contiguous copies."""
