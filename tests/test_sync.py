@@ -127,6 +127,51 @@ def test_futures_work_with_the_standard_waiting_tools():
             queued[2].result()
 
 
+def test_every_thread_waiting_on_a_future_wakes_with_its_result():
+    # The futures' condition is its own lock and makes its waiters' list on the first
+    # wait: several threads blocked in result() must all wake when the request finishes.
+    rng = np.random.default_rng(14)
+    with one_stream_held(rng) as (sched, gate, held):
+        queued = sched.submit_glu_backward(*glu_args(rng))
+        started, got = threading.Barrier(5), []
+
+        def waiter() -> None:
+            started.wait(10)
+            got.append(queued.result(timeout=30).shape)
+
+        threads = [threading.Thread(target=waiter) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(10)  # every waiter is about to block in result()
+        gate.open()
+        for t in threads:
+            t.join(30)
+        held.result(timeout=30)
+    assert got == [(4, 8)] * 4
+
+
+def test_a_future_cancelled_by_its_owner_is_left_cancelled_by_its_outcome():
+    # The loop gives a future its outcome with settle(): a cancel() that came first wins,
+    # and the late outcome neither raises (InvalidStateError, on the loop thread) nor
+    # replaces the cancellation.
+    from opsched.core.requests import RequestFuture
+
+    future = RequestFuture()
+    assert future.cancel()
+    assert future.cancel()  # again: still True, as a plain Future says (it raised here)
+    future.settle(np.zeros(2), None)
+    future.settle(None, RuntimeError("late"))
+    assert future.cancelled()
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result(timeout=0)
+    fresh = RequestFuture()
+    fresh.settle(None, RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        fresh.result(timeout=0)
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        fresh._condition.notify_all()  # as threading.Condition: only while held
+
+
 def test_a_finished_future_keeps_nothing_of_its_request():
     # Callers keep futures around; the request record (with every array it was given)
     # must not live as long as they do.

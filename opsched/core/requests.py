@@ -10,12 +10,13 @@ This module knows nothing of devices, operators by name, or batching policy.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import enum
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from concurrent.futures._base import PENDING
+from concurrent.futures._base import CANCELLED, PENDING, RUNNING
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -50,30 +51,48 @@ class RequestState(enum.Enum):
     EXPIRED = "expired"
 
 
-class _FutureCondition(threading.Condition):
-    """The condition of a :class:`RequestFuture`: a ``threading.Condition`` over a plain
-    lock whose methods live on the class instead of being bound per instance (Condition's
-    own ``__init__`` makes five bound methods). A burst of submissions holds thousands of
-    futures at once, and every object they hold makes the garbage collector's full passes,
-    which walk the whole heap, come sooner."""
+# typeshed marks _thread.RLock final; CPython's type takes subclasses (Py_TPFLAGS_BASETYPE)
+class _FutureCondition(_thread.RLock):  # type: ignore[misc]
+    """The condition of a :class:`RequestFuture`: a ``threading.Condition`` that is its
+    own lock. A burst of submissions holds thousands of futures at once, and every object
+    they hold makes the garbage collector's full passes, which walk the whole heap, come
+    sooner: a ``threading.Condition`` is three tracked objects (itself, its ``__dict__``,
+    its waiters' deque) around a lock; this is one, with the deque made by the first
+    ``wait``. Entering it is the lock's own C method, not a Python-level ``__enter__``.
 
-    def __init__(self) -> None:  # no super().__init__(): its bound methods are the cost
-        self._lock = threading.Lock()
-        self._waiters: collections.deque[Any] = collections.deque()
+    The waiting and notifying are ``threading.Condition``'s own functions (which use
+    ``_waiters``, ``_is_owned``, ``_release_save`` and ``_acquire_restore``: the last three
+    are the reentrant lock's, as for a ``Condition()`` built over its default ``RLock``).
+    """
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
+    __slots__ = ("_waiters",)
 
-    def release(self) -> None:
-        self._lock.release()
+    def __init__(self) -> None:
+        self._waiters: collections.deque[Any] | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._waiters is None:
+            self._waiters = collections.deque()
+        return threading.Condition.wait(self, timeout)  # type: ignore[arg-type]
+
+    wait_for = threading.Condition.wait_for
+
+    def notify(self, n: int = 1) -> None:
+        if not self._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError("cannot notify on un-acquired lock")
+        if self._waiters:
+            threading.Condition.notify(self, n)  # type: ignore[arg-type]
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters) if self._waiters else 0)
 
 
 class RequestFuture(Future[Any]):
     """What a submission from a thread returns: a ``concurrent.futures.Future`` whose
     ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
     per request: it would keep the request, and its arrays, as long as the future lives.
-    Its condition is a :class:`_FutureCondition` (six objects per future instead of
-    eleven)."""
+    Its condition is a :class:`_FutureCondition`: four tracked objects per future (a
+    plain ``Future`` is eleven)."""
 
     #: The checked request, from submission until the loop queues it (the inbox holds
     #: the future alone).
@@ -88,19 +107,38 @@ class RequestFuture(Future[Any]):
 
     def __init__(self) -> None:
         # Future.__init__'s fields (the same in every supported Python), its condition lean
-        self._condition = _FutureCondition()
+        self._condition = _FutureCondition()  # type: ignore[assignment]  # Condition's API
         self._state = PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
 
+    def settle(self, result: Any, error: BaseException | None) -> None:
+        """Give the future its request's outcome (loop thread): ``error`` when not None,
+        else ``result``; nothing when its owner cancelled it first.
+
+        The check and the set happen under one hold of the future's lock (reentrant:
+        ``set_result`` takes it again), so an owner's ``cancel()`` cannot land between
+        them (``set_result`` on a cancelled future raises ``InvalidStateError``).
+        """
+        with self._condition:
+            if self._state not in (PENDING, RUNNING):
+                return  # cancelled by its owner
+            if error is None:
+                self.set_result(result)
+            else:
+                self.set_exception(error)
+
     def cancel(self) -> bool:
-        cancelled = super().cancel()
+        with self._condition:  # reentrant: both calls below take it again
+            cancelled = super().cancel()
+            if cancelled and self._state == CANCELLED:  # this call cancelled it
+                # No executor will pick it up to notify its waiters
+                # (concurrent.futures.wait, as_completed): do it now, as an executor would.
+                # A second cancel() finds it notified already and just says True.
+                self.set_running_or_notify_cancel()
         if cancelled:
-            # No executor will pick it up to notify its waiters (concurrent.futures.wait,
-            # as_completed): do it now, as an executor would.
-            self.set_running_or_notify_cancel()
             self.withdrawn = True
             withdraw, request = self._withdraw, self._request
             if withdraw is not None:
@@ -206,14 +244,12 @@ def finish(
     future = request.future
     if future is not None:
         future._withdraw = future._request = None  # nothing to withdraw: let go of it
-        if future.done():  # cancelled by its owner
-            return
         if state is RequestState.DONE:
-            future.set_result(request.outcome())
+            future.settle(request.outcome(), None)
         elif request.error is not None:
-            future.set_exception(request.error)
+            future.settle(None, request.error)
         else:
-            future.cancel()
+            future.cancel()  # a no-op for one its owner cancelled
 
 
 class Pending:
