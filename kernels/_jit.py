@@ -57,6 +57,7 @@ __all__ = [
     "f32_to_half",
     "flat",
     "fold",
+    "folded",
     "half_to_f32",
     "jit",
     "kind_of",
@@ -248,6 +249,14 @@ def _fold_typing(typingctx: Any, acc: Any) -> Any:
 
 
 fold: Any = intrinsic(_fold_typing)
+
+
+@numba.njit(inline="always")
+def folded(acc: Any, full: Any) -> Any:
+    """:func:`fold` of a row's lanes, or +0.0 without folding when the row had no whole
+    block of LANES elements (``full`` 0: every lane is +0.0, and so is their fold): the
+    same bits, without the fold's shuffles for each short row."""
+    return fold(acc) if full else F32(0.0)
 
 
 def lane_sums(rows: np.ndarray) -> np.ndarray:

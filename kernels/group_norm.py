@@ -186,7 +186,7 @@ def _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, load, stor
                 pg = load(dy_part[j]) * load(g_part[j])
                 acc1[j] += pg
                 acc2[j] += pg * ((load(x_part[j]) - mu) * rs)
-        s1, s2 = _jit.fold(acc1), _jit.fold(acc2)
+        s1, s2 = _jit.folded(acc1, full), _jit.folded(acc2, full)
         for i in range(full, m):
             pg = load(dy_row[i]) * load(g_row[i])
             s1 += pg

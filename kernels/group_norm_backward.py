@@ -469,7 +469,7 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
                         d = load(dy_part[j])
                         acc_dy[j] += d
                         acc_xy[j] += d * load(x_part[j])
-                s_dy, s_xy = _jit.fold(acc_dy), _jit.fold(acc_xy)
+                s_dy, s_xy = _jit.folded(acc_dy, full), _jit.folded(acc_xy, full)
                 for i in range(full, hxw):
                     d = load(dy_row[i])
                     s_dy += d
@@ -482,15 +482,20 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
         for r in range(r0, r1):
             mu, rs = mean[r], rstd[r]
             c1 = c2 = np.float32(0.0)
+            g0 = (r * cpg) % period  # gamma[k % period], k counting up: no division per k
+            g = g0
             for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
-                c1 += gamma[k % period] * ds[k]
-                c2 += gamma[k % period] * db[k]
+                c1 += gamma[g] * ds[k]
+                c2 += gamma[g] * db[k]
+                g = g + 1 if g + 1 < period else 0
             c1 /= m
             c2 /= m
             coef_b = -(c2 * rs * rs)
             coef_c = (c2 * rs * mu - c1) * rs
+            g = g0
             for k in range(r * cpg, r * cpg + cpg):
-                coef_a = rs * gamma[k % period]
+                coef_a = rs * gamma[g]
+                g = g + 1 if g + 1 < period else 0
                 dy_row = dy[k * dys : k * dys + hxw]
                 x_row = x[k * xs : k * xs + hxw]
                 dx_row = dx[k * dxs : k * dxs + hxw]
