@@ -25,8 +25,9 @@ Determinism (SPEC, DESIGN "batch invariance") rests on three rules here:
 Each loop has one body and a two-line entry point per kind (its load and store). Entry
 points are compiled when their module is imported, for contiguous operands, and cached on
 disk by numba (beside the module, or in the user's cache directory when the install is
-read-only): the first import on a machine compiles for about a second, later ones load in
-tens of milliseconds, and no launch ever waits for the compiler on the event loop.
+read-only; kept in step with every kernel source by :mod:`._cache`): the first import on a
+machine compiles, later ones load in tens of milliseconds, and no launch ever waits for the
+compiler on the event loop.
 """
 
 from __future__ import annotations
