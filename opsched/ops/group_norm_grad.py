@@ -31,6 +31,7 @@ from opsched.ops._base import (
     check_types,
     cuts,
     deliver,
+    signature_groups,
 )
 from opsched.ops._framework import (
     framework_gather,
@@ -201,16 +202,20 @@ class GroupNormalizationGrad(Operator):
         return make_group_norm_plan((capacity, 1, m), dtype)
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        # All requests of a key share M: one concatenate per operand for the whole launch.
-        offsets, offset = [], 0
-        for r in requests:
-            offsets.append(offset)
-            x = r.tensors["x"]
-            offset += x.shape[0] * x.shape[1]
-        for name in ("x", "dy", "gamma", "mean", "rstd"):
-            target = fused[name][:offset]
-            parts = [r.tensors[name].reshape(-1, *target.shape[1:]) for r in requests]
-            np.concatenate(parts, axis=0, out=target)
+        # Requests of one signature (same shapes) move together: one concatenate per
+        # operand into their rows, seen in their own shape (no reshape per request).
+        offsets = [0] * len(requests)
+        offset = 0
+        for members in signature_groups(requests):
+            x = requests[members[0]].tensors["x"]
+            start = offset
+            for i in members:
+                offsets[i] = offset
+                offset += x.shape[0] * x.shape[1]
+            for name in ("x", "dy", "gamma", "mean", "rstd"):
+                parts = [requests[i].tensors[name] for i in members]
+                target = fused[name][start:offset]
+                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
