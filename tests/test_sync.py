@@ -172,6 +172,22 @@ def test_a_future_cancelled_by_its_owner_is_left_cancelled_by_its_outcome():
         fresh._condition.notify_all()  # as threading.Condition: only while held
 
 
+def test_done_callbacks_run_without_the_futures_lock():
+    # As for any Future, a done-callback runs after the future's lock is let go: one that
+    # waits on another thread which needs that future would deadlock otherwise.
+    from opsched.core.requests import RequestFuture
+
+    held = []
+    for finish in ("result", "error", "cancel"):
+        future = RequestFuture()
+        future.add_done_callback(lambda f: held.append(f._condition._is_owned()))
+        if finish == "cancel":
+            future.cancel()
+        else:
+            future.settle(1, None if finish == "result" else RuntimeError("boom"))
+    assert held == [False, False, False]
+
+
 def test_a_finished_future_keeps_nothing_of_its_request():
     # Callers keep futures around; the request record (with every array it was given)
     # must not live as long as they do.

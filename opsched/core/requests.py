@@ -16,7 +16,7 @@ import enum
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, PENDING, RUNNING
+from concurrent.futures._base import CANCELLED, PENDING
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -118,33 +118,36 @@ class RequestFuture(Future[Any]):
         """Give the future its request's outcome (loop thread): ``error`` when not None,
         else ``result``; nothing when its owner cancelled it first.
 
-        The check and the set happen under one hold of the future's lock (reentrant:
-        ``set_result`` takes it again), so an owner's ``cancel()`` cannot land between
-        them (``set_result`` on a cancelled future raises ``InvalidStateError``).
+        Under the future's lock a pending future is claimed (put in the running state, as
+        an executor does before it runs a call): an owner's ``cancel()`` then says False,
+        and cannot land between the check and the set (``set_result`` on a cancelled
+        future raises ``InvalidStateError``). The outcome is set after the lock is let go,
+        so done-callbacks run without it, as for any future.
         """
         with self._condition:
-            if self._state not in (PENDING, RUNNING):
+            if self._state != PENDING:
                 return  # cancelled by its owner
-            if error is None:
-                self.set_result(result)
-            else:
-                self.set_exception(error)
+            self.set_running_or_notify_cancel()  # PENDING -> RUNNING (the lock is reentrant)
+        if error is None:
+            self.set_result(result)
+        else:
+            self.set_exception(error)
 
     def cancel(self) -> bool:
-        with self._condition:  # reentrant: both calls below take it again
-            cancelled = super().cancel()
-            if cancelled and self._state == CANCELLED:  # this call cancelled it
-                # No executor will pick it up to notify its waiters
-                # (concurrent.futures.wait, as_completed): do it now, as an executor would.
-                # A second cancel() finds it notified already and just says True.
+        if not super().cancel():  # done-callbacks run in there, without the lock held
+            return False
+        with self._condition:  # of concurrent cancel() calls, one notifies
+            if self._state == CANCELLED:
+                # No executor will pick it up to notify its waiters (concurrent.futures.wait,
+                # as_completed): do it now, as an executor would. A second cancel() finds
+                # it notified already and says True.
                 self.set_running_or_notify_cancel()
-        if cancelled:
-            self.withdrawn = True
-            withdraw, request = self._withdraw, self._request
-            if withdraw is not None:
-                self._withdraw = self._request = None
-                withdraw(request)
-        return cancelled
+        self.withdrawn = True
+        withdraw, request = self._withdraw, self._request
+        if withdraw is not None:
+            self._withdraw = self._request = None
+            withdraw(request)
+        return True
 
 
 @attrs.define(eq=False, slots=True)
