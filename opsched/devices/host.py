@@ -26,6 +26,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import ParamInvalidError
+from opsched._log import enabled, get_logger
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
@@ -35,6 +36,8 @@ from opsched.ops import Operator
 from opsched.ops.executor import Executor, geometry_of
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
+
+_log = get_logger("opsched.device")
 
 #: Launch work: ``(errors by request id, start, end)``.
 Outcome = tuple[dict[int, BaseException], float, float]
@@ -293,6 +296,7 @@ class HostDevice(Device):
         workspace: np.ndarray,
         requests: Sequence[Any],
         errors: dict[int, BaseException],
+        outermost: bool = True,
     ) -> None:
         """Gather, compute, scatter; on failure re-run in halves to isolate the culprits."""
         try:
@@ -305,9 +309,18 @@ class HostDevice(Device):
             if len(requests) == 1:
                 errors[requests[0].id] = exc
                 return
+            failed = len(errors)
             half = len(requests) // 2
-            self._run_fused(op, plan, arrays, workspace, requests[:half], errors)
-            self._run_fused(op, plan, arrays, workspace, requests[half:], errors)
+            self._run_fused(op, plan, arrays, workspace, requests[:half], errors, False)
+            self._run_fused(op, plan, arrays, workspace, requests[half:], errors, False)
+            if outermost and len(errors) == failed and enabled():
+                # No request failed alone: the launch failed for what it was together
+                # (a fault in the fused gather / scatter, say). Its requests got their
+                # results, but that must not pass unseen (said once per launch).
+                _log.warning(
+                    "a fused launch failed, then its requests ran in smaller launches",
+                    op=op.name, requests=len(requests), error=f"{type(exc).__name__}: {exc}",
+                )  # fmt: skip
 
     def release(self, token: Any) -> None:
         if token is not None:

@@ -318,11 +318,13 @@ async def test_failing_request_is_isolated_in_its_fused_batch(device):
     rng = np.random.default_rng(10)
     args = [small_glu(rng) for _ in range(20)]
     bad = args[13]
-    async with opsched.open_scheduler(device=device, streams=1) as sched:
-        sched.device.inject_faults(FailWhen(bad[1]))
-        results = await gather(
-            *(sched.glu_backward(g, x) for g, x in args), return_exceptions=True
-        )
+    with structlog.testing.capture_logs() as logs:
+        async with opsched.open_scheduler(device=device, streams=1) as sched:
+            sched.device.inject_faults(FailWhen(bad[1]))
+            results = await gather(
+                *(sched.glu_backward(g, x) for g, x in args), return_exceptions=True
+            )
+    assert not [e for e in logs if e["log_level"] == "warning"]  # a request failed: no riddle
     for (g, x), r in zip(args, results, strict=True):
         if x is bad[1]:
             assert isinstance(r, RuntimeLaunchError) and r.status == Status.ERR_RUNTIME_ERROR
@@ -332,6 +334,26 @@ async def test_failing_request_is_isolated_in_its_fused_batch(device):
     stats = sched.statistics()
     assert stats.failed == 1 and stats.completed == 19
     assert_adds_up(stats)
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+async def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(device):
+    # A fault of the fused launch itself (every request runs fine alone): isolation re-runs
+    # it down to single requests, each gets its result, and one warning names the launch.
+    rng = np.random.default_rng(12)
+    args = [small_glu(rng) for _ in range(12)]
+    with structlog.testing.capture_logs() as logs:
+        async with opsched.open_scheduler(device=device, streams=1) as sched:
+            sched.device.inject_faults(lambda requests: len(requests) > 1)
+            results = await gather(*(sched.glu_backward(g, x) for g, x in args))
+    for (g, x), r in zip(args, results, strict=True):
+        assert_result(device, r, solo_glu(g, x, -1))
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    # one per launch of several requests (how the backend's loop turns batch them varies)
+    assert 1 <= len(warnings) <= sched.statistics().launches
+    for w in warnings:
+        assert w["event"].startswith("a fused launch failed") and w["op"] == "GluBackward"
+        assert w["requests"] > 1 and "InjectedFault" in w["error"]
 
 
 async def test_kernel_exception_becomes_runtime_launch_error(monkeypatch):
