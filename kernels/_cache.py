@@ -77,5 +77,8 @@ def refresh_package() -> None:
         cache_dir = Path(FunctionCache(_located).cache_path)
         modules = [path.stem for path in _PACKAGE.glob("*.py")]
         refresh(cache_dir, sources_fingerprint(), modules)
-    except (OSError, RuntimeError, ImportError):
-        return  # no writable cache directory: numba does not cache there either
+    except Exception:
+        # Never keep the kernels from loading: no writable cache directory (numba does not
+        # cache there either), or a numba whose cache machinery moved (then its own
+        # invalidation alone applies).
+        return

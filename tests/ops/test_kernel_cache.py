@@ -58,3 +58,13 @@ def test_importing_the_kernels_recorded_their_sources_in_numbas_cache_directory(
         pytest.skip("numba has no writable cache directory here")
     marker = directory / _cache.FINGERPRINT_FILE
     assert marker.read_text() == _cache.sources_fingerprint()
+
+
+def test_a_numba_whose_cache_cannot_be_located_still_loads_the_kernels(monkeypatch):
+    import numba.core.caching
+
+    def moved(func):
+        raise AttributeError("FunctionCache has no cache_path in this numba")
+
+    monkeypatch.setattr(numba.core.caching, "FunctionCache", moved)
+    _cache.refresh_package()  # quietly leaves numba's own invalidation in charge
