@@ -247,12 +247,14 @@ def finish(
     future = request.future
     if future is not None:
         future._withdraw = future._request = None  # nothing to withdraw: let go of it
+        if future.withdrawn:  # cancelled by its owner: no outcome to build (a lock-free
+            return  # hint; settle() checks again under the future's lock)
         if state is RequestState.DONE:
             future.settle(request.outcome(), None)
         elif request.error is not None:
             future.settle(None, request.error)
         else:
-            future.cancel()  # a no-op for one its owner cancelled
+            future.cancel()
 
 
 class Pending:
