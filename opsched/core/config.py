@@ -80,7 +80,9 @@ class SchedulerConfig:
             stream is idle: no thread hops, and no contention for the GIL between a stream
             thread gathering many small requests and a loop thread admitting more, which
             costs more than the launch itself (default 4 MiB, about a millisecond of loop
-            time; 0 disables).
+            time; 0 disables). A lone request of at least 1 MiB launched together with
+            others runs on its stream's thread unless it is the last of them: one long
+            kernel call, computing while the loop thread runs the last.
         max_queued_requests: queue capacity for callers' submissions; when full, ``await``
             waits (FIFO) and ``*_nowait`` raises QueueFullError (default 65536). The nodes a
             running graph submits, and requests put back after a failed workspace

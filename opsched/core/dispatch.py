@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from opsched._errors import InnerError, RuntimeLaunchError
-from opsched.core.batching import Batch, RequestQueue, form_batches
+from opsched.core.batching import MIN_SPREAD_BYTES, Batch, RequestQueue, form_batches
 from opsched.core.config import SchedulerConfig
 from opsched.core.loop import LoopEvent, LoopHandle
 from opsched.core.requests import Request, RequestState, finish
@@ -72,6 +72,8 @@ class Dispatcher:
     _memory_wait: bool = attrs.field(default=False, init=False)
     _launching: dict[int, _Launch] = attrs.field(factory=dict, init=False)
     _quiet: LoopEvent | None = attrs.field(default=None, init=False)
+    #: Launches run inline so far.
+    _inline_runs: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._idle = list(range(len(self.device.streams)))
@@ -117,11 +119,20 @@ class Dispatcher:
             if not batches:
                 break
             groups = [list(g) for _, g in itertools.groupby(batches, key=_group_key)]
+            inline_runs = self._inline_runs
             for i, group in enumerate(groups):
-                if not self._start(group):  # out of workspace: the rest waits too
-                    for later in groups[i + 1 :]:
+                # a large lone request runs inline only as the round's last launch: the
+                # others start on their streams first and compute while it runs
+                if not self._start(group, last=i == len(groups) - 1):  # out of workspace:
+                    for later in groups[i + 1 :]:  # the rest waits too
                         self._requeue(later)
                     break
+            if self._inline_runs != inline_runs and self.inflight:
+                # A launch ran inline while others computed on their streams: hand the
+                # loop back (their completions may be waiting in it), then go on.
+                if len(queue):
+                    self.schedule()
+                break
         self.room()  # launched requests left the queue: backpressured callers go on
         if tracer is not None:
             tracer.counters(len(queue), *self.device.memory_usage())
@@ -135,11 +146,13 @@ class Dispatcher:
         for batch in group:
             bisect.insort(self._idle, batch.stream)
 
-    def _start(self, group: list[Batch], *, overflow: bool = False) -> bool:
+    def _start(self, group: list[Batch], *, overflow: bool = False, last: bool = True) -> bool:
         """Start a fused batch, a solo request, or every part of a split request.
 
         Returns False when the device is out of workspace: the group went back to the
         queue. With ``overflow``, workspace may exceed the cap (see :meth:`_out_of_memory`).
+        ``last``: no other launch starts after this group in this dispatch, so its last
+        part may run inline however large (see :meth:`_launch`).
         """
         device = self.device
         prepared: list[tuple[Batch, Prepared]] = []
@@ -149,7 +162,7 @@ class Dispatcher:
                 if ready is None:
                     for _, p in prepared:
                         device.release(p.token)
-                    return self._out_of_memory(group)
+                    return self._out_of_memory(group, last)
                 prepared.append((batch, ready))
         except Exception as exc:  # boundary: fail this group's requests, keep dispatching
             for _, p in prepared:
@@ -165,11 +178,12 @@ class Dispatcher:
             request.launched_at = now
             request.parts_left = len(group)
         self.running += len(requests)
-        for batch, ready in prepared:
-            self._launch(batch, ready)
+        final = len(prepared) - 1
+        for j, (batch, ready) in enumerate(prepared):
+            self._launch(batch, ready, may_inline=last and j == final)
         return True
 
-    def _launch(self, batch: Batch, prepared: Prepared) -> None:
+    def _launch(self, batch: Batch, prepared: Prepared, may_inline: bool) -> None:
         launch = _Launch(batch, prepared)
         self.inflight += 1
         self._launching[batch.stream] = launch
@@ -179,15 +193,21 @@ class Dispatcher:
         # tell each run when its node is launched, so its consumers can be queued at once.
         waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
         nodes = [r for r in batch.requests if r.graph is not None]
+        # Inline: up to inline_max_bytes on an idle stream, except a lone request of at
+        # least MIN_SPREAD_BYTES that is not the round's last launch: one long kernel call
+        # that computes on its stream's thread, without the GIL, while the loop runs the
+        # rest. (A fused launch holds the GIL between its many calls: on a thread it
+        # would queue for the GIL behind the loop thread.)
         inline = (
             self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
-            and not waits
+            and (may_inline or batch.fused or batch.nbytes < MIN_SPREAD_BYTES) and not waits
         )  # fmt: skip
         if inline:
             # Consumers queued by launched() are dispatched only after this returns, when
             # the inline run is over: they need no event to wait on.
             for r in nodes:
                 r.graph[0].launched(r.graph[1], None)
+            self._inline_runs += 1
             stream.run_inline(
                 prepared.work, lambda result, error: self.complete(launch, result, error)
             )
@@ -204,7 +224,7 @@ class Dispatcher:
             for r in nodes:
                 r.graph[0].launched(r.graph[1], event)
 
-    def _out_of_memory(self, group: list[Batch]) -> bool:
+    def _out_of_memory(self, group: list[Batch], last: bool) -> bool:
         batch = group[0]
         if self.inflight == 0 and batch.fused and len(batch.requests) > 1:
             # Nothing in flight will return memory: launch fewer requests, requeue the rest.
@@ -212,12 +232,12 @@ class Dispatcher:
             for request in batch.requests[half:]:
                 self.queue.push(request)
             smaller = Batch(batch.requests[:half], batch.stream, batch.key, True)
-            return self._start([smaller])
+            return self._start([smaller], last=last)
         if self.inflight == 0:
             # Still nothing in flight: the memory is held by graph intermediates that only
             # this work would free. Waiting would never end; overflow the cap instead.
             log_overflow(len(batch.requests))
-            return self._start(group, overflow=True)
+            return self._start(group, overflow=True, last=last)
         self._requeue(group)
         self._memory_wait = True  # until a launch completes and returns its workspace
         return False

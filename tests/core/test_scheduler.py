@@ -22,7 +22,9 @@ from opsched import (
     SchedulerClosedError,
     Status,
 )
+from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
+from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
     DEVICES,
@@ -141,6 +143,46 @@ async def test_large_unsplittable_request_runs_alone(device):
         out = await sched.glu_backward(g, x, 1)
     assert_result(device, out, solo_glu(g, x, 1))
     assert sched.statistics().launches == 1
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_large_lone_requests_compute_on_their_streams_but_the_last(device, monkeypatch):
+    # Two lone requests of over MIN_SPREAD_BYTES start in one dispatch: the first computes
+    # on its stream's thread while the second runs inline on the loop thread (run one
+    # after the other inline, the two streams would never overlap). Fused launches of
+    # that size stay inline: their many calls would queue for the GIL on a thread.
+    ran: list[str] = []
+    run_inline, enqueue = Stream.run_inline, ThreadStream.enqueue
+
+    def inline(self, work, on_done):
+        ran.append("inline")
+        run_inline(self, work, on_done)
+
+    def hop(self, work, on_done):
+        ran.append("thread")
+        enqueue(self, work, on_done)
+
+    monkeypatch.setattr(Stream, "run_inline", inline)
+    monkeypatch.setattr(ThreadStream, "enqueue", hop)
+    rng = np.random.default_rng(4)
+    big = [(rand(rng, (256, 512), F32), rand(rng, (256, 1024), F32)) for _ in range(2)]
+    assert big[0][1].nbytes >= MIN_SPREAD_BYTES  # 2.5 MiB in all: alone, under 4 MiB
+    small = [small_glu(rng, rows=64, cols=256) for _ in range(16)]  # 2 x 1.25 MiB fused
+
+    async def together(sched, calls):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.lowlevel.checkpoint)  # a busy loop: one dispatch takes all
+            pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
+        return [await p for p in pending]
+
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        results = await together(sched, big)
+        assert ran == ["thread", "inline"]
+        ran.clear()
+        fused = await together(sched, small)
+        assert ran == ["inline", "inline"] and sched.statistics().launches == 4
+    for (g, x), r in zip(big + small, results + fused, strict=True):
+        assert_result(device, r, solo_glu(g, x, -1))
 
 
 # --------------------------------------------------------------- priorities and queue
