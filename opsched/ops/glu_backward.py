@@ -265,9 +265,12 @@ class GluBackward(Operator):
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
         # Requests of one signature (same shapes, dim) move together: grad_out with one
         # concatenate into its row, self with one concatenate and two copies of its halves.
+        # The concatenated selves are staged in the launch's ``out`` (the kernel writes it
+        # after): no fresh memory, whose pages would fault on every launch.
         offsets = [0] * len(requests)
         offset = 0
         g_row, a_row, b_row = fused["grad_out"][0], fused["self"][0], fused["self"][1]
+        staging = fused["out"].reshape(-1)
         for members in signature_groups(requests):
             first = requests[members[0]]
             x, g = first.tensors["self"], first.tensors["grad_out"]
@@ -280,21 +283,26 @@ class GluBackward(Operator):
             segment = slice(start, offset)
             gathered = [requests[i].tensors["grad_out"] for i in members]
             np.concatenate(gathered, out=g_row[segment].reshape(-1, *g.shape[1:]))
-            stacked = np.concatenate([requests[i].tensors["self"] for i in members])
+            stacked = staging[2 * start : 2 * offset].reshape(-1, *x.shape[1:])
+            np.concatenate([requests[i].tensors["self"] for i in members], out=stacked)
             halves = stacked.reshape(rows, 2, half)
             np.copyto(a_row[segment].reshape(rows, half), halves[:, 0])
             np.copyto(b_row[segment].reshape(rows, half), halves[:, 1])
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        # The halves are interleaved back in the launch's ``self`` (the kernel has read it),
+        # then copied into each request's own result.
         oa_row, ob_row = fused["out"][0], fused["out"][1]
+        staging = fused["self"].reshape(-1)
         for members in signature_groups(requests):
             first = requests[members[0]]
             x = first.tensors["self"]
             outer, half = glu_grid(x.shape, first.scalars["dim"])
             rows = len(members) * outer
-            segment = slice(offsets[members[0]], offsets[members[0]] + rows * half)
-            results = np.empty((len(members), *x.shape), x.dtype)
+            start = offsets[members[0]]
+            segment = slice(start, start + rows * half)
+            results = staging[2 * start : 2 * segment.stop].reshape(len(members), *x.shape)
             halves = results.reshape(rows, 2, half)
             np.copyto(halves[:, 0], oa_row[segment].reshape(rows, half))
             np.copyto(halves[:, 1], ob_row[segment].reshape(rows, half))
