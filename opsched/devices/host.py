@@ -17,6 +17,7 @@ This module knows operators only through their descriptions, and nothing of the 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -51,6 +52,14 @@ _PLANS_KEPT = 1024
 #: Smaller ones are plain arrays: malloc reuses small blocks at once, and taking one from
 #: the pool and giving it back cost 1.9 us against 0.4 us for ``np.empty`` (measured).
 POOLED_INTERMEDIATE_BYTES = 64 << 10
+
+
+#: In a fused batch, a request of at least this many bytes (inputs and outputs) runs on its
+#: own arrays with its solo plan (the same bits), one after another inside the launch,
+#: instead of being gathered: copying it in and out costs more than the launch it shares
+#: saves (measured on 32 coroutines of 256 KiB GluBackward requests, cpu device: 0.50x of
+#: torch's call per request gathered, 0.66x run alone).
+LONE_BYTES = 256 << 10
 
 
 def bucket(units: int) -> int:
@@ -250,7 +259,14 @@ class HostDevice(Device):
     def _prepare_fused(self, batch: LaunchBatch, overflow: bool) -> Prepared | None:
         requests = batch.requests
         op: Operator = requests[0].op
-        capacity = bucket(batch.units)
+        units = batch.units
+        lone = [r for r in requests if r.nbytes >= LONE_BYTES]
+        if lone:
+            requests = [r for r in requests if r.nbytes < LONE_BYTES]
+            units = sum([r.units for r in requests])
+            if not requests:
+                return Prepared(functools.partial(self._run_lone, lone, {}))
+        capacity = bucket(units)
         cache_key = (op.name, "fused", batch.key, capacity, self.name, batch.stream)
         executor = self._cache.get(cache_key)
         hit = executor is not None
@@ -283,10 +299,23 @@ class HostDevice(Device):
         def work() -> Outcome:
             start = time.perf_counter()
             errors: dict[int, BaseException] = {}
+            if lone:
+                self._run_lone(lone, errors)
             self._run_fused(op, plan, arrays, kernel_ws, requests, errors)
             return errors, start, time.perf_counter()
 
         return Prepared(work, block, hit)
+
+    def _run_lone(self, requests: Sequence[Any], errors: dict[int, BaseException]) -> Outcome:
+        """Run each of ``requests`` on its own arrays (:meth:`run_here`: its solo plan, the
+        same bits); a failure fails that request only."""
+        start = time.perf_counter()
+        for request in requests:
+            try:
+                self.run_here(request)
+            except Exception as exc:  # the launch boundary of one request
+                errors[request.id] = exc
+        return errors, start, time.perf_counter()
 
     def _run_fused(
         self,

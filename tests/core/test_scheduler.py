@@ -21,9 +21,11 @@ from opsched import (
     RuntimeLaunchError,
     SchedulerClosedError,
     Status,
+    ops,
 )
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
+from opsched.devices.host import LONE_BYTES
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
@@ -53,6 +55,23 @@ def small_glu(rng, rows=4, cols=8):
 def assert_adds_up(stats):
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.queued == 0 and stats.running == 0
+
+
+async def together(sched, calls, *, errors=False):
+    """GluBackward on each ``(grad_out, self)`` of ``calls``, all queued before one dispatch
+    (the loop is kept busy meanwhile); with ``errors``, an exception is returned in place."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.lowlevel.checkpoint)  # a busy loop: one dispatch takes all
+        pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
+    results = []
+    for p in pending:
+        try:
+            results.append(await p)
+        except Exception as exc:
+            if not errors:
+                raise
+            results.append(exc)
+    return results
 
 
 def stream_threads(before=frozenset()):
@@ -169,12 +188,6 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
     assert big[0][1].nbytes >= MIN_SPREAD_BYTES  # 2.5 MiB in all: alone, under 4 MiB
     small = [small_glu(rng, rows=64, cols=256) for _ in range(16)]  # 2 x 1.25 MiB fused
 
-    async def together(sched, calls):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.lowlevel.checkpoint)  # a busy loop: one dispatch takes all
-            pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
-        return [await p for p in pending]
-
     async with opsched.open_scheduler(device=device, streams=2) as sched:
         results = await together(sched, big)
         assert ran == ["thread", "inline"]
@@ -183,6 +196,36 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
         assert ran == ["inline", "inline"] and sched.statistics().launches == 4
     for (g, x), r in zip(big + small, results + fused, strict=True):
         assert_result(device, r, solo_glu(g, x, -1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+async def test_large_requests_of_a_fused_batch_run_on_their_own_arrays(device, monkeypatch):
+    # A request of at least LONE_BYTES in a fused batch is not gathered: it runs with its
+    # solo plan inside the launch (the same bits as alone), and its failure is its own.
+    gathered: list[int] = []
+    gather_of = type(ops.GLU_BACKWARD).gather
+
+    def gather_spy(self, requests, fused):
+        gathered.append(len(requests))
+        return gather_of(self, requests, fused)
+
+    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    rng = np.random.default_rng(5)
+    large = [(rand(rng, (64, 512), F32), rand(rng, (64, 1024), F32)) for _ in range(4)]
+    assert LONE_BYTES <= 5 * large[0][0].nbytes <= (1 << 20)  # fusible (fuse_max_bytes)
+    small = [small_glu(rng) for _ in range(6)]
+    calls = [small[0], large[0], small[1], large[1], *small[2:], *large[2:]]
+    async with opsched.open_scheduler(device=device, streams=1) as sched:
+        sched.device.inject_faults(FailWhen(large[1][1]))
+        results = await together(sched, calls, errors=True)
+        assert sched.statistics().launches == 1 and gathered == [len(small)]
+        alone = await together(sched, [large[0], large[2]])  # a batch of large ones only
+        assert sched.statistics().launches == 2 and gathered == [len(small)]
+    for (g, x), r in zip([*calls, large[0], large[2]], results + alone, strict=True):
+        if x is large[1][1]:
+            assert isinstance(r, RuntimeLaunchError) and isinstance(r.__cause__, InjectedFault)
+        else:
+            assert_result(device, r, solo_glu(g, x, -1))
 
 
 # --------------------------------------------------------------- priorities and queue
