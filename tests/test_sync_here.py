@@ -13,7 +13,7 @@ import opsched.sync
 from opsched import DeadlineExceededError, InjectedFault, RuntimeLaunchError
 from opsched.core.scheduler import Scheduler
 from tests.helpers import assert_same_bits, rand
-from tests.sched_helpers import Gate, solo_glu
+from tests.sched_helpers import THREADED_DEVICES, Gate, assert_result, solo_glu, uses
 
 F32 = np.dtype(np.float32)
 
@@ -27,7 +27,7 @@ class Where:
 
     def __call__(self, requests) -> bool:
         self.threads.append(threading.get_ident())
-        return any(r.tensors["self"] is self.fail for r in requests)
+        return self.fail is not None and any(uses(r.tensors["self"], self.fail) for r in requests)
 
 
 def args(seed: int):
@@ -35,19 +35,25 @@ def args(seed: int):
     return rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
 
 
-def test_a_lone_blocking_call_runs_in_the_calling_thread_with_the_solo_bits():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+def test_a_lone_blocking_call_runs_in_the_calling_thread_with_the_solo_bits(device):
     g, x = args(1)
     where = Where()
-    with opsched.sync.open_scheduler(streams=2) as sched:
+    with opsched.sync.open_scheduler(device=device, streams=2) as sched:
         sched.scheduler.device.inject_faults(where)
         got = sched.glu_backward(g, x)
         again = opsched.sync.SyncScheduler.glu_backward(sched, g, x, dim=-1)
         stats = sched.statistics()
     assert where.threads == [threading.get_ident()] * 2  # ran here, twice
-    assert_same_bits(got, solo_glu(g, x, -1))
+    assert_result(device, got, solo_glu(g, x, -1))
     assert_same_bits(again, got)
     assert (stats.submitted, stats.completed, stats.launches) == (2, 2, 2)
     assert all(s.launches == 0 for s in stats.streams)  # no stream was used
+    # the bits of the same request launched by the loop thread (max_delay_us: never here)
+    with opsched.sync.open_scheduler(device=device, streams=1, max_delay_us=1.0) as sched:
+        sched.scheduler.device.inject_faults(where)
+        assert_same_bits(sched.glu_backward(g, x), got)
+    assert where.threads[-1] != threading.get_ident()
 
 
 def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
@@ -81,15 +87,16 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
     assert stats.streams[0].launches == stats.launches == 2
 
 
-def test_a_failing_lone_call_fails_alone_and_is_counted():
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+def test_a_failing_lone_call_fails_alone_and_is_counted(device):
     g, x = args(4)
-    with opsched.sync.open_scheduler(streams=1) as sched:
+    with opsched.sync.open_scheduler(device=device, streams=1) as sched:
         sched.scheduler.device.inject_faults(Where(fail=x))
         with pytest.raises(RuntimeLaunchError) as info:
             sched.glu_backward(g, x)
         assert isinstance(info.value.__cause__, InjectedFault)
         ok = args(5)
-        assert_same_bits(sched.glu_backward(*ok), solo_glu(*ok, -1))
+        assert_result(device, sched.glu_backward(*ok), solo_glu(*ok, -1))
         stats = sched.statistics()
     assert (stats.submitted, stats.completed, stats.failed) == (2, 1, 1)
 

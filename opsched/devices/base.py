@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import attrs
 import ml_dtypes
@@ -154,6 +154,8 @@ class Device(abc.ABC):
 
     #: Whether small launches may run inline on an idle stream (no thread hop).
     inline_capable: bool = attrs.field(default=True, kw_only=True)
+    #: Whether :meth:`run_here` can run a lone request in the calling thread.
+    runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.
     reported_product: str | None = attrs.field(default=None, kw_only=True)
     #: Whether callers may pass framework tensors as well as numpy arrays.
@@ -236,8 +238,6 @@ class Device(abc.ABC):
         workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
         workspace beyond the cap when nothing in flight could return any."""
 
-    #: Whether :meth:`run_here` can run a lone request in the calling thread.
-    runs_in_caller: ClassVar[bool] = False
 
     def run_here(self, request: LaunchRequest) -> None:
         """Run one request now, in the calling thread, exactly as its solo launch would

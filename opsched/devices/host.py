@@ -178,7 +178,7 @@ class HostDevice(Device):
 
     # ---------------------------------------------------------------------- launches
 
-    runs_in_caller: ClassVar[bool] = True
+    runs_in_caller: bool = attrs.field(default=True, kw_only=True)
 
     def run_here(self, request: Any) -> None:
         """The solo launch of ``request`` in the calling thread: the same plan and kernel
@@ -413,7 +413,7 @@ class ReferenceDevice(HostDevice):
     device_name: ClassVar[str] = "reference"
     stream_class: ClassVar[type[Stream]] = InlineStream
     #: Everything runs on the loop thread, in submission order: callers' threads never.
-    runs_in_caller: ClassVar[bool] = False
+    runs_in_caller: bool = attrs.field(default=False, kw_only=True)
 
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any

@@ -149,6 +149,7 @@ class TorchDevice(Device):
             name,
             threads,
             inline_capable=kind == "cpu",
+            runs_in_caller=kind == "cpu",
             accepts_tensors=True,
             array_kinds="a numpy.ndarray or a torch tensor",
             torch_device=torch_device,
@@ -293,6 +294,14 @@ class TorchDevice(Device):
             return errors, start, time.perf_counter()
 
         return Prepared(work)
+
+    def run_here(self, request: Any) -> None:
+        """The solo launch of ``request`` in the calling thread (torch:cpu only, where a
+        launch is the framework's calls in whatever thread makes them): the same
+        :meth:`execute` as on a stream, so the same bits."""
+        errors = self.execute(request.op, [request], 0)
+        if errors:
+            raise errors[request.id]
 
     def execute(self, op: Operator, requests: Sequence[Any], stream: int) -> dict[int, Any]:
         """Run ``requests`` as one batch-invariant framework launch on ``stream``
