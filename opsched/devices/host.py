@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import attrs
@@ -264,8 +264,8 @@ class HostDevice(Device):
         if lone:
             requests = [r for r in requests if r.nbytes < LONE_BYTES]
             units = sum([r.units for r in requests])
-            if not requests:
-                return Prepared(functools.partial(self._run_lone, lone, {}))
+            if not requests:  # nothing to gather: no fused block
+                return Prepared(self._fused_work(lone, None))
         capacity = bucket(units)
         cache_key = (op.name, "fused", batch.key, capacity, self.name, batch.stream)
         executor = self._cache.get(cache_key)
@@ -294,28 +294,29 @@ class HostDevice(Device):
         except BaseException:
             self._pool.release(block)
             raise
-        plan = executor.plan
+        fused = functools.partial(self._run_fused, op, executor.plan, arrays, kernel_ws, requests)
+        return Prepared(self._fused_work(lone, fused), block, hit)
+
+    def _fused_work(
+        self, lone: list[Any], fused: Callable[[dict[int, BaseException]], None] | None
+    ) -> Callable[[], Outcome]:
+        """A fused batch's launch: each of its ``lone`` requests on its own arrays
+        (:meth:`run_here`: its solo plan, the same bits; a failure fails that request
+        only), then ``fused``, the gather-compute-scatter of the rest (None: no rest)."""
 
         def work() -> Outcome:
             start = time.perf_counter()
             errors: dict[int, BaseException] = {}
-            if lone:
-                self._run_lone(lone, errors)
-            self._run_fused(op, plan, arrays, kernel_ws, requests, errors)
+            for request in lone:
+                try:
+                    self.run_here(request)
+                except Exception as exc:  # the launch boundary of one request
+                    errors[request.id] = exc
+            if fused is not None:
+                fused(errors)
             return errors, start, time.perf_counter()
 
-        return Prepared(work, block, hit)
-
-    def _run_lone(self, requests: Sequence[Any], errors: dict[int, BaseException]) -> Outcome:
-        """Run each of ``requests`` on its own arrays (:meth:`run_here`: its solo plan, the
-        same bits); a failure fails that request only."""
-        start = time.perf_counter()
-        for request in requests:
-            try:
-                self.run_here(request)
-            except Exception as exc:  # the launch boundary of one request
-                errors[request.id] = exc
-        return errors, start, time.perf_counter()
+        return work
 
     def _run_fused(
         self,

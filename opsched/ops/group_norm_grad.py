@@ -208,10 +208,11 @@ class GroupNormalizationGrad(Operator):
         offset = 0
         for members in signature_groups(requests):
             x = requests[members[0]].tensors["x"]
+            rows = x.shape[0] * x.shape[1]
             start = offset
             for i in members:
                 offsets[i] = offset
-                offset += x.shape[0] * x.shape[1]
+                offset += rows
             for name in ("x", "dy", "gamma", "mean", "rstd"):
                 parts = [requests[i].tensors[name] for i in members]
                 target = fused[name][start:offset]

@@ -96,12 +96,12 @@ def _array(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) ->
 _GNB_MASKS = ((True, True, True), (True, False, False), (False, True, True))
 
 
-def _gnb_args(rng: np.random.Generator, large: int) -> tuple[Any, ...]:
+def _gnb_args(rng: np.random.Generator, shrink: int) -> tuple[Any, ...]:
     dtype = _DTYPES[rng.integers(3)]
     group = int(rng.integers(1, 4))
     c = group * int(rng.integers(1, 4))
     n = int(rng.integers(1, 5))
-    hxw = 4096 // large if large else int(rng.integers(1, 9))
+    hxw = 4096 // shrink if shrink else int(rng.integers(1, 9))
     spatial = (hxw,) if rng.random() < 0.5 else (1, hxw)  # (N, C, HxW) or (N, C, 1, HxW)
     x, dy = (_array(rng, (n, c, *spatial), dtype) for _ in range(2))
     mean = _array(rng, (n, group), dtype)
@@ -111,11 +111,11 @@ def _gnb_args(rng: np.random.Generator, large: int) -> tuple[Any, ...]:
     return dy, x, mean, rstd, gamma, n, c, hxw, group, mask
 
 
-def _glu_args(rng: np.random.Generator, large: int) -> tuple[Any, ...]:
+def _glu_args(rng: np.random.Generator, shrink: int) -> tuple[Any, ...]:
     dtype = _DTYPES[rng.integers(4)]
     ndim = int(rng.integers(1, 9))
-    if large:
-        rows = 128 // large
+    if shrink:
+        rows = 128 // shrink
         shape = [rows, 1024] if ndim < 2 else [1] * (ndim - 2) + [rows, 1024]
     else:
         shape = [int(v) for v in rng.integers(1, 4 if ndim > 4 else 7, ndim)]
@@ -129,11 +129,11 @@ def _glu_args(rng: np.random.Generator, large: int) -> tuple[Any, ...]:
     return _array(rng, tuple(gshape), dtype), x, dim
 
 
-def _gn_args(rng: np.random.Generator, large: int) -> tuple[np.ndarray, ...]:
+def _gn_args(rng: np.random.Generator, shrink: int) -> tuple[np.ndarray, ...]:
     dtype = _DTYPES[rng.integers(3)]
     ndim = int(rng.integers(3, 9))
-    if large:
-        shape = tuple([4, 16] + [1] * (ndim - 3) + [4096 // large])
+    if shrink:
+        shape = tuple([4, 16] + [1] * (ndim - 3) + [4096 // shrink])
     else:
         shape = tuple(int(v) for v in rng.integers(1, 4 if ndim > 4 else 6, ndim))
     x, dy, gamma = (_array(rng, shape, dtype) for _ in range(3))
@@ -160,8 +160,8 @@ def make_template(
 
 def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> _Template:
     rng = np.random.default_rng([seed, index])
-    # 0: small; else the divisor of the large sizes (1: 256K elements, 8: 32K)
-    large = (1, 8)[int(rng.integers(2))] if rng.random() < opts.large else 0
+    # 0: a small template; else what the large sizes are divided by (1: 256K elements, 8: 32K)
+    shrink = (1, 8)[int(rng.integers(2))] if rng.random() < opts.large else 0
     roll = rng.random()
     if roll < opts.graphs:
         x, dy, gamma, mean, rstd = _gn_args(rng, 0)
@@ -177,7 +177,7 @@ def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> 
         )
     rest = (roll - opts.graphs) / (1 - opts.graphs)  # uniform in [0, 1): one op a third
     if rest >= 2 / 3:
-        args = _gnb_args(rng, large)
+        args = _gnb_args(rng, shrink)
         return _Template(
             index,
             "gnb",
@@ -187,7 +187,7 @@ def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> 
             f"{args[1].dtype} gamma={'yes' if args[4] is not None else 'no'}",
         )
     if rest < 1 / 3:
-        g, x, dim = _glu_args(rng, large)
+        g, x, dim = _glu_args(rng, shrink)
         return _Template(
             index,
             "glu",
@@ -195,7 +195,7 @@ def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> 
             solos["glu"](g, x, dim),
             f"glu self{x.shape} dim={dim} {x.dtype} strides={x.strides}",
         )
-    args = _gn_args(rng, large)
+    args = _gn_args(rng, shrink)
     return _Template(
         index,
         "gn",
