@@ -299,11 +299,6 @@ class _Launch(NamedTuple):
 _UNSEEN = object()
 
 
-def _is_f32(array: np.ndarray) -> bool:
-    # ``is`` first: a float32 array's dtype is numpy's one float32 dtype (cheaper than ==)
-    return (array.dtype is F32 or array.dtype == F32) and array.flags.c_contiguous
-
-
 def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
     """The launch of an empty request: sums over nothing."""
     for out in outputs:
@@ -364,8 +359,8 @@ def _channel_rows(
 ) -> tuple[np.ndarray, int]:
     """``(flat storage, row stride)`` of an operand seen as ``shape2`` (channel rows,
     HxW): a contiguous one directly (one reshape, not two: this runs per launch)."""
-    if array.flags.c_contiguous:
-        return _jit.storage(array, kind), shape2[1]
+    if array.flags.c_contiguous:  # float32: the array itself, flat
+        return (array.reshape(-1) if array.dtype is F32 else _jit.storage(array, kind)), shape2[1]
     return _jit.flat(array.reshape(shape2), kind)
 
 
@@ -383,7 +378,8 @@ def _as_f32(
 ) -> np.ndarray:
     """``array`` as a flat float32 array: itself when it is one, else a workspace buffer it
     is converted into before each launch."""
-    if _is_f32(array):
+    # ``is`` first: a float32 array's dtype is numpy's one float32 dtype (cheaper than ==)
+    if (array.dtype is F32 or array.dtype == F32) and array.flags.c_contiguous:
         return array.reshape(-1)
     buf = carve.take(array.size, F32)
     copies.append((buf.reshape(array.shape), array))
@@ -395,7 +391,7 @@ def _sums_target(
 ) -> np.ndarray:
     """Where the loop writes dgamma or dbeta: ``out`` itself when it is float32 and
     contiguous, else the first ``c`` per-channel-row ``sums`` (stored into ``out`` after)."""
-    if out is not None and _is_f32(out):
+    if out is not None and (out.dtype is F32 or out.dtype == F32) and out.flags.c_contiguous:
         return out.reshape(c)
     if out is not None:
         stores.append((out, sums[:c]))

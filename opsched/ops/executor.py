@@ -187,37 +187,29 @@ class Executor:
     ) -> None:
         self.destroy()
 
-    def prepare_launch(
-        self, op: Operator, workspace: object, workspace_size: object
-    ) -> Callable[[], None]:
-        """Check a launch request and consume one launch; return the work to run.
-
-        The returned callable runs the kernel on the arrays bound *now* (later ``bind``
-        calls do not affect it) and raises RuntimeLaunchError if the kernel fails.
+    def run(self, op: Operator, workspace: object, workspace_size: object) -> None:
+        """Check a launch request, consume one launch and run the kernel here, on the
+        arrays bound now.
 
         Raises:
             ParamInvalidError: wrong operator, executor spent or destroyed, workspace
                 missing or smaller than planned, output overlapping an input unplanned.
             TypeError: workspace or workspace_size of the wrong kind.
+            RuntimeLaunchError: the kernel failed (its exception chained).
         """
         ws = self.consume(op, workspace, workspace_size)
-        name = op.name
         kernel = self._kernel
         assert kernel is not None  # consume prepared it
-
-        def work() -> None:
-            try:
-                kernel(ws)
-            except Exception as exc:
-                msg = f"{name}: the launch failed: {type(exc).__name__}: {exc}"
-                raise RuntimeLaunchError(msg) from exc
-
-        return work
+        try:
+            kernel(ws)
+        except Exception as exc:
+            msg = f"{op.name}: the launch failed: {type(exc).__name__}: {exc}"
+            raise RuntimeLaunchError(msg) from exc
 
     def consume(self, op: Operator, workspace: object, workspace_size: object) -> Any:
         """Check a launch of the bound arrays and count it; return the workspace to use.
 
-        Raises: as :meth:`prepare_launch`.
+        Raises: as :meth:`run`, but for the kernel's own failure.
         """
         name = op.name
         if self.op is not op:
@@ -407,4 +399,4 @@ def launch(
     if stream is not None:
         msg = f"{op.name}: stream must be None (run in the calling thread), got {stream!r}"
         raise TypeError(msg)
-    executor.prepare_launch(op, workspace, workspace_size)()
+    executor.run(op, workspace, workspace_size)
