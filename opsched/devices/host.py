@@ -191,7 +191,7 @@ class HostDevice(Device):
         allocate_missing(op, tensors, request.scalars)
         key = (
             request.signature,
-            tuple(_strides(tensors[n]) for n in op.tensor_names),
+            tuple([_strides(tensors[n]) for n in op.tensor_names]),
             False if fresh else op.overlaps_any(tensors),
         )
         plan = self._plans.get(key) if request.signature is not None else None
@@ -217,7 +217,7 @@ class HostDevice(Device):
         if batch.part is None:
             allocate_missing(op, request.tensors, request.scalars)
         tensors, scalars = batch.part or (request.tensors, request.scalars)
-        strides = tuple(_strides(tensors[n]) for n in op.tensor_names)
+        strides = tuple([_strides(tensors[n]) for n in op.tensor_names])
         if batch.part is None and request.signature is not None:
             geometry: Hashable = request.signature  # shapes, dtypes, scalars: from the checks
         else:

@@ -262,20 +262,23 @@ class GroupNormBackward(Operator):
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
     ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        # branches, not a dict filtered by the mask: this runs for every request
         x, gamma = tensors["input"], tensors["gamma"]
-        mask = scalars["output_mask"]
-        stat_shape = gamma.shape if gamma is not None else (scalars["C"],)
-        stat_dtype = tensors["mean"].dtype  # the input's, or FLOAT statistics
-        spec = {"dx": (x.shape, x.dtype), "dgamma": (stat_shape, stat_dtype)}
-        spec["dbeta"] = (stat_shape, stat_dtype)
-        return {name: s for (name, s), wanted in zip(spec.items(), mask, strict=True) if wanted}
+        want_dx, want_dgamma, want_dbeta = scalars["output_mask"]
+        # dgamma / dbeta: gamma's shape, or (C,); the statistics' dtype (the input's, or FLOAT)
+        stat = (gamma.shape if gamma is not None else (scalars["C"],), tensors["mean"].dtype)
+        spec: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        if want_dx:
+            spec["dx"] = (x.shape, x.dtype)
+        if want_dgamma:
+            spec["dgamma"] = stat
+        if want_dbeta:
+            spec["dbeta"] = stat
+        return spec
 
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return {
-            name: np.empty(shape, dtype)
-            for name, (shape, dtype) in self.output_spec(tensors, scalars).items()
-            if tensors[name] is None
-        }
+        spec = self.output_spec(tensors, scalars)
+        return {name: np.empty(*spec[name]) for name in spec if tensors[name] is None}
 
     def result(self, tensors: Mapping[str, Any]) -> Any:
         """``(dx, dgamma, dbeta)``, None where not asked for."""
