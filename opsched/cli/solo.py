@@ -16,18 +16,31 @@ from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Oper
 from opsched.ops.executor import get_workspace_size, launch
 from opsched.ops.products import product_named
 
-__all__ = ["same_bits", "solo", "solo_glu", "solo_gn", "solo_gnb"]
+__all__ = ["same_bits", "solo", "solo_glu", "solo_gn", "solo_gnb", "solo_workspace"]
 
 
 def solo(op: Operator, *args: Any, product: str = "generic") -> Any:
     """``op`` on ``args`` (its parameters, in order) alone: its result in fresh arrays
     (a tuple for several outputs, None where not asked for)."""
+    tensors, size, executor = _planned(op, args, product)
+    launch(op, np.empty(size, np.uint8) if size else None, size, executor, None)
+    return op.result(tensors)
+
+
+def solo_workspace(op: Operator, *args: Any) -> int:
+    """Bytes of workspace ``op`` on ``args`` needs launched alone (planned, not run)."""
+    _, size, executor = _planned(op, args, "generic")
+    executor.destroy()
+    return size
+
+
+def _planned(op: Operator, args: tuple[Any, ...], product: str) -> tuple[Any, int, Any]:
+    """Checked, outputs allocated, planned: ``(tensors, workspace size, executor)``."""
     tensors, scalars = op.arguments(args, None)
     checked = op.check_on(product_named(product), tensors, scalars, allocate=True)
     tensors.update(op.allocate(tensors, checked))
     size, executor = get_workspace_size(op, tensors, scalars, product)
-    launch(op, np.empty(size, np.uint8) if size else None, size, executor, None)
-    return op.result(tensors)
+    return tensors, size, executor
 
 
 def same_bits(got: Any, want: Any) -> bool:

@@ -87,8 +87,9 @@ class SchedulerConfig:
             waits (FIFO) and ``*_nowait`` raises QueueFullError (default 65536). The nodes a
             running graph submits, and requests put back after a failed workspace
             reservation, are admitted past it, so the queue may briefly exceed it.
-        workspace_limit_bytes: cap of the workspace pool; launches wait at the cap, and a
-            request that alone needs more fails (default 1 GiB).
+        workspace_limit_bytes: cap of the workspace pool; launches wait at the cap, fused
+            launches gather in chunks that fit under it, and a request whose solo launch
+            needs more fails (default 1 GiB).
         executor_cache_limit: repeatable executors kept, least recently used evicted
             (default 10000, the device runtime's ACLNN_CACHE_LIMIT).
         product: the Ascend product whose support table every request is checked against

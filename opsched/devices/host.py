@@ -68,6 +68,37 @@ def bucket(units: int) -> int:
     return 1 << max(8, (units - 1).bit_length())
 
 
+def capacities(units: int, largest: int) -> list[int]:
+    """The fused capacities to try, in order, for a batch of ``units`` whose largest
+    request has ``largest``: :func:`bucket`'s, then smaller powers of two down to the least
+    that holds that request. A launch of a capacity under ``units`` gathers its requests in
+    chunks that fit, one after another, in one block: under a small workspace cap a block
+    of the padded capacity may not fit where a smaller one does."""
+    loose = bucket(units)
+    out = [loose]
+    capacity = 1 << (units - 1).bit_length()
+    least = 1 << (largest - 1).bit_length()
+    while capacity >= least:
+        if capacity < loose:
+            out.append(capacity)
+        capacity //= 2
+    return out
+
+
+def chunks(requests: Sequence[Any], capacity: int) -> list[Sequence[Any]]:
+    """``requests`` in consecutive runs of at most ``capacity`` units (each request has at
+    most that many)."""
+    out: list[Sequence[Any]] = []
+    start = used = 0
+    for i, request in enumerate(requests):
+        if used + request.units > capacity:
+            out.append(requests[start:i])
+            start, used = i, 0
+        used += request.units
+    out.append(requests[start:])
+    return out
+
+
 @attrs.frozen
 class FusedLayout:
     """Where a fused launch's gathered arrays and kernel workspace sit in its block."""
@@ -159,16 +190,22 @@ class HostDevice(Device):
         units: int,
         nbytes: int,
     ) -> None:
+        """A request that is gathered into fused launches fits when a fused block of its
+        own capacity fits the cap; where none does, its launch runs it on its own arrays
+        (:meth:`_prepare_fused`), as every larger request: then its solo plan's workspace
+        is what it needs."""
         pool = self._pool
         if nbytes <= pool.limit // 4:  # small requests always fit: no planning
             return
-        if nbytes > self.fuse_max_bytes:
-            need = op.workspace_size(op.plan(tensors, scalars, DEFAULT_BLOCK))
-        else:
-            capacity = bucket(units)
-            geometry, _ = op.fused_geometry(key, capacity)
-            plan_bytes = op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
-            need = FusedLayout.of(geometry, plan_bytes).nbytes
+        if nbytes < LONE_BYTES and nbytes <= self.fuse_max_bytes:
+            for capacity in capacities(units, units):
+                geometry, _ = op.fused_geometry(key, capacity)
+                plan_bytes = op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
+                if pool.fits(FusedLayout.of(geometry, plan_bytes).nbytes):
+                    return
+        # outputs left to the launch (a request that may fuse): plan with arrays of theirs
+        tensors = {**tensors, **op.allocate(tensors, scalars)}
+        need = op.workspace_size(op.plan(tensors, scalars, DEFAULT_BLOCK))
         if not pool.fits(need):
             msg = (
                 f"{op.name}: this request needs {need} bytes of workspace, more than "
@@ -266,17 +303,10 @@ class HostDevice(Device):
             units = sum([r.units for r in requests])
             if not requests:  # nothing to gather: no fused block
                 return Prepared(self._fused_work(lone, None))
-        capacity = bucket(units)
-        cache_key = (op.name, "fused", batch.key, capacity, self.name, batch.stream)
-        executor = self._cache.get(cache_key)
-        hit = executor is not None
-        if executor is None:
-            geometry, scalars = op.fused_geometry(batch.key, capacity)
-            plan = op.fused_plan(batch.key, capacity, DEFAULT_BLOCK)
-            executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
-            executor.set_repeatable()
-            executor.layout = FusedLayout.of(geometry, executor.workspace_size)
-            self._cache.put(cache_key, executor)
+        found = self._fused_executor(op, batch.key, units, batch.stream, requests)
+        if found is None:  # gathered, they could never fit the cap: each on its own arrays
+            return Prepared(self._fused_work([*lone, *requests], None))
+        executor, cache_key, hit, capacity = found
         layout: FusedLayout = executor.layout
         block = self._pool.allocate(layout.nbytes, batch.stream, overflow=overflow)
         if block is None:
@@ -294,8 +324,50 @@ class HostDevice(Device):
         except BaseException:
             self._pool.release(block)
             raise
-        fused = functools.partial(self._run_fused, op, executor.plan, arrays, kernel_ws, requests)
+        run = functools.partial(self._run_fused, op, executor.plan, arrays, kernel_ws)
+        # the usual launch gathers once; under a small workspace cap, chunk after chunk
+        # goes through the one block
+        parts = [requests] if capacity >= units else chunks(requests, capacity)
+
+        def fused(errors: dict[int, BaseException]) -> None:
+            for part in parts:
+                run(part, errors)
+
         return Prepared(self._fused_work(lone, fused), block, hit)
+
+    def _fused_executor(
+        self, op: Operator, key: Hashable, units: int, stream: int, requests: Sequence[Any]
+    ) -> tuple[Executor, Hashable, bool, int] | None:
+        """The repeatable executor of a fused launch of ``requests`` (``units`` in all),
+        its cache key, whether it was cached, and its capacity: the first of
+        :func:`capacities` whose block fits under the workspace cap (the usual launch: the
+        first tried); None when none does."""
+        loose = bucket(units)
+        executor, cache_key, hit = self._fused_at(op, key, loose, stream)
+        if self._pool.fits(executor.layout.nbytes):
+            return executor, cache_key, hit, loose
+        for capacity in capacities(units, max([r.units for r in requests]))[1:]:
+            executor, cache_key, hit = self._fused_at(op, key, capacity, stream)
+            if self._pool.fits(executor.layout.nbytes):
+                return executor, cache_key, hit, capacity
+        return None
+
+    def _fused_at(
+        self, op: Operator, key: Hashable, capacity: int, stream: int
+    ) -> tuple[Executor, Hashable, bool]:
+        """The repeatable executor of fused launches of ``capacity`` units on ``stream``,
+        its cache key, and whether it was cached."""
+        cache_key = (op.name, "fused", key, capacity, self.name, stream)
+        executor = self._cache.get(cache_key)
+        if executor is not None:
+            return executor, cache_key, True
+        geometry, scalars = op.fused_geometry(key, capacity)
+        plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
+        executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
+        executor.set_repeatable()
+        executor.layout = FusedLayout.of(geometry, executor.workspace_size)
+        self._cache.put(cache_key, executor)
+        return executor, cache_key, False
 
     def _fused_work(
         self, lone: list[Any], fused: Callable[[dict[int, BaseException]], None] | None

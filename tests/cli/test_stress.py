@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from opsched.cli.stress import StressOptions, run_stress
+from opsched.cli.stress.driver import _replay_command
 from opsched.core import dispatch
 from opsched.core.scheduler import Scheduler
 from opsched.devices.pool import WorkspacePool
@@ -43,6 +44,23 @@ def test_ci_run_of_20000_requests_passes(tmp_path):
 def test_reference_device_run_passes():
     status, text = stress(device="reference", **SMALL)
     assert status == 0, text
+
+
+def test_small_workspace_cap_passes():
+    # templates whose padded fused block is over a 2 MB cap, though alone they need
+    # little: admitted, fused in chunks or run on their own arrays
+    status, text = stress(requests=3000, clients=16, sync_clients=1, seed=5,
+                          workspace_limit_bytes=2_000_000, watchdog=3.0)  # fmt: skip
+    assert status == 0, text
+
+
+def test_replay_command_names_the_caps():
+    # a discrepancy's replay line reruns the request under the run's own caps
+    command = _replay_command(StressOptions(max_queued_requests=8, workspace_limit_bytes=1 << 20))
+    assert command == (
+        "opsched stress --seed 0 --max-queued-requests 8 --workspace-limit-bytes 1048576 "
+        "--replay {index}"
+    )
 
 
 def test_replay_runs_one_request():

@@ -570,6 +570,57 @@ async def test_workspace_limit_bounds_the_pool_and_everything_completes():
     assert stats.pool.peak <= limit and stats.completed == 200
 
 
+async def test_small_workspace_cap_gathers_in_chunks_that_fit(monkeypatch):
+    gathered: list[int] = []
+    gather_of = type(ops.GLU_BACKWARD).gather
+
+    def gather_spy(self, requests, fused):
+        gathered.append(len(requests))
+        return gather_of(self, requests, fused)
+
+    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    rng = np.random.default_rng(171)
+    # 80 KiB requests (self 8 x 1024 FLOAT): gathered, but the block of the usual padded
+    # capacity (2.5 MiB) is over a 256 KiB cap, and so is the whole batch's; a block for
+    # two requests (160 KiB) fits
+    calls = [small_glu(rng, rows=8, cols=1024) for _ in range(24)]
+    limit = 256 << 10
+    async with opsched.open_scheduler(streams=1, workspace_limit_bytes=limit) as sched:
+        results = await together(sched, calls)
+        stats = sched.statistics()
+    for (g, x), r in zip(calls, results, strict=True):
+        assert_same_bits(r, solo_glu(g, x, -1))
+    # one launch, its chunks through one block under the cap
+    assert stats.launches == 1 and gathered == [2] * 12
+    assert stats.pool.overflows == 0 and 0 < stats.pool.peak <= limit
+
+
+async def test_requests_no_fused_block_fits_run_on_their_own_arrays():
+    rng = np.random.default_rng(172)
+    # under a 64 KiB cap not even one request's gathered block fits (80 KiB of operands);
+    # FLOAT's compiled loop needs no workspace alone: admitted, each on its own arrays
+    calls = [small_glu(rng, rows=8, cols=1024) for _ in range(4)]
+    async with opsched.open_scheduler(streams=1, workspace_limit_bytes=64 << 10) as sched:
+        results = await together(sched, calls)
+        stats = sched.statistics()
+    for (g, x), r in zip(calls, results, strict=True):
+        assert_same_bits(r, solo_glu(g, x, -1))
+    assert stats.completed == 4 and stats.pool.overflows == 0 and stats.pool.peak == 0
+
+
+async def test_gathered_request_whose_solo_plan_is_over_the_cap_is_invalid():
+    rng = np.random.default_rng(173)
+    # DOUBLE 8 x 512 (80 KiB: gathered): no fused block fits a 64 KiB cap, and alone its
+    # numpy kernel carves 65,600 bytes: the message names that need, not a fused block's
+    g, x = rand(rng, (8, 256), F64), rand(rng, (8, 512), F64)
+    async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
+        with pytest.raises(
+            ParamInvalidError,
+            match=r"needs 65600 bytes of workspace, more than workspace_limit_bytes=65536",
+        ):
+            await sched.glu_backward(g, x)
+
+
 async def test_request_larger_than_the_workspace_cap_is_invalid():
     rng = np.random.default_rng(18)
     # DOUBLE: its numpy kernel carves block buffers (FLOAT's compiled loop needs none)

@@ -18,7 +18,7 @@ import opsched
 import opsched.sync
 from opsched._api import resolve_config
 from opsched._errors import DeadlineExceededError
-from opsched.cli.stress.harness import _Harness, _submit_async, _submit_sync, _Tally
+from opsched.cli.stress.harness import REFUSED, _Harness, _submit_async, _submit_sync, _Tally
 from opsched.cli.stress.workload import (
     Solos,
     StressOptions,
@@ -292,10 +292,14 @@ def _replay_command(opts: StressOptions) -> str:
     """The command that reruns one request of this run (``{index}`` to fill in)."""
     defaults = StressOptions()
     words = ["opsched stress", f"--seed {opts.seed}"]
-    for name in ("templates", "large", "graphs", "invalid", "cancel", "deadline", "fault"):
+    for name in (
+        "templates", "large", "graphs", "invalid", "cancel", "deadline", "fault",
+        "max_queued_requests", "workspace_limit_bytes",
+    ):  # fmt: skip
+        option = name.replace("_", "-")
         value = getattr(opts, name)
         if value != getattr(defaults, name):
-            words.append(f"--{name} {value}")
+            words.append(f"--{option} {value}")
     for name in ("device", "product", "config"):
         value = getattr(opts, name)
         if value is not None and value != getattr(defaults, name):
@@ -316,11 +320,9 @@ def _accounting(stats: opsched.SchedulerStatistics, tally: _Tally) -> tuple[bool
     def plain(*names: str) -> int:  # outcomes of single requests, not graph runs
         return sum(o.get(n, 0) - g.get(n, 0) for n in names)
 
-    refused = plain("invalid") + sum(
-        v - g.get(k, 0) for k, v in o.items() if k.startswith("unsupported")
-    )
+    refused = plain("invalid") + sum(v - g.get(k, 0) for k, v in o.items() if k.startswith(REFUSED))
     single = sum(o.values()) - sum(g.values()) - o.get("duplicated", 0) - o.get("lost", 0)
-    graph_runs = sum(g.values()) - sum(v for k, v in g.items() if k.startswith("unsupported"))
+    graph_runs = sum(g.values()) - sum(v for k, v in g.items() if k.startswith(REFUSED))
     accepted = stats.submitted - stats.graph_nodes
     most = single - refused
     least = most - plain("cancelled")
@@ -457,8 +459,8 @@ def _print_summary(r: dict[str, Any], out: TextIO) -> None:
     print(
         f"  caps met: queue peak {s['queued_peak']} (callers capped at "
         f"{s['max_queued_requests']}, {s['backpressure_waits']} backpressure waits; graph "
-        f"nodes are admitted past it), pool peak "
-        f"{s['pool_peak_bytes'] >> 20} of {s['workspace_limit_bytes'] >> 20} MiB",
+        f"nodes are admitted past it), pool peak {s['pool_peak_bytes'] / (1 << 20):.1f} of "
+        f"{s['workspace_limit_bytes'] / (1 << 20):.1f} MiB",
         file=out,
     )
     print(f"  {'check':<40}{'':<8}detail", file=out)

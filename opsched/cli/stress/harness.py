@@ -13,10 +13,12 @@ import numpy as np
 
 import opsched
 import opsched.sync
+from opsched import ops
 from opsched._errors import AclnnError, DeadlineExceededError, RuntimeLaunchError
-from opsched.cli.solo import same_bits
+from opsched.cli.solo import same_bits, solo_workspace
 from opsched.cli.stress import oracle
 from opsched.cli.stress.workload import StressOptions, _Case, _corrupt, _Template
+from opsched.devices.pool import WorkspacePool
 from opsched.ops import DTYPE_NAMES
 from opsched.ops.products import Product
 
@@ -78,6 +80,10 @@ class _Harness:
         self.templates = templates
         #: per template: the status the product answers it with (None: supported)
         self.unsupported = [_product_verdict(product, t) for t in templates]
+        #: per template: its solo launch needs more workspace than the run's cap, so the
+        #: scheduler refuses it at submit (161002) once its arguments pass the checks
+        cap = WorkspacePool(opts.workspace_limit_bytes)
+        self.over_cap = [not cap.fits(_solo_workspace(t)) for t in templates]
         self.tally = tally
         # The out arrays of fault and deadline cases, by data address, kept alive until
         # checked: an address is only unique while its array lives.
@@ -106,6 +112,8 @@ class _Harness:
             if unsupported == 561003 or (unsupported == 161002 and status != 161001):
                 status = unsupported
             return op, args, broken, status
+        if unsupported is None and self.over_cap[case.template]:
+            unsupported = OVER_CAP
         kw: dict[str, Any] = {"priority": case.index % 3}
         if t.kind != "graph":
             outs = [None if e is None else np.empty(e.shape, e.dtype) for e in t.entries]
@@ -146,16 +154,19 @@ class _Harness:
             fate = "valid"  # an empty request launches nothing, so nothing can fault
         if fate in ("invalid", "unsupported"):
             if isinstance(error, AclnnError) and error.status == status:
-                record(case, fate if fate == "invalid" else f"unsupported {status}")
+                if fate == "invalid":
+                    record(case, fate)
+                elif self.unsupported[case.template] is None:
+                    record(case, OVER_CAP_OUTCOME)
+                else:
+                    record(case, f"unsupported {status}")
             else:
                 record(case, "wrong", f"expected status {status}, got {error!r}")
         elif fate == "cancel":
             if error is None and result is None:
                 record(case, "cancelled")
             else:
-                record(
-                    case, "wrong", f"cancelled request produced {error or 'a result'}"
-                )
+                record(case, "wrong", f"cancelled request produced {error or 'a result'}")
         elif fate == "deadline":
             expired = isinstance(error, DeadlineExceededError) or (
                 isinstance(error, opsched.GraphExecutionError)
@@ -164,18 +175,14 @@ class _Harness:
             if expired:
                 record(case, "expired")
             else:
-                record(
-                    case, "wrong", f"expected DeadlineExceededError, got {error or 'a result'}"
-                )
+                record(case, "wrong", f"expected DeadlineExceededError, got {error or 'a result'}")
         elif fate == "fault":
             if isinstance(error, RuntimeLaunchError) and isinstance(
                 error.__cause__, opsched.InjectedFault
             ):
                 record(case, "faulted")
             else:
-                record(
-                    case, "wrong", f"expected RuntimeLaunchError, got {error or 'a result'}"
-                )
+                record(case, "wrong", f"expected RuntimeLaunchError, got {error or 'a result'}")
         elif error is not None:
             record(case, "wrong", f"{t.describe}: raised {error!r}")
         elif not same_bits(result, t.expected):
@@ -186,6 +193,7 @@ class _Harness:
         else:
             record(case, "completed", latency=latency)
 
+
 #: The operators each kind of template calls, in the order a graph's nodes are checked.
 _KIND_OPS = {
     "glu": ("GluBackward",),
@@ -193,6 +201,21 @@ _KIND_OPS = {
     "gnb": ("GroupNormBackward",),
     "graph": ("GroupNormalizationGrad", "GluBackward"),
 }
+
+
+#: The status of a request refused at submit for the workspace cap (ParamInvalidError's),
+#: and its outcome's name.
+OVER_CAP = 161002
+OVER_CAP_OUTCOME = "over the workspace cap"
+#: The outcomes of requests refused at submit, by prefix (the accounting counts them).
+REFUSED = ("unsupported", OVER_CAP_OUTCOME)
+_OPS = {"glu": ops.GLU_BACKWARD, "gn": ops.GROUP_NORM_GRAD, "gnb": ops.GROUP_NORM_BACKWARD}
+
+
+def _solo_workspace(t: _Template) -> int:
+    """Bytes of workspace the template's request needs launched alone (0 for a graph:
+    its nodes' dtypes have compiled loops, whose workspace is small)."""
+    return 0 if t.kind == "graph" else solo_workspace(_OPS[t.kind], *t.args)
 
 
 def _product_verdict(product: Product, t: _Template) -> int | None:
