@@ -46,12 +46,15 @@ def test_reference_device_run_passes():
     assert status == 0, text
 
 
-def test_small_workspace_cap_passes():
-    # templates whose padded fused block is over a 2 MB cap, though alone they need
-    # little: admitted, fused in chunks or run on their own arrays
-    status, text = stress(requests=3000, clients=16, sync_clients=1, seed=5,
+@pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
+def test_small_workspace_cap_passes(device):
+    # seed 5 draws templates whose padded fused block is over a 2 MB cap, though alone
+    # they need little (admitted: fused in chunks or run on their own arrays), and one
+    # whose solo launch needs more (refused on cpu; torch:cpu has no pool to cap)
+    status, text = stress(requests=3000, clients=16, sync_clients=1, seed=5, device=device,
                           workspace_limit_bytes=2_000_000, watchdog=3.0)  # fmt: skip
     assert status == 0, text
+    assert ("over the workspace cap" in text) == (device == "cpu"), text
 
 
 def test_replay_command_names_the_caps():
