@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
-from opsched.ops.executor import get_workspace_size, launch
+from opsched.ops.executor import Executor, get_workspace_size, launch
 from opsched.ops.products import product_named
 
 __all__ = ["same_bits", "solo", "solo_glu", "solo_gn", "solo_gnb", "solo_workspace"]
@@ -34,7 +34,9 @@ def solo_workspace(op: Operator, *args: Any) -> int:
     return size
 
 
-def _planned(op: Operator, args: tuple[Any, ...], product: str) -> tuple[Any, int, Any]:
+def _planned(
+    op: Operator, args: tuple[Any, ...], product: str
+) -> tuple[dict[str, Any], int, Executor]:
     """Checked, outputs allocated, planned: ``(tensors, workspace size, executor)``."""
     tensors, scalars = op.arguments(args, None)
     checked = op.check_on(product_named(product), tensors, scalars, allocate=True)
