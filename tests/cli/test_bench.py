@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
-from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
+from opsched.cli.bench_kernels import bench_kernels, kernel_targets, print_kernel_table
 from opsched.cli.bench_paths import FLOOR, PATHS
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
@@ -27,6 +27,25 @@ def test_kernel_benchmark_reports_every_row():
     print_kernel_table(rows, out)
     assert "GroupNormalizationGrad" in out.getvalue() and "BFLOAT16" in out.getvalue()
     assert "GroupNormBackward" in out.getvalue()
+
+
+def test_kernel_targets_are_issue_13s():
+    # GluBackward FLOAT: >= 1.2x torch at every size, >= 50% of a copy from 4M elements
+    row = {"op": "GluBackward", "dtype": "FLOAT", "elements": 1 << 22,
+           "speedup_vs_torch": 1.19, "ratio_to_copy": 0.5}  # fmt: skip
+    assert kernel_targets(row) == [
+        {"target": ">= 1.2x torch", "reached": False},
+        {"target": ">= 50% copy", "reached": True},
+    ]
+    small = {**row, "elements": 1 << 20, "speedup_vs_torch": 1.2}
+    assert kernel_targets(small) == [{"target": ">= 1.2x torch", "reached": True}]
+    half = {**row, "dtype": "BFLOAT16", "speedup_vs_torch": 0.99}  # half precision: 1.0x
+    assert kernel_targets(half) == [{"target": ">= 1.0x torch", "reached": False}]
+    gng = {**row, "op": "GroupNormalizationGrad", "ratio_to_copy": 0.39}  # 40% of a copy
+    assert kernel_targets(gng) == [{"target": ">= 40% copy", "reached": False}]
+    no_torch = {k: v for k, v in row.items() if k != "speedup_vs_torch"}
+    assert kernel_targets(no_torch) == [{"target": ">= 50% copy", "reached": True}]
+    assert kernel_targets({**row, "op": "GroupNormBackward", "dtype": "FLOAT16"}) == []
 
 
 def test_kernel_benchmark_takes_at_least_the_repeats_asked_for():
@@ -139,3 +158,4 @@ def test_torch_peer_columns_where_torch_is_installed():
     print_kernel_table(rows, out)
     print_scheduler_report(result, out)
     assert "vs torch" in out.getvalue() and "peer: torch CPU operator" in out.getvalue()
+    assert ">= 1.2x torch: " in out.getvalue() and "targets reached: " in out.getvalue()
