@@ -13,6 +13,7 @@ a bare ``assert`` (``python -O`` would remove those, and a broken device would p
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -49,7 +50,11 @@ def main(device: str) -> int:
         except Exception as exc:  # report every check, whatever fails
             results.append((name, False, f"{type(exc).__name__}: {exc}"))
 
-    dev = make_device(device, 1)
+    try:
+        dev = make_device(device, 1)
+    except Exception as exc:  # no such device here: one failed check, not a traceback
+        print(f"FAIL  open {device}: {type(exc).__name__}: {exc}")
+        return 1
     target = dev.torch_device  # type: ignore[attr-defined]
     dev.close()
     rng = np.random.default_rng(0)
@@ -228,5 +233,20 @@ def main(device: str) -> int:
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
+def _arguments(argv: list[str]) -> str:
+    parser = argparse.ArgumentParser(
+        description="Check a torch device end to end; one line per check, exit 1 on any failure.",
+    )
+    parser.add_argument(
+        "device", nargs="?", default="torch:cuda",
+        help="torch:cuda[:N], torch:npu[:N] or torch:cpu (default: torch:cuda)",
+    )  # fmt: skip
+    device: str = parser.parse_args(argv).device
+    if not device.startswith("torch:"):
+        parser.error(f"device {device!r} is not a torch device; expected torch:cuda[:N], "
+                     "torch:npu[:N] or torch:cpu")  # fmt: skip
+    return device
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "torch:cuda"))
+    sys.exit(main(_arguments(sys.argv[1:])))

@@ -7,6 +7,7 @@ torch:cpu; this module covers what only a torch device does.
 from __future__ import annotations
 
 import asyncio
+import functools
 import pathlib
 import subprocess
 import sys
@@ -303,6 +304,20 @@ def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("PASS") == 9 and "FAIL" not in proc.stdout
     assert "the framework's call once per request" in proc.stdout  # the throughput ratio
+
+
+def test_the_accelerator_check_script_reports_a_missing_device_without_a_traceback(tmp_path):
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path
+    )
+    absent = run([sys.executable, str(script), "torch:cuda:99"])  # no 100 GPUs here
+    assert absent.returncode == 1 and "Traceback" not in absent.stderr, absent.stderr
+    assert absent.stdout.startswith("FAIL  open torch:cuda:99: ValueError: "), absent.stdout
+    wrong = run([sys.executable, str(script), "cpu"])  # not a torch device: a usage error
+    assert wrong.returncode == 2 and "is not a torch device" in wrong.stderr, wrong.stderr
+    usage = run([sys.executable, str(script), "--help"])
+    assert usage.returncode == 0 and "torch:npu[:N]" in usage.stdout
 
 
 def test_the_accelerator_check_script_fails_a_wrong_device_by_name(monkeypatch, capsys):
