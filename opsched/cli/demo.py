@@ -24,6 +24,7 @@ import opsched.sync
 from opsched import SchedulerConfig
 from opsched.cli.seeds import glu_seed, group_norm_seed
 from opsched.cli.solo import same_bits, solo_glu, solo_gn, solo_gnb
+from opsched.devices import make_device
 from opsched.ops.products import product_named
 
 __all__ = ["run_demo"]
@@ -209,10 +210,7 @@ def run_demo(
         trace: write the training loop's timeline here (Chrome trace / Perfetto JSON).
     """
     config = config or SchedulerConfig(streams=2)
-    if device.startswith("torch"):
-        from opsched.devices.torch_ops import require_torch
-
-        require_torch(f"device {device!r}")  # before any output
+    make_device(device, 1).close()  # an unknown or absent device: said before any output
     product = product_named(config.product)
     if "GluBackward" not in product.ops or not {
         "GroupNormalizationGrad", "GroupNormBackward"

@@ -293,10 +293,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     which = ("kernels", "scheduler", "graphs") if args.which == "all" else (args.which,)
     problem = None
     ops, dtypes = tuple(args.ops.split(",")), tuple(args.dtypes.split(","))
+    unknown_parts = sorted(set(args.parts.split(",")) - set(PARTS))
     if args.trace and which == ("kernels",):
         problem = "--trace: the kernel benchmark runs no scheduler; trace scheduler or graphs"
     elif args.repeats < 1:
         problem = f"--repeats={args.repeats} must be >= 1"
+    elif "scheduler" in which and unknown_parts:
+        problem = f"unknown scheduler benchmark part(s) {unknown_parts}; valid: {list(PARTS)}"
     elif not set(ops) <= {"glu", "gn", "gnb"}:
         problem = f"--ops={args.ops!r}; expected a comma list of glu, gn, gnb"
     elif not set(dtypes) <= set(_bench.KERNEL_DTYPES):
@@ -305,6 +308,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
     if problem is not None:  # said before minutes of measuring
         raise ValueError(problem)
+    sizes = tuple(_size(t) for t in args.sizes.split(","))  # a bad size: said here too
     if args.plot:
         _plot.require_matplotlib()  # say so before minutes of measuring
     quick = args.quick
@@ -312,7 +316,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     out = sys.stdout
     if "kernels" in which:
         print("== kernels: fast kernels against a numpy copy of the same bytes", file=out)
-        sizes = (1 << 10, 1 << 12) if quick else tuple(_size(t) for t in args.sizes.split(","))
+        sizes = (1 << 10, 1 << 12) if quick else sizes
         dtypes = ("FLOAT",) if quick else dtypes
         results["kernels"] = _bench.bench_kernels(
             sizes, dtypes, ops, repeats=1 if quick else args.repeats

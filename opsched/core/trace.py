@@ -264,7 +264,11 @@ def load_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             (the message names the event).
     """
     with pathlib.Path(path).open(encoding="utf-8") as f:
-        document = json.load(f)
+        try:
+            document = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            msg = f"{path}: not a trace-event file (not JSON: {exc})"
+            raise ValueError(msg) from exc
     if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
         msg = f"{path}: not a trace-event file (no traceEvents list)"
         raise ValueError(msg)

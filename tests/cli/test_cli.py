@@ -115,12 +115,15 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
         (["demo", "--config", "missing.toml"], "missing.toml"),
         (["stress", "--requests", "10", "--cancel", "2"], "--cancel=2.0 is out of range"),
         (["trace", "missing.json"], "missing.json"),
+        (["trace", "notes.txt"], "notes.txt: not a trace-event file (not JSON: "),
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path, args, message):
+    (tmp_path / "notes.txt").write_text("not json\n")
     proc = opsched_cmd(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
     assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # said before anything runs or prints
 
 
 def test_stress_writes_a_trace(tmp_path):
