@@ -68,7 +68,15 @@ def _planner(op: Operator) -> Callable[..., tuple[int, Executor]]:
     def plan(*args: Any, **named: Any) -> tuple[int, Executor]:
         product = named.pop("product", "generic")
         if named or len(args) != len(names):  # keywords, or a wrong count: bind (or raise)
-            bound = signature.bind(*args, **named)
+            try:
+                bound = signature.bind(*args, **named)
+            except TypeError as exc:  # Python's message names no function: say which
+                msg = (
+                    f"{op.method}_get_workspace_size: {exc}; it takes "
+                    f"({', '.join(names)}, *, product='generic'), got {len(args)} "
+                    f"positional argument(s)" + (f" and {sorted(named)}" if named else "")
+                )
+                raise TypeError(msg) from None
             args = tuple(bound.arguments[n] for n in names)
         tensors = {name: args[i] for name, i in tensor_at}
         scalars = {name: args[i] for name, i in scalar_at}

@@ -177,6 +177,17 @@ def test_stream_argument_other_than_none_is_rejected_clearly():
         aclnn.glu_backward(ws(size), size, ex, stream="s0")
 
 
+def test_a_wrong_number_of_arguments_names_the_function_and_its_parameters():
+    g, x, out, _, _ = glu_call(np.random.default_rng(0))
+    takes = r"it takes \(grad_out, self, dim, out, \*, product='generic'\)"
+    with pytest.raises(TypeError, match=r"^glu_backward_get_workspace_size: too many .*" + takes):
+        aclnn.glu_backward_get_workspace_size(g, x, -1, out, 5)
+    with pytest.raises(TypeError, match=r"missing a required argument: 'out'; " + takes):
+        aclnn.glu_backward_get_workspace_size(g, x, -1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'outs'.*and \['outs'\]"):
+        aclnn.glu_backward_get_workspace_size(g, x, -1, out, outs=out)
+
+
 def test_rebinding_does_not_touch_an_earlier_result():
     rng = np.random.default_rng(3)
     g, x, out, size, ex = glu_call(rng)
