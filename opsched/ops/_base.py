@@ -196,14 +196,21 @@ def signature_groups(requests: Sequence[Any]) -> list[list[int]]:
     per request. A request without a signature is a group of its own.
     """
     groups: dict[Hashable, list[int]] = {}
+    last: Any = None  # the previous request's signature, and its group's members
+    members: list[int] = []
     for i, request in enumerate(requests):
         signature = request.signature
-        key = signature if signature is not None else object()
-        members = groups.get(key)
-        if members is None:
-            groups[key] = [i]
-        else:
+        if signature is last and signature is not None:
+            # a run of calls seen before shares one signature object: no hashing (a
+            # GroupNormBackward signature's hash costs more than the rest of this loop)
             members.append(i)
+            continue
+        key = signature if signature is not None else object()
+        found = groups.get(key)
+        if found is None:
+            found = groups[key] = []
+        found.append(i)
+        last, members = signature, found
     return list(groups.values())
 
 

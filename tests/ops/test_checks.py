@@ -267,3 +267,16 @@ def test_gn_non_array_is_type_error(name):
 def test_gn_every_dtype_accepted(dtype):
     size, _ = gn(**gn_args(dtype=dtype))
     assert size > 0
+
+
+def test_signature_groups_keep_first_appearance_order_and_isolate_the_unsigned():
+    from types import SimpleNamespace
+
+    from opsched.ops._base import signature_groups
+
+    a, b = ("a", (2, 3)), ("b", (4,))
+    equal_a = ("a", (2, 3))  # equal to ``a``, another object: grouped by value
+    sigs = [a, a, b, equal_a, None, None, a, b, b]  # two unsigned in a row: two groups
+    requests = [SimpleNamespace(signature=s) for s in sigs]
+    assert signature_groups(requests) == [[0, 1, 3, 6], [2, 7, 8], [4], [5]]
+    assert signature_groups([]) == []
