@@ -359,8 +359,8 @@ def _channel_rows(
 ) -> tuple[np.ndarray, int]:
     """``(flat storage, row stride)`` of an operand seen as ``shape2`` (channel rows,
     HxW): a contiguous one directly (one reshape, not two: this runs per launch)."""
-    if array.flags.c_contiguous:  # float32: the array itself, flat
-        return (array.reshape(-1) if array.dtype is F32 else _jit.storage(array, kind)), shape2[1]
+    if array.flags.c_contiguous:
+        return _jit.storage(array, kind), shape2[1]
     return _jit.flat(array.reshape(shape2), kind)
 
 

@@ -238,7 +238,6 @@ class Device(abc.ABC):
         workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
         workspace beyond the cap when nothing in flight could return any."""
 
-
     def run_here(self, request: LaunchRequest) -> None:
         """Run one request now, in the calling thread, exactly as its solo launch would
         (only where :attr:`runs_in_caller`): the sync facade's lone blocking calls."""

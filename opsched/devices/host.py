@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import attrs
@@ -199,9 +199,7 @@ class HostDevice(Device):
             return
         if nbytes < LONE_BYTES and nbytes <= self.fuse_max_bytes:
             for capacity in capacities(units, units):
-                geometry, _ = op.fused_geometry(key, capacity)
-                plan_bytes = op.workspace_size(op.fused_plan(key, capacity, DEFAULT_BLOCK))
-                if pool.fits(FusedLayout.of(geometry, plan_bytes).nbytes):
+                if pool.fits(_fused_plan(op, key, capacity)[0].nbytes):
                     return
         # outputs left to the launch (a request that may fuse): plan with arrays of theirs
         tensors = {**tensors, **op.allocate(tensors, scalars)}
@@ -342,11 +340,12 @@ class HostDevice(Device):
         its cache key, whether it was cached, and its capacity: the first of
         :func:`capacities` whose block fits under the workspace cap (the usual launch: the
         first tried); None when none does."""
-        loose = bucket(units)
-        executor, cache_key, hit = self._fused_at(op, key, loose, stream)
-        if self._pool.fits(executor.layout.nbytes):
-            return executor, cache_key, hit, loose
-        for capacity in capacities(units, max([r.units for r in requests]))[1:]:
+
+        def tried() -> Iterator[int]:  # the smaller capacities only when the first is over
+            yield bucket(units)
+            yield from capacities(units, max([r.units for r in requests]))[1:]
+
+        for capacity in tried():
             executor, cache_key, hit = self._fused_at(op, key, capacity, stream)
             if self._pool.fits(executor.layout.nbytes):
                 return executor, cache_key, hit, capacity
@@ -361,11 +360,10 @@ class HostDevice(Device):
         executor = self._cache.get(cache_key)
         if executor is not None:
             return executor, cache_key, True
-        geometry, scalars = op.fused_geometry(key, capacity)
-        plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
-        executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
+        layout, plan, scalars = _fused_plan(op, key, capacity)
+        executor = Executor(op, {}, scalars, plan, layout.kernel_bytes)
         executor.set_repeatable()
-        executor.layout = FusedLayout.of(geometry, executor.workspace_size)
+        executor.layout = layout
         self._cache.put(cache_key, executor)
         return executor, cache_key, False
 
@@ -492,6 +490,13 @@ class ReferenceDevice(HostDevice):
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
     ) -> None:
         op.run_reference(plan, tensors)
+
+
+def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout, Any, Any]:
+    """A fused launch of ``capacity`` units: its block's layout, its plan and scalars."""
+    geometry, scalars = op.fused_geometry(key, capacity)
+    plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
+    return FusedLayout.of(geometry, op.workspace_size(plan)), plan, scalars
 
 
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:

@@ -443,11 +443,10 @@ class Operator(abc.ABC):
         """``name -> (shape, dtype)`` of each output of a checked request."""
 
     def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Return new, C-contiguous arrays for the outputs of a checked request."""
-        return {
-            name: np.empty(shape, dtype)
-            for name, (shape, dtype) in self.output_spec(tensors, scalars).items()
-        }
+        """Return new, C-contiguous arrays for the outputs of a checked request that the
+        caller did not give (None in ``tensors``)."""
+        spec = self.output_spec(tensors, scalars)
+        return {name: np.empty(*spec[name]) for name in spec if tensors[name] is None}
 
     @abc.abstractmethod
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:

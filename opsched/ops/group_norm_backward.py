@@ -276,10 +276,6 @@ class GroupNormBackward(Operator):
             spec["dbeta"] = stat
         return spec
 
-    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        spec = self.output_spec(tensors, scalars)
-        return {name: np.empty(*spec[name]) for name in spec if tensors[name] is None}
-
     def result(self, tensors: Mapping[str, Any]) -> Any:
         """``(dx, dgamma, dbeta)``, None where not asked for."""
         return tensors["dx"], tensors["dgamma"], tensors["dbeta"]

@@ -74,6 +74,19 @@ async def together(sched, calls, *, errors=False):
     return results
 
 
+def spy_glu_gathers(monkeypatch) -> list[int]:
+    """The number of requests of each GluBackward gather from now on (the list fills)."""
+    gathered: list[int] = []
+    gather_of = type(ops.GLU_BACKWARD).gather
+
+    def gather_spy(self, requests, fused):
+        gathered.append(len(requests))
+        return gather_of(self, requests, fused)
+
+    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    return gathered
+
+
 def stream_threads(before=frozenset()):
     """Live stream threads, but those in ``before`` (other tests' default schedulers, which
     live until the interpreter exits)."""
@@ -202,14 +215,7 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
 async def test_large_requests_of_a_fused_batch_run_on_their_own_arrays(device, monkeypatch):
     # A request of at least LONE_BYTES in a fused batch is not gathered: it runs with its
     # solo plan inside the launch (the same bits as alone), and its failure is its own.
-    gathered: list[int] = []
-    gather_of = type(ops.GLU_BACKWARD).gather
-
-    def gather_spy(self, requests, fused):
-        gathered.append(len(requests))
-        return gather_of(self, requests, fused)
-
-    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    gathered = spy_glu_gathers(monkeypatch)
     rng = np.random.default_rng(5)
     large = [(rand(rng, (64, 512), F32), rand(rng, (64, 1024), F32)) for _ in range(4)]
     assert LONE_BYTES <= 5 * large[0][0].nbytes <= (1 << 20)  # fusible (fuse_max_bytes)
@@ -571,14 +577,7 @@ async def test_workspace_limit_bounds_the_pool_and_everything_completes():
 
 
 async def test_small_workspace_cap_gathers_in_chunks_that_fit(monkeypatch):
-    gathered: list[int] = []
-    gather_of = type(ops.GLU_BACKWARD).gather
-
-    def gather_spy(self, requests, fused):
-        gathered.append(len(requests))
-        return gather_of(self, requests, fused)
-
-    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    gathered = spy_glu_gathers(monkeypatch)
     rng = np.random.default_rng(171)
     # 80 KiB requests (self 8 x 1024 FLOAT): gathered, but the block of the usual padded
     # capacity (2.5 MiB) is over a 256 KiB cap, and so is the whole batch's; a block for
@@ -606,6 +605,18 @@ async def test_requests_no_fused_block_fits_run_on_their_own_arrays():
     for (g, x), r in zip(calls, results, strict=True):
         assert_same_bits(r, solo_glu(g, x, -1))
     assert stats.completed == 4 and stats.pool.overflows == 0 and stats.pool.peak == 0
+
+
+async def test_a_given_strided_out_counts_in_the_solo_plan_under_the_cap():
+    rng = np.random.default_rng(174)
+    # no fused block fits a 4 KiB cap; alone, a strided out is staged through the
+    # workspace (8 KiB): the plan is the one for the caller's out, not a fresh one's
+    g, x = small_glu(rng, rows=8, cols=256)
+    out = np.zeros((8, 512), F32)[:, ::2]
+    async with opsched.open_scheduler(workspace_limit_bytes=4096) as sched:
+        assert_same_bits(await sched.glu_backward(g, x), solo_glu(g, x, -1))  # 0 bytes
+        with pytest.raises(ParamInvalidError, match=r"needs \d+ bytes of workspace"):
+            await sched.glu_backward(g, x, out=out)
 
 
 async def test_gathered_request_whose_solo_plan_is_over_the_cap_is_invalid():
