@@ -62,7 +62,7 @@ from opsched.devices.base import (
 )
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import FrameworkStream, Stream, ThreadStream
-from opsched.ops import Operator, register_array_type
+from opsched.ops import HostOperands, Operator, register_array_type
 from opsched.ops.products import product_of_device
 
 __all__ = ["TorchDevice"]
@@ -243,10 +243,19 @@ class TorchDevice(Device):
         array given was numpy (into the caller's ``out=``). Outputs the caller did not
         give come from the launch (its own result, or a view of its stacked output); one
         the scheduler may split across streams gets them now, for its parts to write."""
-        # one pass (this runs for every request): a tensor on this device as it is,
-        # anything else through admit()
         tensor, where = self._torch.Tensor, self.torch_device
         on_cpu = where.type == "cpu"
+        if on_cpu and 0 < nbytes < self.split_min_bytes:
+            # numpy in, numpy out, nothing to split: the arrays stay numpy until the
+            # launch gathers them (ops/_framework.py, host operands)
+            ndarray = np.ndarray
+            for value in tensors.values():
+                if type(value) is not ndarray and value is not None:
+                    break
+            else:
+                return HostOperands(tensors), None
+        # one pass (this runs for every request): a tensor on this device as it is,
+        # anything else through admit()
         caller_out: dict[str, np.ndarray] = {}
         numpy_in = True
         data: dict[str, Any] = {}
@@ -376,7 +385,7 @@ def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:
             if tensor is None:
                 arrays.append(None)
                 continue
-            array = torch_ops.from_torch(tensor)
+            array = tensor if type(tensor) is np.ndarray else torch_ops.from_torch(tensor)
             target = caller_out.get(name)
             if target is not None:
                 if not np.shares_memory(target, array):

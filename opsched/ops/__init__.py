@@ -10,6 +10,7 @@ This room never imports the scheduler core, the devices or the CLI.
 """
 
 from opsched.ops._base import DTYPE_NAMES, Operator, Parameter, entry_point, register_array_type
+from opsched.ops._framework import HostOperands
 from opsched.ops.glu_backward import GLU_BACKWARD
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
@@ -20,6 +21,7 @@ __all__ = [
     "GROUP_NORM_BACKWARD",
     "GROUP_NORM_GRAD",
     "OPERATORS",
+    "HostOperands",
     "Operator",
     "Parameter",
     "entry_point",

@@ -27,27 +27,82 @@ rules come from what the framework's CPU kernels were measured to do (torch 2.x,
 Results delivered here are views of the launch's output (as ``torch.split`` returns): the
 launch's memory lives until the last of its requests' results is released. A caller's
 ``out=`` tensor is written instead.
+
+**Host operands.** On the CPU a request whose arrays are all numpy keeps them as numpy
+until its launch (:class:`HostOperands`): converting each array to a tensor at submit and
+each result back cost more than the launch's own calls (measured on torch:cpu, tiny
+GroupNormBackward: about 30 us of a 69 us request, eight conversions and three views
+each). A launch instead copies a group's numpy operands into one array with one
+``numpy.concatenate`` and makes one tensor of it, and hands such a request numpy views of
+its stacked results. The bits are the same either way: a gather copies values, and the
+calls see the same stacked layout. A group's first request (which the launch reads the
+geometry, dtypes and device from) has its inputs made tensors, views of the same memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 __all__ = [
     "COLUMN_CHUNK",
     "SERIAL_ELEMENTS",
+    "HostOperands",
     "framework_cat",
     "framework_columns",
     "framework_deliver",
     "framework_gather",
+    "framework_host",
     "framework_output",
+    "framework_own",
     "framework_rows",
     "framework_scatter",
     "framework_split",
+    "framework_split_deliver",
     "framework_stack",
     "framework_stacks",
+    "framework_tensor",
 ]
+
+
+class HostOperands(dict[str, Any]):
+    """A request's arrays kept as numpy until its launch (see the module docstring): the
+    torch device binds a request whose arrays are all numpy on the CPU as this instead of
+    a dict of tensors. Its results are delivered as numpy (views of the launch's stacked
+    output, or written into the numpy ``out=`` it was given)."""
+
+    __slots__ = ()
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def framework_tensor(torch: Any, value: Any) -> Any:
+    """``value`` as a CPU tensor: a numpy array as a view of its memory where torch can
+    make one (writeable, non-negative strides), else as a copy; a tensor (or None) as it
+    is. BFLOAT16 goes through its bits (torch cannot read ml_dtypes' type)."""
+    if type(value) is not np.ndarray:
+        return value
+    if not value.flags.writeable or any(s < 0 for s in value.strides):
+        value = np.array(value)
+    if value.dtype == _BF16:
+        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
+def framework_host(torch: Any, tensor: Any) -> Any:
+    """A CPU ``tensor`` as a numpy view of its memory (BFLOAT16 through its bits); numpy
+    (or None) as it is."""
+    if type(tensor) is np.ndarray or tensor is None:
+        return tensor
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_BF16)
+    return tensor.numpy()
+
 
 #: aten's ``at::internal::GRAIN_SIZE``: a loop over fewer elements runs on the calling
 #: thread; one over at least this many may be split between intra-op threads.
@@ -81,19 +136,25 @@ def framework_columns(row: int, device: Any) -> list[tuple[int, int]]:
 
 
 def framework_stacks(
+    torch: Any,
     requests: Sequence[Any],
     key: Callable[[Any], Hashable],
     size: Callable[[Any], int],
     stack_max: int,
     row: Callable[[Any], Hashable],
+    inputs: Collection[str],
 ) -> list[list[list[Any]]]:
     """``requests`` as stacks of groups. A group holds requests of one shape (their checked
-    signature where they have one, else ``key(request)``), in order of first appearance;
+    signature where they have one, else ``key(request)``, which reads shapes and scalars
+    only: numpy arrays have them too), in order of first appearance;
     the groups whose rows match (``row(request)``: the row's length and layout) form one
     stack, so requests of different shapes share a launch's calls when their rows are
     alike (a sequence of any length, one hidden size). A request of at least ``stack_max``
     elements (``size``) is a stack of its own and runs on its own tensors, uncopied: which
-    way a request goes depends on its own size only."""
+    way a request goes depends on its own size only.
+
+    The first request of each group has its numpy ``inputs`` made tensors (views of the
+    same memory), so the geometry, dtypes and device read from it are the framework's."""
     groups: dict[Hashable, list[Any]] = {}
     for request in requests:
         # the checked signature (same shapes, dtypes, scalars) is already a hashable
@@ -103,11 +164,21 @@ def framework_stacks(
     stacks: dict[Hashable, list[list[Any]]] = {}
     alone: list[list[list[Any]]] = []
     for group in groups.values():  # one shape each: one size, weighed once
+        _lead(torch, group[0], inputs)
         if size(group[0]) >= stack_max:
             alone.extend([[request]] for request in group)
         else:
             stacks.setdefault(row(group[0]), []).append(group)
     return [*stacks.values(), *alone]
+
+
+def _lead(torch: Any, request: Any, inputs: Collection[str]) -> None:
+    """Make a host request's numpy ``inputs`` tensors, in place (its outputs stay as the
+    caller gave them: a numpy ``out=`` is written as numpy)."""
+    tensors = request.tensors
+    if type(tensors) is HostOperands:
+        for name in inputs:
+            tensors[name] = framework_tensor(torch, tensors[name])
 
 
 def framework_cat(torch: Any, tensors: Sequence[Any]) -> Any:
@@ -117,9 +188,21 @@ def framework_cat(torch: Any, tensors: Sequence[Any]) -> Any:
 
 
 def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
-    """``tensors`` (one shape) stacked into one new contiguous tensor; a lone tensor as
-    itself where it is contiguous already (the same layout either way)."""
-    return torch.stack(tensors) if len(tensors) > 1 else tensors[0].contiguous()
+    """``tensors`` (one shape; tensors or numpy arrays) stacked into one new contiguous
+    tensor; a lone one as itself where it is contiguous already (the same layout either
+    way). Numpy arrays are copied together on the host, then made one tensor."""
+    if len(tensors) == 1:
+        return framework_tensor(torch, tensors[0]).contiguous()
+    if type(tensors[-1]) is np.ndarray:  # host operands: one numpy copy
+        ndarray = np.ndarray
+        arrays = [t if type(t) is ndarray else framework_host(torch, t) for t in tensors]
+        shape = arrays[0].shape
+        if not shape:
+            return framework_tensor(torch, np.stack(arrays))
+        # along the first axis, then seen as (k, *shape): cheaper than numpy.stack, which
+        # makes a new view of each array first
+        return framework_tensor(torch, np.concatenate(arrays).reshape(len(arrays), *shape))
+    return torch.stack([framework_tensor(torch, t) for t in tensors])
 
 
 def framework_gather(
@@ -139,22 +222,56 @@ def framework_output(
     contiguous output tensor where it has one (no copy afterwards), else a new tensor of
     ``like``'s dtype and device."""
     alone = len(stack) == 1 and len(stack[0]) == 1
-    own = stack[0][0].tensors[name] if alone else None
-    if own is not None and own.is_contiguous():
+    own = framework_own(torch, stack[0][0].tensors, name) if alone else None
+    if own is not None:
         return own.view(shape)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
+    """A request's own output ``name`` as a contiguous tensor a launch can write into (a
+    numpy ``out=`` seen as a tensor of its memory); None where it has none or it is not
+    contiguous (the launch then writes elsewhere and :func:`framework_deliver` copies)."""
+    own = tensors[name]
+    if type(own) is np.ndarray:
+        if not (own.flags.c_contiguous and own.flags.writeable):
+            return None
+        own = framework_tensor(torch, own)
+    return own if own is not None and own.is_contiguous() else None
+
+
 def framework_scatter(
-    out: Any, stack: Sequence[Sequence[Any]], name: str, rows: Sequence[int], operand: str
+    torch: Any,
+    out: Any,
+    stack: Sequence[Sequence[Any]],
+    name: str,
+    rows: Sequence[int],
+    operand: str,
 ) -> None:
     """Hand each request of a stack its view of output ``name``: ``out`` holds each group's
     ``rows`` in turn, each request's shaped as its ``operand``."""
     pieces = out.split(list(rows)) if len(stack) > 1 else (out,)
     for group, piece in zip(stack, pieces, strict=True):
-        views = framework_split(piece, len(group), group[0].tensors[operand].shape)
-        for r, view in zip(group, views, strict=True):
-            framework_deliver(r.tensors, name, view)
+        framework_split_deliver(torch, piece, group, name, group[0].tensors[operand].shape)
+
+
+def framework_split_deliver(
+    torch: Any, stacked: Any, group: Sequence[Any], name: str, shape: Sequence[int]
+) -> None:
+    """Hand each request of ``group`` its view of ``stacked`` (the group's output ``name``,
+    one ``shape`` each): numpy views to host requests, tensor views to the others."""
+    k = len(group)
+    tensor_views = host_views = None
+    for i, r in enumerate(group):
+        if type(r.tensors) is HostOperands:
+            if host_views is None:
+                host_views = framework_host(torch, stacked).reshape(k, *shape)
+            view = host_views[i]
+        else:
+            if tensor_views is None:
+                tensor_views = framework_split(stacked, k, shape)
+            view = tensor_views[i]
+        framework_deliver(torch, r.tensors, name, view)
 
 
 def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]:
@@ -162,12 +279,19 @@ def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]
     return stacked.view(k, *shape).unbind(0) if k > 1 else (stacked.view(shape),)
 
 
-def framework_deliver(tensors: dict[str, Any], name: str, result: Any) -> None:
-    """Hand one request its ``result`` tensor: written into the output it was given
-    (unless the launch wrote there already), or, where its launch allocates that output
-    (None), the result itself (a view of the launch's output)."""
+def framework_deliver(torch: Any, tensors: dict[str, Any], name: str, result: Any) -> None:
+    """Hand one request its ``result`` (a tensor, or a numpy view for a host request):
+    written into the output it was given (unless the launch wrote there already), or,
+    where its launch allocates that output (None), the result itself (a view of the
+    launch's output; for a host request, as numpy)."""
     out = tensors[name]
     if out is None:
+        if type(tensors) is HostOperands and type(result) is not np.ndarray:
+            result = framework_host(torch, result)
         tensors[name] = result
+    elif type(out) is np.ndarray:
+        host = framework_host(torch, result)
+        if not np.may_share_memory(out, host):  # the launch wrote into it, or not
+            np.copyto(out, host)
     elif out.data_ptr() != result.data_ptr():
         out.copy_(result)

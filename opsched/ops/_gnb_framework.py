@@ -15,13 +15,14 @@ from opsched.ops._framework import (
     framework_cat,
     framework_deliver,
     framework_gather,
-    framework_split,
+    framework_split_deliver,
     framework_stack,
     framework_stacks,
 )
 
 __all__ = ["gnb_framework_batch"]
 
+_INPUTS = ("grad_out", "input", "mean", "rstd", "gamma")
 _OUTPUTS = ("dx", "dgamma", "dbeta")
 
 
@@ -32,7 +33,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
     is each request's own call, bit for bit, on any number of threads (measured); dgamma /
     dbeta come per sample and are summed over a request's samples here, in order."""
     call = torch.ops.aten.native_group_norm_backward
-    for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row):
+    for stack in framework_stacks(torch, requests, _stack_key, _size, _STACK_MAX, _row, _INPUTS):
         first = stack[0][0]
         x0, stat_dtype = first.tensors["input"], first.tensors["mean"].dtype
         mask, hxw = first.scalars["output_mask"], first.scalars["HxW"]
@@ -77,7 +78,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
         ]
         for i, (group, (k, n, c)) in enumerate(zip(stack, geometry, strict=True)):
             sums = _sample_sums(torch, pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
-            _deliver(group, (pieces[0][i], *sums))
+            _deliver(torch, group, (pieces[0][i], *sums))
 
 
 def _alone(torch: Any, request: Any, wide: Any) -> None:
@@ -97,7 +98,7 @@ def _alone(torch: Any, request: Any, wide: Any) -> None:
     stat_dtype = t["mean"].dtype
     for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
         if mask[i]:
-            framework_deliver(t, name, result if i == 0 else _wide(result, stat_dtype))
+            framework_deliver(torch, t, name, result if i == 0 else _wide(result, stat_dtype))
 
 
 def _stat_shape(request: Any) -> tuple[int, ...]:
@@ -106,7 +107,7 @@ def _stat_shape(request: Any) -> tuple[int, ...]:
     return tuple(gamma.shape) if gamma is not None else (request.scalars["C"],)
 
 
-def _deliver(group: Sequence[Any], results: Sequence[Any]) -> None:
+def _deliver(torch: Any, group: Sequence[Any], results: Sequence[Any]) -> None:
     """Hand each request of ``group`` (one shape) its views of ``results`` (dx,
     dgamma, dbeta stacked over the group; None where not asked for)."""
     stat_shape = _stat_shape(group[0])
@@ -114,9 +115,7 @@ def _deliver(group: Sequence[Any], results: Sequence[Any]) -> None:
     mask = group[0].scalars["output_mask"]
     for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
         if want:
-            views = framework_split(result, len(group), shape)
-            for r, view in zip(group, views, strict=True):
-                framework_deliver(r.tensors, name, view)
+            framework_split_deliver(torch, result, group, name, shape)
 
 
 def _deliver_empty(torch: Any, group: Sequence[Any]) -> None:
@@ -125,7 +124,7 @@ def _deliver_empty(torch: Any, group: Sequence[Any]) -> None:
     x0 = first["input"]
     dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
     stat = torch.zeros((k, *_stat_shape(group[0])), dtype=first["mean"].dtype, device=x0.device)
-    _deliver(group, (dx, stat, stat.clone()))
+    _deliver(torch, group, (dx, stat, stat.clone()))
 
 
 #: Requests of at least this many elements run alone, on their own tensors: copying them

@@ -39,6 +39,7 @@ from opsched.ops._framework import (
     framework_deliver,
     framework_gather,
     framework_output,
+    framework_own,
     framework_rows,
     framework_scatter,
     framework_stacks,
@@ -205,7 +206,9 @@ class GluBackward(Operator):
         # runs serially on the CPU (ops/_framework.py): a row computes the same wherever it
         # sits.
         glu = torch.ops.aten.glu_backward.grad_input
-        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _half):
+        for stack in framework_stacks(
+            torch, requests, _stack_key, _size, _STACK_MAX, _half, self.inputs
+        ):
             if len(stack) == 1 and len(stack[0]) == 1 and _lone(torch, stack[0][0]):
                 continue
             x0 = stack[0][0].tensors["self"]
@@ -238,7 +241,7 @@ class GluBackward(Operator):
                         glu(g[cut], x[cut], 1, grad_input=target[cut])
             if wide:
                 out.copy_(target)  # rounded once, to nearest even
-            framework_scatter(out, stack, "out", outers, "self")
+            framework_scatter(torch, out, stack, "out", outers, "self")
 
     # Fusion: a request is ``outer * half`` elementwise units. The fused launch is itself a
     # GluBackward of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every
@@ -359,11 +362,11 @@ def _lone(torch: Any, request: Any) -> bool:
             return False
     if not (x.is_contiguous() and g.is_contiguous()):
         return False
-    dim, own = request.scalars["dim"] % x.dim(), t["out"]
-    if own is not None and own.is_contiguous():
+    dim, own = request.scalars["dim"] % x.dim(), framework_own(torch, t, "out")
+    if own is not None:
         torch.ops.aten.glu_backward.grad_input(g, x, dim, grad_input=own)
     else:
-        framework_deliver(t, "out", torch.ops.aten.glu_backward(g, x, dim))
+        framework_deliver(torch, t, "out", torch.ops.aten.glu_backward(g, x, dim))
     return True
 
 

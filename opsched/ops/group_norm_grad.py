@@ -141,7 +141,9 @@ class GroupNormalizationGrad(Operator):
         # them as (rows, 1, M), whatever their N and G, and each call covers whole rows and
         # runs serially on the CPU (ops/_framework.py): a row's sums and dx are the same
         # wherever it sits.
-        for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row):
+        for stack in framework_stacks(
+            torch, requests, _stack_key, _size, _STACK_MAX, _row, self.inputs
+        ):
             x0 = stack[0][0].tensors["x"]
             m = _row(stack[0][0])
             counts = [
@@ -157,7 +159,7 @@ class GroupNormalizationGrad(Operator):
             for a, b in framework_rows(torch, rows, m, x0.device):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
-            framework_scatter(out, stack, "dx", counts, "x")
+            framework_scatter(torch, out, stack, "dx", counts, "x")
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

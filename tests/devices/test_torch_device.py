@@ -59,6 +59,62 @@ def test_numpy_out_is_written_and_returned():
     assert_result("torch:cpu", out, solo_glu(g, x, -1))
 
 
+def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
+    # calls of numpy arrays stay numpy until their launch (one copy per operand, numpy
+    # views back): the same bits as the same calls made with tensors, written into the
+    # numpy out= given (contiguous or strided), never into the caller's inputs
+    rng = np.random.default_rng(2)
+    pool = [(rand(rng, (3, 8), F32), rand(rng, (3, 16), F32)) for _ in range(4)]
+    picks = [int(j) for j in rng.integers(0, 4, size=40)]
+    big = np.full((3, 32), np.nan, F32)
+    outs = [np.full((3, 16), np.nan, F32), big[:, ::2]]  # contiguous, strided
+    before = [(g.copy(), x.copy()) for g, x in pool]
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            tensors = [
+                await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x)) for g, x in pool
+            ]
+            launches = sched.statistics().launches
+            calls = [sched.glu_backward(*pool[j]) for j in picks]
+            calls += [sched.glu_backward(*pool[j], out=o) for j, o in enumerate(outs)]
+            got = await asyncio.gather(*calls)
+            return tensors, got, sched.statistics().launches - launches
+
+    tensors, got, launches = asyncio.run(main())
+    assert launches < len(got) // 4
+    for j, result in zip([*picks, 0, 1], got, strict=True):
+        assert type(result) is np.ndarray
+        assert result.tobytes() == tensors[j].numpy().tobytes()
+    assert got[-2] is outs[0] and got[-1] is outs[1]
+    assert np.isnan(big[:, 1::2]).all()  # the strided out's gaps untouched
+    for (g, x), (g0, x0) in zip(pool, before, strict=True):
+        assert np.array_equal(g, g0) and np.array_equal(x, x0)
+        assert not any(np.shares_memory(r, a) for r in got for a in (g, x))
+
+
+def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
+    from opsched.devices import make_device
+    from opsched.ops import GLU_BACKWARD, HostOperands
+
+    device = make_device("torch:cpu", 2)
+    g, x = np.ones((2, 4), F32), np.ones((2, 8), F32)
+    spec = {"out": ((2, 8), F32)}
+
+    def bound(**tensors):
+        data, _ = device.bind(GLU_BACKWARD, tensors, {"dim": -1}, spec, 96)
+        return data
+
+    host = bound(grad_out=g, self=x, out=None)
+    assert type(host) is HostOperands and host["self"] is x
+    mixed = bound(grad_out=torch.from_numpy(g), self=x, out=None)
+    assert type(mixed) is dict and isinstance(mixed["self"], torch.Tensor)
+    data, _ = device.bind(GLU_BACKWARD, {"grad_out": g, "self": x, "out": None}, {"dim": -1},
+                          spec, device.split_min_bytes)  # fmt: skip
+    assert type(data) is dict and isinstance(data["self"], torch.Tensor)
+    device.close()
+
+
 def test_a_tensor_on_another_device_is_param_invalid():
     g = torch.empty((4, 8), device="meta")
     x = torch.empty((4, 16))
@@ -254,8 +310,9 @@ def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatc
     def drifting(self, torch_module, requests):
         real(self, torch_module, requests)
         if len(requests) > 1:  # batched requests move one ulp-ish away from their solo bits
-            for r in requests:
-                r.tensors["out"].mul_(1 + 2**-20)
+            for r in requests:  # a tensor, or numpy for a request of numpy arrays
+                out = r.tensors["out"]
+                out *= 1 + 2**-20
 
     monkeypatch.setattr(GluBackward, "framework_batch", drifting)
     status, text = _stress(**STRESS)

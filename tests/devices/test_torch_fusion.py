@@ -22,7 +22,7 @@ import pytest
 import opsched
 from opsched.devices import make_device, torch_ops
 from opsched.devices.base import meta_of
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, HostOperands, Operator
 from tests.helpers import BF16, rand
 
 torch = pytest.importorskip("torch")
@@ -105,6 +105,14 @@ def framework(op: Operator, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(torch_ops.group_norm_backward(*args, [True] * 3))
 
 
+def sibling(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A call of ``args``' shapes with other values (scaled and shifted: a positive rstd
+    stays positive)."""
+    return tuple(
+        (v.double() * 1.25 + 0.125).to(v.dtype) if isinstance(v, torch.Tensor) else v for v in args
+    )
+
+
 CASES: list[tuple[Operator, Callable[..., tuple[Any, ...]]]] = [
     (GLU_BACKWARD, glu_args),
     (GROUP_NORM_BACKWARD, gnb_args),
@@ -112,11 +120,17 @@ CASES: list[tuple[Operator, Callable[..., tuple[Any, ...]]]] = [
 ]
 
 
-def request(op: Operator, args: tuple[Any, ...], rid: int) -> Any:
-    """A checked request as the scheduler hands it to the device (outputs left to it)."""
+def request(op: Operator, args: tuple[Any, ...], rid: int, host: bool = False) -> Any:
+    """A checked request as the scheduler hands it to the device (outputs left to it);
+    ``host``: as the device binds a call of numpy arrays, its arrays kept as numpy."""
     tensors, scalars = op.arguments(args, None)
     meta = {name: None if v is None else meta_of(v) for name, v in tensors.items()}
     scalars = op.check(meta, scalars, allocate=True)
+    if host:  # numpy copies, so that nothing the launch does can reach the pooled tensors
+        arrays = {
+            k: None if v is None else torch_ops.from_torch(v).copy() for k, v in tensors.items()
+        }
+        return types.SimpleNamespace(id=rid, op=op, tensors=HostOperands(arrays), scalars=scalars)
     return types.SimpleNamespace(id=rid, op=op, tensors=dict(tensors), scalars=scalars)
 
 
@@ -125,6 +139,8 @@ def outputs(op: Operator, r: Any) -> list[Any]:
 
 
 def bits(tensor: Any) -> bytes:
+    if isinstance(tensor, np.ndarray):
+        return np.ascontiguousarray(tensor).view(np.uint8).tobytes()
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -134,12 +150,17 @@ def all_bits(op: Operator, r: Any) -> list[bytes]:
 
 
 def run(
-    op: Operator, calls: list[tuple[Any, ...]], execute: Any = None, framework_module: Any = None
+    op: Operator,
+    calls: list[tuple[Any, ...]],
+    execute: Any = None,
+    framework_module: Any = None,
+    host: list[bool] | None = None,
 ) -> list[Any]:
     """``calls`` as requests launched together: through a device's ``execute`` (asserting
     none failed), else straight through the operator with ``framework_module`` (torch, or a
-    stand-in that counts calls)."""
-    batch = [request(op, args, i) for i, args in enumerate(calls)]
+    stand-in that counts calls); ``host``: which are requests of numpy arrays."""
+    host = host or [False] * len(calls)
+    batch = [request(op, args, i, h) for i, (args, h) in enumerate(zip(calls, host, strict=True))]
     if execute is not None:
         assert execute(op, batch, 0) == {}
     else:
@@ -158,8 +179,11 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
     if dtype not in op.dtypes:
         pytest.skip(f"{op.name} takes no {dtype}")
     rng = np.random.default_rng(zlib.crc32(f"{op.name} {dtype}".encode()))  # fixed per case
-    # the large request first: alone on one thread, then in batches on two
-    pool = [make(rng, dtype, large=True)] + [make(rng, dtype) for _ in range(11)]
+    # the large request first: alone on one thread, then in batches on two; each small
+    # call has a sibling of its shapes with other values, so a launch's groups of one
+    # shape hold different requests (a gather or scatter that mixed them up would show)
+    small = [make(rng, dtype) for _ in range(6)]
+    pool = [make(rng, dtype, large=True)] + small + [sibling(args) for args in small[:5]]
     device = make_device("torch:cpu", 1)
     solo = []
     for i, args in enumerate(pool):
@@ -170,11 +194,18 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
             rtol, atol = TOL[dtype]
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
     torch.set_num_threads(2)
-    for _ in range(12):  # random compositions, repeats allowed, shuffled positions
+    for k in range(12):  # random compositions, repeats allowed, shuffled positions
         picks = rng.integers(0, len(pool), size=int(rng.integers(2, 120)))
-        batch = run(op, [pool[j] for j in picks], device.execute)
-        for r, j in zip(batch, picks, strict=True):
+        # requests of tensors and of numpy arrays (kept numpy until the launch), mixed;
+        # some batches all of one kind, and some of each kind alone
+        host = [bool(h) for h in rng.random(len(picks)) < (0.5, 0.0, 1.0)[k % 3]]
+        batch = run(op, [pool[j] for j in picks], device.execute, host=host)
+        for r, j, h in zip(batch, picks, host, strict=True):
             assert all_bits(op, r) == solo[j]
+            assert all(isinstance(v, np.ndarray if h else torch.Tensor) for v in outputs(op, r))
+    for j, args in enumerate(pool[:4]):
+        (r,) = run(op, [args], device.execute, host=[True])
+        assert all_bits(op, r) == solo[j]
     device.close()
 
 

@@ -15,6 +15,8 @@ from opsched.cli.stress import oracle
 
 _F16, _BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 _DTYPES = [np.dtype(np.float32), _F16, _BF16, np.dtype(np.float64)]
+
+
 @attrs.frozen(kw_only=True)
 class StressOptions:
     """What a stress run does (the command's options)."""
@@ -281,5 +283,3 @@ def _corrupt(t: _Template, how: int) -> tuple[str, tuple[Any, ...], dict[str, An
     if how == 2:
         return "gn", (x, dy.astype(np.float64), gamma, mean, rstd), {}, 161002
     return "gn", (x, dy, gamma.reshape(-1), mean, rstd), {}, 161002  # gamma 1-D
-
-
