@@ -5,6 +5,10 @@ The same scheduler drives the framework's operators on its own devices:
 - **Data** lives in torch tensors on the device. Requests may pass torch tensors on that
   device or numpy arrays (copied in); results come back as the kind of the inputs (numpy
   when every array argument was numpy). A tensor on another device is a ParamInvalidError.
+  On the CPU a request of numpy arrays only keeps them as numpy until its launch, which
+  gathers them with one numpy copy per operand and hands back numpy views
+  (:class:`opsched.ops.HostOperands`): converting each array at submit cost more than the
+  launch.
   The checks run on zero-byte numpy stand-ins of the tensors' shapes and dtypes, so every
   SPEC check, product profile and fusion key is the numpy devices' own.
 - **Operators**: each operator description's ``framework_call`` (``opsched/ops/``) says
