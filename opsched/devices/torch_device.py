@@ -54,6 +54,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import GraphExecutionError, ParamInvalidError
+from opsched._log import enabled, get_logger
 from opsched.devices import torch_ops
 from opsched.devices.base import (
     _NUMPY_OF,
@@ -70,6 +71,8 @@ from opsched.ops import HostOperands, Operator, register_array_type
 from opsched.ops.products import product_of_device
 
 __all__ = ["TorchDevice"]
+
+_log = get_logger("opsched.device")
 
 
 class _Part(NamedTuple):
@@ -341,12 +344,21 @@ class TorchDevice(Device):
         with context, self._torch.no_grad():  # outputs written in place, never recorded
             try:
                 op.framework_batch(self._torch, live)
-            except Exception:  # find the culprit: each alone, in the same layout
+            except Exception as batch_exc:  # find the culprit: each alone, in the same layout
                 for r in live:
                     try:
                         op.framework_batch(self._torch, [r])
                     except Exception as exc:  # the launch boundary of one request
                         errors[r.id] = exc
+                if len(live) > 1 and not errors and enabled():
+                    # none failed alone: the launch failed for what it was together (a
+                    # fault in stacking them, say); the results are right, but that must
+                    # not pass unseen (said once per launch)
+                    _log.warning(
+                        "a fused launch failed, then its requests ran alone",
+                        op=op.name, requests=len(live),
+                        error=f"{type(batch_exc).__name__}: {batch_exc}",
+                    )  # fmt: skip
             if framework is not None:
                 _used_by_default_stream(backend.default_stream(self.torch_device), live, op)
                 event = framework.record_event()

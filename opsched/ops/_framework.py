@@ -153,8 +153,9 @@ def framework_stacks(
     elements (``size``) is a stack of its own and runs on its own tensors, uncopied: which
     way a request goes depends on its own size only.
 
-    The first request of each group has its numpy ``inputs`` made tensors (views of the
-    same memory), so the geometry, dtypes and device read from it are the framework's."""
+    The first request of each stack's groups, and each request that runs alone, has its
+    numpy ``inputs`` made tensors (views of the same memory): the geometry, dtypes and
+    device a launch reads from it are the framework's."""
     groups: dict[Hashable, list[Any]] = {}
     for request in requests:
         # the checked signature (same shapes, dtypes, scalars) is already a hashable
@@ -166,6 +167,8 @@ def framework_stacks(
     for group in groups.values():  # one shape each: one size, weighed once
         _lead(torch, group[0], inputs)
         if size(group[0]) >= stack_max:
+            for request in group[1:]:  # each the first of its own stack
+                _lead(torch, request, inputs)
             alone.extend([[request]] for request in group)
         else:
             stacks.setdefault(row(group[0]), []).append(group)
@@ -196,12 +199,16 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
     if type(tensors[-1]) is np.ndarray:  # host operands: one numpy copy
         ndarray = np.ndarray
         arrays = [t if type(t) is ndarray else framework_host(torch, t) for t in tensors]
-        shape = arrays[0].shape
-        if not shape:
-            return framework_tensor(torch, np.stack(arrays))
-        # along the first axis, then seen as (k, *shape): cheaper than numpy.stack, which
-        # makes a new view of each array first
-        return framework_tensor(torch, np.concatenate(arrays).reshape(len(arrays), *shape))
+        first = arrays[0]
+        # C order whatever the arrays' own (numpy would keep Fortran order if all had it,
+        # and aten reads some operands as contiguous whatever their strides)
+        stacked = np.empty((len(arrays), *first.shape), first.dtype)
+        if first.ndim:  # along the first axis: cheaper than numpy.stack, which makes a
+            # new view of each array first
+            np.concatenate(arrays, out=stacked.reshape(-1, *first.shape[1:]))
+        else:
+            np.stack(arrays, out=stacked)
+        return framework_tensor(torch, stacked)
     return torch.stack([framework_tensor(torch, t) for t in tensors])
 
 

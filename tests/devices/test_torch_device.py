@@ -320,6 +320,39 @@ def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatc
     assert "not bit-identical to the solo call" in text
 
 
+def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(monkeypatch):
+    # every request runs fine alone: each gets its result from its own launch, and the
+    # failed fused launch is a warning, not silence
+    import structlog
+
+    from opsched.ops.glu_backward import GluBackward
+
+    real = GluBackward.framework_batch
+
+    def fails_together(self, torch_module, requests):
+        if len(requests) > 1:
+            raise RuntimeError("stacking went wrong")
+        real(self, torch_module, requests)
+
+    monkeypatch.setattr(GluBackward, "framework_batch", fails_together)
+    rng = np.random.default_rng(3)
+    args = [(rand(rng, (3, 8), F32), rand(rng, (3, 16), F32)) for _ in range(12)]
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            return await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
+
+    with structlog.testing.capture_logs() as logs:
+        results = asyncio.run(main())
+    for (g, x), r in zip(args, results, strict=True):
+        assert_result("torch:cpu", r, solo_glu(g, x, -1))
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert warnings
+    for w in warnings:
+        assert w["event"] == "a fused launch failed, then its requests ran alone"
+        assert w["requests"] > 1 and "stacking went wrong" in w["error"]
+
+
 def test_graph_placeholders_take_tensors_on_a_torch_device():
     rng = np.random.default_rng(5)
     gate = rand(rng, (2, 8), F32)
