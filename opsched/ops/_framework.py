@@ -268,17 +268,22 @@ def framework_split_deliver(
     """Hand each request of ``group`` its view of ``stacked`` (the group's output ``name``,
     one ``shape`` each): numpy views to host requests, tensor views to the others."""
     k = len(group)
-    tensor_views = host_views = None
+    tensor_views: Sequence[Any] | None = None
+    host_views: list[Any] | None = None
     for i, r in enumerate(group):
-        if type(r.tensors) is HostOperands:
-            if host_views is None:
-                host_views = framework_host(torch, stacked).reshape(k, *shape)
+        tensors = r.tensors
+        if type(tensors) is HostOperands:
+            if host_views is None:  # iterating a numpy array yields its views cheaply
+                host_views = list(framework_host(torch, stacked).reshape(k, *shape))
+            if tensors[name] is None:  # the usual request: its view, no call
+                tensors[name] = host_views[i]
+                continue
             view = host_views[i]
         else:
             if tensor_views is None:
                 tensor_views = framework_split(stacked, k, shape)
             view = tensor_views[i]
-        framework_deliver(torch, r.tensors, name, view)
+        framework_deliver(torch, tensors, name, view)
 
 
 def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]:
