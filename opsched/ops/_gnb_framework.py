@@ -22,18 +22,18 @@ from opsched.ops._framework import (
 
 __all__ = ["gnb_framework_batch"]
 
-_INPUTS = ("grad_out", "input", "mean", "rstd", "gamma")
 _OUTPUTS = ("dx", "dgamma", "dbeta")
 
 
-def gnb_framework_batch(torch: Any, requests: Sequence[Any]) -> None:
+def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[str]) -> None:
     """:meth:`GroupNormBackward.framework_batch`: the requests stacked as the channels of
     one sample, x as ``(1, channels, HxW)`` in ``channels / cpg`` groups, gamma repeated
     per sample. aten computes a channel's sums and a group's dx on one thread each, so dx
     is each request's own call, bit for bit, on any number of threads (measured); dgamma /
-    dbeta come per sample and are summed over a request's samples here, in order."""
+    dbeta come per sample and are summed over a request's samples here, in order.
+    ``inputs``: the operator's input names (the operands a host request keeps as numpy)."""
     call = torch.ops.aten.native_group_norm_backward
-    for stack in framework_stacks(torch, requests, _stack_key, _size, _STACK_MAX, _row, _INPUTS):
+    for stack in framework_stacks(torch, requests, _stack_key, _size, _STACK_MAX, _row, inputs):
         first = stack[0][0]
         x0, stat_dtype = first.tensors["input"], first.tensors["mean"].dtype
         mask, hxw = first.scalars["output_mask"], first.scalars["HxW"]

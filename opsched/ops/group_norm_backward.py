@@ -257,7 +257,7 @@ class GroupNormBackward(Operator):
 
     def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
         # stacked as the channels of one sample: opsched/ops/_gnb_framework.py
-        gnb_framework_batch(torch, requests)
+        gnb_framework_batch(torch, requests, self.inputs)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
