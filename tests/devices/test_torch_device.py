@@ -93,6 +93,26 @@ def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
         assert not any(np.shares_memory(r, a) for r in got for a in (g, x))
 
 
+@pytest.mark.parametrize("shape", [(3, 16), (64, 128)], ids=["stacked", "alone"])
+def test_a_lone_numpy_call_writes_its_out_in_place_or_by_copy(shape):
+    # one blocking call at a time: each launch holds one request, run through the lone
+    # path (a small one stacked by itself, a large one as aten's own call); a contiguous
+    # out= is written by the launch itself, a strided one copied into
+    rng = np.random.default_rng(4)
+    g, x = rand(rng, (shape[0], shape[1] // 2), F32), rand(rng, shape, F32)
+    want = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1).numpy()
+    flat = np.full(shape, np.nan, F32)
+    wide = np.full((shape[0], 2 * shape[1]), np.nan, F32)
+    with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+        plain = sched.glu_backward(g, x)
+        into_flat = sched.glu_backward(g, x, out=flat)
+        into_strided = sched.glu_backward(g, x, out=wide[:, 1::2])
+    assert type(plain) is np.ndarray and plain.tobytes() == want.tobytes()
+    assert into_flat is flat and flat.tobytes() == want.tobytes()
+    assert np.array_equal(into_strided, want) and np.isnan(wide[:, ::2]).all()
+    assert into_strided.base is wide
+
+
 def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     from opsched.devices import make_device
     from opsched.ops import GLU_BACKWARD, HostOperands
