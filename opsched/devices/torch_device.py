@@ -341,32 +341,47 @@ class TorchDevice(Device):
                 errors[r.id] = exc
             else:
                 live.append(r)
-        with context, self._torch.no_grad():  # outputs written in place, never recorded
-            try:
-                op.framework_batch(self._torch, live)
-            except Exception as batch_exc:  # find the culprit: each alone, in the same layout
-                for r in live:
-                    try:
-                        op.framework_batch(self._torch, [r])
-                    except Exception as exc:  # the launch boundary of one request
-                        errors[r.id] = exc
-                if len(live) > 1 and not errors and enabled():
-                    # none failed alone: the launch failed for what it was together (a
-                    # fault in stacking them, say); the results are right, but that must
-                    # not pass unseen (said once per launch)
-                    _log.warning(
-                        "a fused launch failed, then its requests ran alone",
-                        op=op.name, requests=len(live),
-                        error=f"{type(batch_exc).__name__}: {batch_exc}",
-                    )  # fmt: skip
-            if framework is not None:
-                _used_by_default_stream(backend.default_stream(self.torch_device), live, op)
-                event = framework.record_event()
-                issuer = self.streams[stream]
-                if isinstance(issuer, FrameworkStream):  # consumers may queue behind it now
-                    issuer.issued(event)
-                event.synchronize()  # this stream's thread waits; the loop does not
+        # outputs are written in place, never recorded: grad mode off for the launch (as
+        # torch.no_grad(), which costs twice as much a launch: 2.4 against 1.2 us)
+        torch = self._torch
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch.set_grad_enabled(False)
+        try:
+            with context:
+                self._launch(op, live, errors)
+                if framework is not None:
+                    _used_by_default_stream(backend.default_stream(self.torch_device), live, op)
+                    event = framework.record_event()
+                    issuer = self.streams[stream]
+                    if isinstance(issuer, FrameworkStream):  # consumers may queue behind it
+                        issuer.issued(event)
+                    event.synchronize()  # this stream's thread waits; the loop does not
+        finally:
+            if grad:
+                torch.set_grad_enabled(True)
         return errors
+
+    def _launch(self, op: Operator, live: list[Any], errors: dict[int, BaseException]) -> None:
+        """The framework calls of :meth:`execute`: ``live`` as one launch; when it raises,
+        each request alone in the same layout, its failure in ``errors``."""
+        try:
+            op.framework_batch(self._torch, live)
+        except Exception as batch_exc:  # find the culprit: each alone, in the same layout
+            for r in live:
+                try:
+                    op.framework_batch(self._torch, [r])
+                except Exception as exc:  # the launch boundary of one request
+                    errors[r.id] = exc
+            if len(live) > 1 and not errors and enabled():
+                # none failed alone: the launch failed for what it was together (a fault
+                # in stacking them, say); the results are right, but that must not pass
+                # unseen (said once per launch)
+                _log.warning(
+                    "a fused launch failed, then its requests ran alone",
+                    op=op.name, requests=len(live),
+                    error=f"{type(batch_exc).__name__}: {batch_exc}",
+                )  # fmt: skip
 
 
 def _used_by_default_stream(default: Any, requests: Sequence[Any], op: Operator) -> None:

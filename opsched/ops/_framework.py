@@ -156,6 +156,9 @@ def framework_stacks(
     The first request of each stack's groups, and each request that runs alone, has its
     numpy ``inputs`` made tensors (views of the same memory): the geometry, dtypes and
     device a launch reads from it are the framework's."""
+    if len(requests) == 1:  # a lone request (a blocking call, a medium one): one stack
+        _lead(torch, requests[0], inputs)
+        return [[[requests[0]]]]
     groups: dict[Hashable, list[Any]] = {}
     for request in requests:
         # the checked signature (same shapes, dtypes, scalars) is already a hashable

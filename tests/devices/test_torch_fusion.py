@@ -346,7 +346,10 @@ def test_inputs_that_require_grad_are_computed_without_recording_a_graph():
 
     async def main():
         async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
-            return await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(4)))
+            got = await asyncio.gather(*(sched.glu_backward(g, x) for _ in range(4)))
+            # the launches ran inline, on this thread: its grad mode is back as it was
+            assert torch.is_grad_enabled()
+            return got
 
     for got in asyncio.run(main()):
         assert got.grad_fn is None and not got.requires_grad
