@@ -317,16 +317,15 @@ class Operator(abc.ABC):
     #: Inputs the kernel still reads while it writes outputs: an output overlapping one of
     #: them must be staged through the workspace.
     overlap_inputs: ClassVar[tuple[str, ...]]
+    #: Whether :meth:`split` may cut a request into parts (False: it always runs whole, so
+    #: a device need not give a large request its outputs before the launch).
+    splits: ClassVar[bool] = True
 
     @property
     def inputs(self) -> tuple[str, ...]:
         """Input tensor argument names, in signature order (``tensor_names`` before the
         outputs)."""
         return self.tensor_names[: len(self.tensor_names) - len(self.outputs)]
-
-    #: Whether :meth:`split` may cut a request into parts (False: it always runs whole, so
-    #: a device need not give a large request its outputs before the launch).
-    splits: ClassVar[bool] = True
 
     @abc.abstractmethod
     def check(

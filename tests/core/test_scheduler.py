@@ -136,9 +136,7 @@ async def test_out_is_written_in_place_and_results_belong_to_the_caller(device):
     g, x = small_glu(rng)
     out = np.zeros((4, 16), F32)[:, ::2]  # strided out, fused path
     async with opsched.open_scheduler(device=device) as sched:
-        got, fresh = await gather(
-            sched.glu_backward(g, x, out=out), sched.glu_backward(g, x)
-        )
+        got, fresh = await gather(sched.glu_backward(g, x, out=out), sched.glu_backward(g, x))
     assert got is out
     assert_result(device, out, solo_glu(g, x, -1))
     assert fresh is not out and (device.startswith("torch") or fresh.flags.owndata)  # not pooled
@@ -619,28 +617,26 @@ async def test_a_given_strided_out_counts_in_the_solo_plan_under_the_cap():
             await sched.glu_backward(g, x, out=out)
 
 
-async def test_gathered_request_whose_solo_plan_is_over_the_cap_is_invalid():
-    rng = np.random.default_rng(173)
-    # DOUBLE 8 x 512 (80 KiB: gathered): no fused block fits a 64 KiB cap, and alone its
-    # numpy kernel carves 65,600 bytes: the message names that need, not a fused block's
-    g, x = rand(rng, (8, 256), F64), rand(rng, (8, 512), F64)
-    async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
-        with pytest.raises(
-            ParamInvalidError,
-            match=r"needs 65600 bytes of workspace, more than workspace_limit_bytes=65536",
-        ):
-            await sched.glu_backward(g, x)
-
-
-async def test_request_larger_than_the_workspace_cap_is_invalid():
+@pytest.mark.parametrize(
+    ("shape", "need"),
+    [
+        # 8 x 512 (80 KiB: gathered): no fused block fits, and alone its numpy kernel
+        # carves 65,600 bytes: the message names that need, not a fused block's
+        ((8, 512), "65600"),
+        # 64 x 2048 (3 MiB: launched alone, never gathered)
+        ((64, 2048), r"\d+"),
+    ],
+    ids=["gathered", "large"],
+)
+async def test_request_whose_solo_plan_is_over_the_workspace_cap_is_invalid(shape, need):
     rng = np.random.default_rng(18)
     # DOUBLE: its numpy kernel carves block buffers (FLOAT's compiled loop needs none)
-    g, x = rand(rng, (64, 1024), F64), rand(rng, (64, 2048), F64)
+    rows, cols = shape
+    g, x = rand(rng, (rows, cols // 2), F64), rand(rng, shape, F64)
     async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
         with pytest.raises(
             ParamInvalidError,
-            match=r"needs \d+ bytes of workspace, more than "
-            r"workspace_limit_bytes=65536",
+            match=rf"needs {need} bytes of workspace, more than workspace_limit_bytes=65536",
         ):
             await sched.glu_backward(g, x)
 
