@@ -288,7 +288,7 @@ class Dispatcher:
     def fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
         """Fail ``requests`` with an InnerError naming ``what`` went wrong."""
         for request in requests:
-            if request.done.is_set():
+            if request.finished:
                 continue
             if request.state is RequestState.RUNNING:
                 self.running -= 1

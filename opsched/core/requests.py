@@ -23,7 +23,7 @@ import attrs
 
 from opsched._errors import SchedulerClosedError
 from opsched._log import enabled, get_logger
-from opsched.core.loop import LoopEvent, ThreadEvent
+from opsched.core.loop import LoopEvent
 from opsched.core.stats import Counters
 from opsched.ops import Operator
 
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Pending", "Request", "RequestFuture", "RequestState", "finish"]
 
 _log = get_logger("opsched.scheduler")
-
-
-def _unbound_event() -> LoopEvent:
-    """For requests built outside a scheduler (tests of the pure policy)."""
-    return ThreadEvent()
 
 
 class RequestState(enum.Enum):
@@ -91,8 +86,9 @@ class RequestFuture(Future[Any]):
     """What a submission from a thread returns: a ``concurrent.futures.Future`` whose
     ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
     per request: it would keep the request, and its arrays, as long as the future lives.
-    Its condition is a :class:`_FutureCondition`: four tracked objects per future (a
-    plain ``Future`` is eleven)."""
+    Its condition is a :class:`_FutureCondition`, and its list of done-callbacks is made
+    by the first one added: three tracked objects per future (a plain ``Future`` is
+    eleven)."""
 
     #: The checked request, from submission until the loop queues it (the inbox holds
     #: the future alone).
@@ -104,6 +100,9 @@ class RequestFuture(Future[Any]):
     #: Set by :meth:`cancel` before it looks at ``_withdraw``: read by the loop, after it
     #: set ``_withdraw``, without taking the future's lock (one of the two sees the other).
     withdrawn = False
+    #: No done-callbacks: an empty tuple shared by every future (what ``Future`` reads when
+    #: it runs them), made a list of its own by the first :meth:`add_done_callback`.
+    _done_callbacks: Any = ()
 
     def __init__(self) -> None:
         # Future.__init__'s fields (the same in every supported Python), its condition lean
@@ -112,7 +111,12 @@ class RequestFuture(Future[Any]):
         self._result: Any = None
         self._exception: BaseException | None = None
         self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        with self._condition:
+            if type(self._done_callbacks) is tuple:
+                self._done_callbacks = []
+        super().add_done_callback(fn)
 
     def settle(self, result: Any, error: BaseException | None) -> None:
         """Give the future its request's outcome (loop thread): ``error`` when not None,
@@ -155,7 +159,9 @@ class Request:
     """One submitted operator call and its outcome.
 
     Created by the scheduler after the request passed its checks; the output arrays are
-    already bound (the caller's ``out=`` or a fresh array).
+    already bound (the caller's ``out=`` or a fresh array). One is made per request, so
+    every field is positional with a plain default (attrs then sets each from a parameter:
+    about half the cost of keyword-only fields and factories).
     """
 
     id: int
@@ -168,10 +174,18 @@ class Request:
     priority: int
     deadline: float | None
     enqueued_at: float
+    #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
+    signature: Hashable | None = None
+    #: Turns the device's result into what the caller gets (None: as it is).
+    convert: Any = None
     state: RequestState = RequestState.QUEUED
     error: BaseException | None = None
-    #: Set when the request reached a final state (the loop's native event).
-    done: LoopEvent = attrs.field(factory=_unbound_event, kw_only=True)
+    #: Set once the request reached a final state (:func:`finish`).
+    finished: bool = False
+    #: The event of the coroutines awaiting it (the loop's own kind), made by the first
+    #: of them (:meth:`Scheduler._wait`): a request waited on by a thread's future or a
+    #: graph run, or finished before anyone waits, never makes one.
+    waiter: LoopEvent | None = None
     #: The caller stopped waiting: the result is dropped when the launch finishes.
     abandoned: bool = False
     #: Launches (split parts) still running for this request.
@@ -179,14 +193,10 @@ class Request:
     launched_at: float = 0.0
     #: For requests submitted from threads: the future their submitter holds.
     future: RequestFuture | None = None
-    #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
-    signature: Hashable | None = attrs.field(default=None, kw_only=True)
     #: For a graph node: ``(graph run, node run)``; its launch reports to them.
     graph: Any = None
     #: Stream events its launch must wait for (its producers' launches).
     waits: list[Any] | None = None
-    #: Turns the device's result into what the caller gets (None: as it is).
-    convert: Any = attrs.field(default=None, kw_only=True)
 
     @property
     def result(self) -> Any:
@@ -223,7 +233,7 @@ def finish(
         counters: the scheduler's counters; the outcome is counted there.
         error: the error its waiter raises (kept if one was already recorded).
     """
-    if request.done.is_set():  # finished before: an internal error, counted, never delivered
+    if request.finished:  # finished before: an internal error, counted, never delivered
         counters.finished_twice += 1
         if enabled():
             _log.error("request finished twice", op=request.op.name, request=request.id)
@@ -237,7 +247,10 @@ def finish(
         counters.count(state.value)
         if state is RequestState.FAILED and enabled():
             _log.info("request failed", op=request.op.name, error=str(request.error))
-    request.done.set()
+    request.finished = True
+    waiter = request.waiter
+    if waiter is not None:
+        waiter.set()
     if request.graph is not None:
         run, node_run = request.graph
         if state is RequestState.DONE:
@@ -277,7 +290,7 @@ class Pending:
 
     def done(self) -> bool:
         """Whether the request reached a final state."""
-        return self._request.done.is_set()
+        return self._request.finished
 
     async def wait(self) -> Any:
         """Wait for the result; see :meth:`Scheduler.submit` for what it raises."""

@@ -458,8 +458,7 @@ class Scheduler:
         """A new request record of this scheduler."""
         return Request(
             next(self._ids), op, tensors, scalars, key, units, nbytes, priority, deadline,
-            time.monotonic(), done=self._loop.new_event(), signature=signature,
-            convert=convert,
+            time.monotonic(), signature, convert,
         )  # fmt: skip
 
     def _admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
@@ -510,7 +509,7 @@ class Scheduler:
         self._loop.post(self._abandon_cancelled, request)
 
     def _abandon_cancelled(self, request: Request) -> None:
-        if not request.done.is_set():
+        if not request.finished:
             self._abandon(request)
 
     def _deadline_reached(self, request: Request) -> None:
@@ -520,25 +519,28 @@ class Scheduler:
     # ------------------------------------------------------------------------- waiting
 
     async def _wait(self, request: Request) -> Any:
-        done = request.done
         loop = self._loop
         try:
-            if done.is_set():  # finished inline at submit: still yield once
+            if request.finished:  # finished inline at submit: still yield once
                 await loop.checkpoint()
-            elif request.deadline is None:  # the common case
-                await done.wait()
             else:
-                with anyio.move_on_after(request.deadline - time.monotonic()):
+                done = request.waiter
+                if done is None:  # the first to wait on it (a Pending may have several)
+                    done = request.waiter = loop.new_event()
+                if request.deadline is None:  # the common case
                     await done.wait()
-                if not done.is_set():
-                    if request.state is RequestState.QUEUED:
-                        self._expire(request)
-                    else:  # launched before its deadline: the result is on its way
+                else:
+                    with anyio.move_on_after(request.deadline - time.monotonic()):
                         await done.wait()
+                    if not request.finished:
+                        if request.state is RequestState.QUEUED:
+                            self._expire(request)
+                        else:  # launched before its deadline: the result is on its way
+                            await done.wait()
             if loop.cancelled is not None and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
-            if not done.is_set():
+            if not request.finished:
                 self._abandon(request)
             raise
         return request.returned()

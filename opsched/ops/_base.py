@@ -17,7 +17,7 @@ import functools
 import inspect
 import itertools
 import operator
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -40,7 +40,7 @@ __all__ = [
     "check_types",
     "check_writable",
     "cuts",
-    "deliver",
+    "deliver_each",
     "dtype_name",
     "entry_point",
     "index_value",
@@ -177,15 +177,19 @@ def cuts(n: int, parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
 
 
-def deliver(tensors: dict[str, Any], name: str, result: np.ndarray) -> None:
-    """Hand one request its ``result`` from a fused launch: copied into the caller's output
-    ``name``, or, where its launch allocates that output (None), as a new array of its own
-    (never a view of the launch's memory)."""
-    out = tensors[name]
-    if out is None:
-        tensors[name] = result.copy()
-    else:
-        np.copyto(out, result)
+def deliver_each(
+    requests: Sequence[Any], members: Iterable[int], name: str, results: Iterable[np.ndarray]
+) -> None:
+    """Hand each request ``requests[i]`` (``i`` in ``members``) its result of a fused launch,
+    in order: copied into the caller's output ``name``, or, where its launch allocates that
+    output (None), as a new array of its own (never a view of the launch's memory)."""
+    for i, result in zip(members, results, strict=True):
+        tensors = requests[i].tensors
+        out = tensors[name]
+        if out is None:
+            tensors[name] = result.copy()
+        else:
+            np.copyto(out, result)
 
 
 def signature_groups(requests: Sequence[Any]) -> list[list[int]]:

@@ -29,7 +29,7 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
-    deliver,
+    deliver_each,
     index_value,
     signature_groups,
 )
@@ -311,8 +311,7 @@ class GluBackward(Operator):
             halves = results.reshape(rows, 2, half)
             np.copyto(halves[:, 0], oa_row[segment].reshape(rows, half))
             np.copyto(halves[:, 1], ob_row[segment].reshape(rows, half))
-            for i, result in zip(members, results, strict=True):
-                deliver(requests[i].tensors, "out", result)
+            deliver_each(requests, members, "out", results)
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -31,7 +31,7 @@ from opsched.ops._base import (
     check_dtype,
     check_present,
     check_types,
-    deliver,
+    deliver_each,
     dtype_name,
     index_value,
     signature_groups,
@@ -426,9 +426,7 @@ class GroupNormBackward(Operator):
             want_dx, want_dgamma, want_dbeta = first.scalars["output_mask"]
             shape = first.tensors["input"].shape
             if want_dx:
-                dx = fused["dx"][lo:hi].reshape(k, *shape)
-                for i, result in zip(members, dx, strict=True):
-                    deliver(requests[i].tensors, "dx", result)
+                deliver_each(requests, members, "dx", fused["dx"][lo:hi].reshape(k, *shape))
             gamma, mean = first.tensors["gamma"], first.tensors["mean"]
             stat_shape = gamma.shape if gamma is not None else (c,)
             for name, stats, wanted in (("dgamma", "db", want_dgamma), ("dbeta", "ds", want_dbeta)):
@@ -439,8 +437,7 @@ class GroupNormBackward(Operator):
                 for sample in range(1, n):
                     sums += rows[:, sample]
                 results = sums.astype(mean.dtype).reshape(k, *stat_shape)
-                for i, result in zip(members, results, strict=True):
-                    deliver(requests[i].tensors, name, result)
+                deliver_each(requests, members, name, results)
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -30,7 +30,7 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
-    deliver,
+    deliver_each,
     signature_groups,
 )
 from opsched.ops._framework import (
@@ -222,10 +222,13 @@ class GroupNormalizationGrad(Operator):
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        # A signature group's rows are contiguous (the gather placed them so).
         dx_all = fused["dx"]
-        for r, offset in zip(requests, offsets, strict=True):
-            shape = r.tensors["x"].shape
-            deliver(r.tensors, "dx", dx_all[offset : offset + shape[0] * shape[1]].reshape(shape))
+        for members in signature_groups(requests):
+            shape = requests[members[0]].tensors["x"].shape
+            start = offsets[members[0]]
+            stop = start + len(members) * shape[0] * shape[1]
+            deliver_each(requests, members, "dx", dx_all[start:stop].reshape(-1, *shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
