@@ -20,7 +20,8 @@ operator by name, no event loop.
 
 from __future__ import annotations
 
-import heapq
+import bisect
+import collections
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -65,13 +66,19 @@ class Batch:
 
 @attrs.define(eq=False)
 class RequestQueue:
-    """Queued requests: one heap per fusion key, ordered by (-priority, id).
+    """Queued requests: per fusion key, one FIFO lane per priority, highest first.
 
-    Removal (cancel, expiry) is lazy: the request's state changes and the heap entry is
+    Within a key, requests go in order of (-priority, id), as a heap would give them; a
+    lane is a deque in id order (requests are pushed in id order, except those put back
+    after a launch could not start, which go to their place), so queueing and taking a
+    request is an append and a ``popleft``, no heap entry made or sifted per request.
+
+    Removal (cancel, expiry) is lazy: the request's state changes and the entry is
     skipped when reached. ``len()`` counts live requests.
     """
 
-    _heaps: dict[Hashable, list[tuple[int, int, Request]]] = attrs.field(factory=dict)
+    #: Per key: its lanes by priority, in order of priority, highest first.
+    _lanes: dict[Hashable, dict[int, collections.deque[Request]]] = attrs.field(factory=dict)
     _bytes: dict[Hashable, int] = attrs.field(factory=dict)
     #: Live requests (``len()``; read as an attribute on the hot path, never written outside).
     live: int = 0
@@ -86,10 +93,16 @@ class RequestQueue:
     def push(self, request: Request) -> None:
         """Queue ``request``."""
         key = request.key
-        heap = self._heaps.get(key)
-        if heap is None:
-            heap = self._heaps[key] = []
-        heapq.heappush(heap, (-request.priority, request.id, request))
+        lanes = self._lanes.get(key)
+        if lanes is None:
+            lanes = self._lanes[key] = {}
+        lane = lanes.get(request.priority)
+        if lane is None:
+            lane = _new_lane(lanes, request.priority)
+        if not lane or lane[-1].id < request.id:  # the common case: the newest request
+            lane.append(request)
+        else:  # put back after its launch could not start: to its place by id
+            lane.insert(bisect.bisect(lane, request.id, key=_request_id), request)
         self._bytes[key] = self._bytes.get(key, 0) + request.nbytes
         self.live += 1
         if self.live > self.peak:
@@ -103,20 +116,29 @@ class RequestQueue:
 
     def head(self, key: Hashable) -> Request | None:
         """The next live request of ``key``, dropping dead entries on the way."""
-        heap = self._heaps.get(key)
-        while heap:
-            request = heap[0][2]
-            if request.state is RequestState.QUEUED:
-                return request
-            heapq.heappop(heap)
-        if heap is not None:
-            del self._heaps[key]
-            self._bytes.pop(key, None)
+        lanes = self._lanes.get(key)
+        if lanes is None:
+            return None
+        for priority, lane in list(lanes.items()):
+            while lane:
+                request = lane[0]
+                if request.state is RequestState.QUEUED:
+                    return request
+                lane.popleft()
+            del lanes[priority]
+        del self._lanes[key]
+        self._bytes.pop(key, None)
         return None
 
     def pop(self, key: Hashable) -> Request:
         """Remove and return the head of ``key`` (call :meth:`head` first)."""
-        request = heapq.heappop(self._heaps[key])[2]
+        lanes = self._lanes[key]
+        priority, lane = next(iter(lanes.items()))
+        request = lane.popleft()
+        if not lane:
+            del lanes[priority]
+            if not lanes:
+                del self._lanes[key]
         self._bytes[key] -= request.nbytes
         self.live -= 1
         if self.taken is not None:
@@ -129,40 +151,43 @@ class RequestQueue:
         """Pop up to ``limit`` fusible requests of ``key`` in order, while each is at most
         ``fuse_max_bytes`` and together at most ``max_batch_bytes`` (the first always
         goes). Returns ``(taken, expired)``: requests whose deadline passed are popped
-        too, left EXPIRED, not taken. One loop over the heap, no method call per request.
+        too, left EXPIRED, not taken. One loop over the lanes, no method call per request.
         """
         taken: list[Request] = []
         expired: list[Request] = []
-        heap = self._heaps.get(key)
-        if heap is None:
+        lanes = self._lanes.get(key)
+        if lanes is None:
             return taken, expired
         record = self.taken
         queued = RequestState.QUEUED
-        pop = heapq.heappop
         nbytes = popped = 0
-        while heap and len(taken) < limit:
-            request = heap[0][2]
-            if request.state is not queued:  # cancelled or expired in place: drop it
-                pop(heap)
-                continue
-            size = request.nbytes
-            if size > fuse_max_bytes or (taken and nbytes + size > max_batch_bytes):
-                break
-            pop(heap)
-            popped += 1
-            self._bytes[key] -= size
-            if record is not None:
-                record.append(request)
-            deadline = request.deadline
-            if deadline is not None and deadline <= now:
-                request.state = RequestState.EXPIRED
-                expired.append(request)
-                continue
-            taken.append(request)
-            nbytes += size
+        for priority, lane in list(lanes.items()):
+            while lane and len(taken) < limit:
+                request = lane[0]
+                if request.state is not queued:  # cancelled or expired in place: drop it
+                    lane.popleft()
+                    continue
+                size = request.nbytes
+                if size > fuse_max_bytes or (taken and nbytes + size > max_batch_bytes):
+                    break
+                lane.popleft()
+                popped += 1
+                if record is not None:
+                    record.append(request)
+                deadline = request.deadline
+                if deadline is not None and deadline <= now:
+                    request.state = RequestState.EXPIRED
+                    expired.append(request)
+                    continue
+                taken.append(request)
+                nbytes += size
+            if lane:
+                break  # the batch is full (or the next one does not fit): the rest waits
+            del lanes[priority]
+        self._bytes[key] -= nbytes + sum(r.nbytes for r in expired)
         self.live -= popped
-        if not heap:
-            del self._heaps[key]
+        if not lanes:
+            del self._lanes[key]
             self._bytes.pop(key, None)
         return taken, expired
 
@@ -171,14 +196,14 @@ class RequestQueue:
         return self._bytes.get(key, 0)
 
     def count(self, key: Hashable) -> int:
-        """Heap entries of ``key`` (an upper bound on its live requests)."""
-        return len(self._heaps.get(key, ()))
+        """Entries of ``key`` (an upper bound on its live requests)."""
+        return sum(len(lane) for lane in self._lanes.get(key, {}).values())
 
     def best_key(self) -> Hashable | None:
         """The key whose head request goes next: highest priority, then oldest."""
         best: tuple[int, int] | None = None
         best_key: Hashable | None = None
-        for key in list(self._heaps):
+        for key in list(self._lanes):
             head = self.head(key)
             if head is not None and (best is None or (-head.priority, head.id) < best):
                 best, best_key = (-head.priority, head.id), key
@@ -186,15 +211,32 @@ class RequestQueue:
 
     def keys(self) -> list[Hashable]:
         """Keys with entries, in no particular order."""
-        return list(self._heaps)
+        return list(self._lanes)
 
     def drain(self) -> list[Request]:
         """Remove and return every live request."""
-        out = [r for heap in self._heaps.values() for _, _, r in heap]
-        self._heaps.clear()
+        out = [r for lanes in self._lanes.values() for lane in lanes.values() for r in lane]
+        self._lanes.clear()
         self._bytes.clear()
         self.live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
+
+
+def _new_lane(
+    lanes: dict[int, collections.deque[Request]], priority: int
+) -> collections.deque[Request]:
+    """Add the lane of ``priority`` to a key's ``lanes``, keeping them highest first."""
+    lane: collections.deque[Request] = collections.deque()
+    lanes[priority] = lane
+    if len(lanes) > 1:
+        ordered = sorted(lanes.items(), key=lambda item: -item[0])
+        lanes.clear()
+        lanes.update(ordered)
+    return lane
+
+
+def _request_id(request: Request) -> int:
+    return request.id
 
 
 def form_batches(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -168,3 +169,51 @@ def test_no_idle_stream_no_batch():
     q = queue_of(glu_request())
     assert form_batches(q, [], CFG, now=1.0) == ([], [], None)
     assert len(q) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
+    # The queue's lanes against a plain model: the live requests of a key sorted by
+    # (-priority, id). Pushes come with mixed priorities, taken requests are put back
+    # (older ids pushed after newer ones, as after a launch that could not start), some are
+    # discarded or expire, and batches are cut by count and by bytes.
+    rng = random.Random(seed)
+    q = RequestQueue()
+    live: list[Request] = []
+    key, per = glu_request().key, glu_request().nbytes
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.5:
+            r = glu_request(priority=rng.choice([0, 0, 0, 1, 5, -2]),
+                            deadline=rng.choice([None, None, None, 0.5, 2.0]))  # fmt: skip
+            q.push(r)
+            live.append(r)
+        elif action < 0.6 and live:
+            r = rng.choice(live)
+            q.discard(r, RequestState.CANCELLED)
+            live.remove(r)
+        else:
+            limit = rng.randint(1, 6)
+            budget = per * rng.randint(1, 6)
+            taken, expired = q.take(key, limit, 1 << 20, budget, now=1.0)
+            want, want_expired, nbytes = [], [], 0
+            for r in sorted(live, key=lambda r: (-r.priority, r.id)):
+                if len(want) == limit or (want and nbytes + r.nbytes > budget):
+                    break
+                if r.deadline is not None and r.deadline <= 1.0:
+                    want_expired.append(r)
+                else:
+                    want.append(r)
+                    nbytes += r.nbytes
+            assert (taken, expired) == (want, want_expired)
+            for r in want + want_expired:
+                live.remove(r)
+            if taken and rng.random() < 0.5:  # the launch could not start: put them back
+                for r in rng.sample(taken, len(taken)):
+                    r.state = RequestState.QUEUED
+                    q.push(r)
+                    live.append(r)
+        assert len(q) == len(live)
+        assert q.queued_bytes(key) == sum(r.nbytes for r in live)
+        head = q.head(key)
+        assert head is min(live, key=lambda r: (-r.priority, r.id), default=None)
