@@ -181,6 +181,26 @@ def test_a_future_cancelled_by_its_owner_is_left_cancelled_by_its_outcome():
         fresh._condition.notify_all()  # as threading.Condition: only while held
 
 
+def test_settle_tells_the_standard_waiters_and_happens_once():
+    # settle() does set_result's / set_exception's work itself, under one lock: the waiters
+    # that concurrent.futures.wait() and as_completed() install must hear of both kinds of
+    # outcome, and a second outcome changes nothing.
+    from concurrent.futures._base import FIRST_EXCEPTION, _create_and_install_waiters
+
+    from opsched.core.requests import RequestFuture
+
+    for error in (None, RuntimeError("boom")):
+        future = RequestFuture()
+        waiter = _create_and_install_waiters([future], FIRST_EXCEPTION)
+        future.settle(None if error else 7, error)
+        assert waiter.event.is_set() and waiter.finished_futures == [future]
+        future.settle(8, None)  # too late: ignored
+        if error is None:
+            assert future.result(timeout=0) == 7
+        else:
+            assert future.exception(timeout=0) is error
+
+
 def test_done_callbacks_run_without_the_futures_lock():
     # As for any Future, a done-callback runs after the future's lock is let go: one that
     # waits on another thread which needs that future would deadlock otherwise.

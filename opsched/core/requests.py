@@ -16,7 +16,7 @@ import enum
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, PENDING
+from concurrent.futures._base import CANCELLED, FINISHED, PENDING
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -122,20 +122,28 @@ class RequestFuture(Future[Any]):
         """Give the future its request's outcome (loop thread): ``error`` when not None,
         else ``result``; nothing when its owner cancelled it first.
 
-        Under the future's lock a pending future is claimed (put in the running state, as
-        an executor does before it runs a call): an owner's ``cancel()`` then says False,
-        and cannot land between the check and the set (``set_result`` on a cancelled
-        future raises ``InvalidStateError``). The outcome is set after the lock is let go,
-        so done-callbacks run without it, as for any future.
+        One pass under the future's lock does what ``set_result`` / ``set_exception`` do
+        (the outcome, FINISHED, the waiters of ``concurrent.futures.wait`` and
+        ``as_completed``, the threads in ``result()``), so an owner's ``cancel()`` lands
+        either before it (then nothing is set) or after it (then it says False); the
+        done-callbacks run after the lock is let go, as for any future. (Claiming the
+        future first with ``set_running_or_notify_cancel`` and then calling ``set_result``
+        took the lock three times: 1.5 us a future on the loop thread.)
         """
         with self._condition:
             if self._state != PENDING:
                 return  # cancelled by its owner
-            self.set_running_or_notify_cancel()  # PENDING -> RUNNING (the lock is reentrant)
-        if error is None:
-            self.set_result(result)
-        else:
-            self.set_exception(error)
+            self._state = FINISHED
+            if error is None:
+                self._result = result
+                for waiter in self._waiters:
+                    waiter.add_result(self)
+            else:
+                self._exception = error
+                for waiter in self._waiters:
+                    waiter.add_exception(self)
+            self._condition.notify_all()
+        self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own
 
     def cancel(self) -> bool:
         if not super().cancel():  # done-callbacks run in there, without the lock held
