@@ -126,8 +126,7 @@ class RequestQueue:
                     return request
                 lane.popleft()
             del lanes[priority]
-        del self._lanes[key]
-        self._bytes.pop(key, None)
+        self._forget(key)
         return None
 
     def pop(self, key: Hashable) -> Request:
@@ -135,11 +134,11 @@ class RequestQueue:
         lanes = self._lanes[key]
         priority, lane = next(iter(lanes.items()))
         request = lane.popleft()
+        self._bytes[key] -= request.nbytes
         if not lane:
             del lanes[priority]
             if not lanes:
-                del self._lanes[key]
-        self._bytes[key] -= request.nbytes
+                self._forget(key)
         self.live -= 1
         if self.taken is not None:
             self.taken.append(request)
@@ -160,7 +159,7 @@ class RequestQueue:
             return taken, expired
         record = self.taken
         queued = RequestState.QUEUED
-        nbytes = popped = 0
+        nbytes = popped = gone = 0  # bytes taken; requests and bytes out of the queue
         for priority, lane in list(lanes.items()):
             while lane and len(taken) < limit:
                 request = lane[0]
@@ -172,6 +171,7 @@ class RequestQueue:
                     break
                 lane.popleft()
                 popped += 1
+                gone += size
                 if record is not None:
                     record.append(request)
                 deadline = request.deadline
@@ -184,12 +184,16 @@ class RequestQueue:
             if lane:
                 break  # the batch is full (or the next one does not fit): the rest waits
             del lanes[priority]
-        self._bytes[key] -= nbytes + sum(r.nbytes for r in expired)
+        self._bytes[key] -= gone
         self.live -= popped
         if not lanes:
-            del self._lanes[key]
-            self._bytes.pop(key, None)
+            self._forget(key)
         return taken, expired
+
+    def _forget(self, key: Hashable) -> None:
+        """Drop ``key``, whose lanes are all empty."""
+        del self._lanes[key]
+        self._bytes.pop(key, None)
 
     def queued_bytes(self, key: Hashable) -> int:
         """Bytes of the live requests of ``key``."""
