@@ -186,7 +186,7 @@ def flat_rows(view: np.ndarray) -> tuple[np.ndarray, int] | None:
         return None
     row = strides[0] // item if shape[0] > 1 else 0
     if view.flags.c_contiguous:
-        return view.reshape(-1), row
+        return view.ravel(), row  # a view: the array is C-contiguous
     owner = view
     while isinstance(owner.base, np.ndarray):
         owner = owner.base

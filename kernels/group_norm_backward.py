@@ -306,52 +306,66 @@ def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
 
 
 def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
-    """Carve the workspace, note the copies into it, and lay out the loop's arguments."""
-    group, cpg, hxw = plan.group, plan.cpg, plan.hxw
-    rows = n * group
-    channel_rows = n * plan.c
+    """Carve the workspace, note the copies into it, and lay out the loop's arguments.
+
+    Runs per launch of a new workspace (every two-phase call): operands that need no copy
+    (float32 statistics, C-contiguous arrays: the usual call) are taken inline, with no
+    helper call each.
+    """
+    # one unpacking each, not an attribute lookup per field (mypy checks the arity)
+    _, c, hxw, group, dtype, want_dx, want_dgamma, want_dbeta, _, _, stats_out, *staged, _ = plan
+    stage_x, stage_dy, stage_dx = staged
+    grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out = a
+    cpg = c // group
+    rows, channel_rows = n * group, n * c
     carve = Carver(workspace)
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     shape2 = (channel_rows, hxw)
-    # per launch: no call where nothing is staged (the usual launch)
-    x2 = _staged(carve, a.x, copies) if plan.stage_x else a.x
-    dy2 = _staged(carve, a.grad_out, copies) if plan.stage_dy else a.grad_out
+    x2 = _staged(carve, x, copies) if stage_x else x
+    dy2 = _staged(carve, grad_out, copies) if stage_dy else grad_out
     dx_target = None
-    if plan.want_dx and plan.stage_dx:
-        dx_target = carve.take(channel_rows * hxw, plan.dtype)
-    mean32, rstd32 = _as_f32(carve, a.mean, copies), _as_f32(carve, a.rstd, copies)
-    if a.gamma is None:
+    if want_dx and stage_dx:
+        dx_target = carve.take(channel_rows * hxw, dtype)
+    mean32 = mean.ravel() if _plain_f32(mean) else _as_f32(carve, mean, copies)
+    rstd32 = rstd.ravel() if _plain_f32(rstd) else _as_f32(carve, rstd, copies)
+    if gamma is None:
         gamma32, period = _ONE, 1
     else:  # per channel (C,), or per row and channel in a fused launch
-        gamma32 = _as_f32(carve, a.gamma, copies)
+        gamma32 = gamma.ravel() if _plain_f32(gamma) else _as_f32(carve, gamma, copies)
         period = gamma32.size
     stores: list[tuple[np.ndarray, np.ndarray]] = []
-    if plan.stats_out:
-        assert a.ds_out is not None and a.db_out is not None
-        ds, db = a.ds_out.reshape(channel_rows), a.db_out.reshape(channel_rows)
+    if stats_out:
+        assert ds_out is not None and db_out is not None
+        ds, db = ds_out.reshape(channel_rows), db_out.reshape(channel_rows)
         c_reduce, dgamma32, dbeta32 = 0, db, ds
     else:  # the loop adds the samples' sums into dgamma / dbeta, or in place for a store
         sums = carve.take(2 * channel_rows, F32)  # ds and db: one buffer, one carve
         ds, db = sums[:channel_rows], sums[channel_rows:]
-        c_reduce = plan.c
-        dgamma32 = _sums_target(a.dgamma if plan.want_dgamma else None, db, plan.c, stores)
-        dbeta32 = _sums_target(a.dbeta if plan.want_dbeta else None, ds, plan.c, stores)
-    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
+        c_reduce = c
+        dgamma32 = _sums_target(dgamma if want_dgamma else None, db, c, stores)
+        dbeta32 = _sums_target(dbeta if want_dbeta else None, ds, c, stores)
+    kind = _jit.KINDS[dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
     dy, dys = _channel_rows(dy2, shape2, kind)
     xf, xs = _channel_rows(x2, shape2, kind)
-    if not plan.want_dx:
+    if not want_dx:
         out, os_ = dy, 0  # not written
     elif dx_target is not None:
         out, os_ = _jit.storage(dx_target, kind), hxw
     else:
-        assert a.dx is not None
-        out, os_ = _channel_rows(a.dx, shape2, kind)  # viewable: the plan checked
+        assert dx is not None
+        out, os_ = _channel_rows(dx, shape2, kind)  # viewable: the plan checked
     args = (
         dy, dys, xf, xs, out, os_, mean32, rstd32, gamma32, period, ds, db, rows, cpg, hxw,
-        plan.want_dx, n, c_reduce, dgamma32, dbeta32,
+        want_dx, n, c_reduce, dgamma32, dbeta32,
     )  # fmt: skip
-    dx_copy = None if dx_target is None or a.dx is None else (a.dx, dx_target)
+    dx_copy = None if dx_target is None or dx is None else (dx, dx_target)
     return _Launch(tuple(copies), _LOOPS[kind.name], args, dx_copy, tuple(stores))
+
+
+def _plain_f32(array: np.ndarray) -> bool:
+    """Whether ``array`` is float32 and C-contiguous: the loop reads it as it is."""
+    # ``is`` first: a float32 array's dtype is numpy's one float32 dtype (cheaper than ==)
+    return (array.dtype is F32 or array.dtype == F32) and array.flags.c_contiguous
 
 
 def _channel_rows(
@@ -378,9 +392,8 @@ def _as_f32(
 ) -> np.ndarray:
     """``array`` as a flat float32 array: itself when it is one, else a workspace buffer it
     is converted into before each launch."""
-    # ``is`` first: a float32 array's dtype is numpy's one float32 dtype (cheaper than ==)
-    if (array.dtype is F32 or array.dtype == F32) and array.flags.c_contiguous:
-        return array.reshape(-1)
+    if _plain_f32(array):
+        return array.ravel()  # a view: the array is C-contiguous
     buf = carve.take(array.size, F32)
     copies.append((buf.reshape(array.shape), array))
     return buf
@@ -391,8 +404,8 @@ def _sums_target(
 ) -> np.ndarray:
     """Where the loop writes dgamma or dbeta: ``out`` itself when it is float32 and
     contiguous, else the first ``c`` per-channel-row ``sums`` (stored into ``out`` after)."""
-    if out is not None and (out.dtype is F32 or out.dtype == F32) and out.flags.c_contiguous:
-        return out.reshape(c)
+    if out is not None and _plain_f32(out):
+        return out.ravel()  # a view of its C elements: the array is C-contiguous
     if out is not None:
         stores.append((out, sums[:c]))
     return sums

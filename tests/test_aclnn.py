@@ -17,7 +17,7 @@ from opsched import (
 )
 from opsched.ops import GLU_BACKWARD
 from opsched.ops.executor import PlanCache
-from tests.helpers import assert_same_bits, gn_inputs, rand
+from tests.helpers import assert_close, assert_same_bits, glu_golden, gn_inputs, rand
 
 F32 = np.dtype(np.float32)
 
@@ -328,6 +328,28 @@ def test_the_two_phase_api_reports_its_plan_cache():
     after = aclnn.plan_cache_statistics()
     assert isinstance(after, opsched.PlanCacheStatistics) and after.limit == 256
     assert after.hits > before.hits
+
+
+def test_the_plan_cache_keys_on_whether_each_output_is_writeable():
+    # A read-only output of a geometry planned before must still be refused: the cached
+    # plan was made for writeable outputs, and only the outputs' own flags tell them apart.
+    rng = np.random.default_rng(14)
+    args, outs, _, _ = gnb_call(rng)
+    for k in range(3):
+        fresh = [np.empty_like(o) for o in outs]
+        aclnn.group_norm_backward_get_workspace_size(*args, *fresh)  # planned, then cached
+        fresh[k].flags.writeable = False
+        with pytest.raises(ParamInvalidError, match=f"{('dx', 'dgamma', 'dbeta')[k]} is read-only"):
+            aclnn.group_norm_backward_get_workspace_size(*args, *fresh)
+
+
+def test_a_workspace_size_of_any_integer_type_is_taken():
+    g, x, out, size, ex = glu_call(np.random.default_rng(15), dtype=np.dtype(np.float64))
+    aclnn.glu_backward(ws(size), np.int64(size), ex)  # numpy's integers index like int
+    assert_close(out, glu_golden(g, x, -1), out.dtype, "glu")
+    _, _, _, size, ex = glu_call(np.random.default_rng(15), dtype=np.dtype(np.float64))
+    with pytest.raises(TypeError, match="workspace_size must be an integer, got True"):
+        aclnn.glu_backward(ws(size), True, ex)
 
 
 def test_a_full_plan_cache_evicts_its_oldest_plan():

@@ -25,6 +25,9 @@ from opsched.kernels._common import DEFAULT_BLOCK
 from opsched.ops._base import Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
 
+#: numpy's uint8 dtype (a workspace's).
+_U8 = np.dtype(np.uint8)
+
 __all__ = [
     "PLANS",
     "Executor",
@@ -215,8 +218,8 @@ class Executor:
         if self.op is not op:
             msg = f"{name}: the executor was prepared for {self.op.name}, not {name}"
             raise ParamInvalidError(msg)
-        self._require_live("launch")
-        if self._state is ExecutorState.SPENT:
+        if self._state is not ExecutorState.READY:  # one test on the usual path
+            self._require_live("launch")
             msg = (
                 f"{name}: this single-use executor was already launched; call "
                 "set_repeatable() right after get_workspace_size to launch it again"
@@ -240,10 +243,13 @@ class Executor:
     def _check_workspace(
         self, name: str, workspace: object, workspace_size: object
     ) -> np.ndarray | None:
-        if isinstance(workspace_size, bool) or not hasattr(workspace_size, "__index__"):
+        if type(workspace_size) is int:  # the usual call: no protocol lookups
+            size = workspace_size
+        elif isinstance(workspace_size, bool) or not hasattr(workspace_size, "__index__"):
             msg = f"{name}: workspace_size must be an integer, got {workspace_size!r}"
             raise TypeError(msg)
-        size = operator.index(workspace_size)
+        else:
+            size = operator.index(workspace_size)
         need = self.workspace_size
         if size < need:
             msg = f"{name}: workspace_size={size} is smaller than the {need} bytes planned"
@@ -253,7 +259,9 @@ class Executor:
         if workspace is None:
             msg = f"{name}: workspace is None but the executor needs {need} bytes"
             raise ParamInvalidError(msg)
-        if not isinstance(workspace, np.ndarray) or workspace.dtype != np.uint8:
+        if not isinstance(workspace, np.ndarray) or (
+            workspace.dtype is not _U8 and workspace.dtype != _U8  # ``is``: numpy's one uint8
+        ):
             msg = f"{name}: workspace must be a numpy uint8 array, got {workspace!r:.60}"
             raise TypeError(msg)
         if not workspace.flags.c_contiguous or workspace.nbytes < need:
@@ -361,13 +369,14 @@ class PlanCache:
         signature = op.signature(tensors, scalars)
         if signature is None:
             return None
-        # one flags object per array (each ``.flags`` builds one): this runs for every call
-        flags = {name: array.flags for name, array in tensors.items() if array is not None}
-        for f in flags.values():
-            if not f.c_contiguous:
+        for array in tensors.values():  # this runs for every call: no dict of flags
+            if array is not None and not array.flags.c_contiguous:
                 return None
-        writeable = tuple([n not in flags or flags[n].writeable for n in op.outputs])
-        return op.name, product, signature, writeable, op.overlaps_any(tensors)
+        writeable = []
+        for name in op.outputs:
+            array = tensors.get(name)
+            writeable.append(array is None or array.flags.writeable)
+        return op.name, product, signature, tuple(writeable), op.overlaps_any(tensors)
 
     def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
         if len(self._plans) >= self.limit:
