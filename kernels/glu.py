@@ -183,10 +183,19 @@ def prepare_glu_backward(
         return _nothing
     if kind is None or plan.stage_self or plan.stage_grad or plan.stage_out:
         return functools.partial(_glu_staged, plan, kind, grad_out, self, out, outer, half)
-    args = _compiled_args(
-        kind, grad_out.reshape(outer, half), self.reshape(outer, 2, half),
-        out.reshape(outer, 2, half), outer, half,
-    )  # fmt: skip
+    if grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous:
+        # the usual call: flat views, strides from the geometry alone (a row of self is
+        # its two halves a, b; a row of grad_out one half), no 2-D / 3-D views
+        x, o = _jit.storage(self, kind), _jit.storage(out, kind)
+        args = (
+            _jit.storage(grad_out, kind), 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half,
+            outer, half,
+        )  # fmt: skip
+    else:
+        args = _compiled_args(
+            kind, grad_out.reshape(outer, half), self.reshape(outer, 2, half),
+            out.reshape(outer, 2, half), outer, half,
+        )  # fmt: skip
     loop = _LOOPS[kind.name]
     return lambda workspace: loop(*args)
 
