@@ -134,30 +134,41 @@ def group_norm_grad_fast(
     rows, m = x.shape[0] * x.shape[1], math.prod(x.shape[2:])  # <= the plan's sizes
     if rows * m == 0:
         return
-    shape2 = (rows, m)
-    carve = Carver(workspace)
-    x2, dy2, gamma2 = (
-        staged(carve, t, flag, shape2)
-        for t, flag in ((x, plan.stage_x), (dy, plan.stage_dy), (gamma, plan.stage_gamma))
-    )
-    if plan.stage_out:
-        target = carve.take(rows * m, plan.dtype)
-        dx2 = target.reshape(shape2)
+    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
+    staging = plan.stage_x or plan.stage_dy or plan.stage_gamma or plan.stage_out
+    carve: Carver | None = None
+    if not staging and (
+        x.flags.c_contiguous and dy.flags.c_contiguous and gamma.flags.c_contiguous
+        and dx.flags.c_contiguous
+    ):  # fmt: skip
+        # the usual call: flat views, row stride m (no 2-D views, no stride lookups)
+        xf, dyf = _jit.storage(x, kind), _jit.storage(dy, kind)
+        gf, of = _jit.storage(gamma, kind), _jit.storage(dx, kind)
+        xs = dys = gs = os_ = m
     else:
-        dx2 = dx.reshape(shape2)  # viewable: the plan checked
+        shape2 = (rows, m)
+        carve = Carver(workspace)
+        x2 = staged(carve, x, plan.stage_x, shape2)
+        dy2 = staged(carve, dy, plan.stage_dy, shape2)
+        gamma2 = staged(carve, gamma, plan.stage_gamma, shape2)
+        if plan.stage_out:
+            target = carve.take(rows * m, plan.dtype)
+            dx2 = target.reshape(shape2)
+        else:
+            dx2 = dx.reshape(shape2)  # viewable: the plan checked
+        xf, xs = _jit.flat(x2, kind)
+        dyf, dys = _jit.flat(dy2, kind)
+        gf, gs = _jit.flat(gamma2, kind)
+        of, os_ = _jit.flat(dx2, kind)
     stats = []
     for array in (mean, rstd):
-        if array.dtype == F32 and array.flags.c_contiguous:
-            stats.append(array.reshape(-1))
-        else:
+        if (array.dtype is F32 or array.dtype == F32) and array.flags.c_contiguous:
+            stats.append(array.ravel())  # a view: the array is C-contiguous
+        else:  # converted into the workspace, after any staged operand
+            carve = carve or Carver(workspace)
             copy = carve.take(rows, F32)
             np.copyto(copy.reshape(array.shape), array, casting="unsafe")
             stats.append(copy)
-    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
-    xf, xs = _jit.flat(x2, kind)
-    dyf, dys = _jit.flat(dy2, kind)
-    gf, gs = _jit.flat(gamma2, kind)
-    of, os_ = _jit.flat(dx2, kind)
     _LOOPS[kind.name](xf, xs, dyf, dys, gf, gs, of, os_, stats[0], stats[1], rows, m)
     if plan.stage_out:
         np.copyto(dx, target.reshape(dx.shape))
