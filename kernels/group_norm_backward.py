@@ -308,13 +308,13 @@ def _zeros(outputs: list[np.ndarray], workspace: np.ndarray | None) -> None:
 def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) -> _Launch:
     """Carve the workspace, note the copies into it, and lay out the loop's arguments.
 
-    Runs per launch of a new workspace (every two-phase call): operands that need no copy
-    (float32 statistics, C-contiguous arrays: the usual call) are taken inline, with no
-    helper call each.
+    Runs per launch of a new workspace (every two-phase call): the plan and the operands
+    are unpacked once each, not read an attribute at a time.
     """
-    # one unpacking each, not an attribute lookup per field (mypy checks the arity)
-    _, c, hxw, group, dtype, want_dx, want_dgamma, want_dbeta, _, _, stats_out, *staged, _ = plan
-    stage_x, stage_dy, stage_dx = staged
+    (
+        _, c, hxw, group, dtype, want_dx, want_dgamma, want_dbeta, _, _, stats_out,
+        stage_x, stage_dy, stage_dx, _,
+    ) = plan  # fmt: skip
     grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out = a
     cpg = c // group
     rows, channel_rows = n * group, n * c
@@ -326,12 +326,11 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
     dx_target = None
     if want_dx and stage_dx:
         dx_target = carve.take(channel_rows * hxw, dtype)
-    mean32 = mean.ravel() if _plain_f32(mean) else _as_f32(carve, mean, copies)
-    rstd32 = rstd.ravel() if _plain_f32(rstd) else _as_f32(carve, rstd, copies)
+    mean32, rstd32 = _as_f32(carve, mean, copies), _as_f32(carve, rstd, copies)
     if gamma is None:
         gamma32, period = _ONE, 1
     else:  # per channel (C,), or per row and channel in a fused launch
-        gamma32 = gamma.ravel() if _plain_f32(gamma) else _as_f32(carve, gamma, copies)
+        gamma32 = _as_f32(carve, gamma, copies)
         period = gamma32.size
     stores: list[tuple[np.ndarray, np.ndarray]] = []
     if stats_out:
