@@ -54,6 +54,8 @@ class Carver:
     own base address).
     """
 
+    __slots__ = ("_offset", "_ws")
+
     def __init__(self, workspace: np.ndarray | None) -> None:
         self._ws = workspace
         base = 0 if workspace is None else address(workspace)
@@ -73,7 +75,8 @@ class Carver:
         if start + nbytes > self._ws.nbytes:
             msg = f"workspace of {self._ws.nbytes} bytes is too small for the kernel's buffers"
             raise ValueError(msg)
-        return self._ws[start : start + nbytes].view(dtype)
+        # a 1-D contiguous uint8 array: read as a buffer (cheaper than a slice, then a view)
+        return np.frombuffer(self._ws, dtype, count, start)
 
 
 def workspace_bytes(buffers: list[tuple[int, np.dtype]]) -> int:

@@ -10,7 +10,7 @@ group`` channels each, ``M = cpg * HxW`` elements per group), per ``(n, g)``, wi
     dbeta_c = sum_n ds_c                 dgamma_c = sum_n db_c
 
 Every dtype is computed in float32 and rounded once into the outputs, by one compiled loop
-(:mod:`._jit`) that takes a block of groups (about :data:`BLOCK_BYTES` of each input) at a
+(:mod:`._gnb_loops`) that takes a block of groups (about :data:`BLOCK_BYTES` of each input) at a
 time: pass 1 sums ``dy`` and ``dy * x`` over each channel row (one channel of one sample,
 ``HxW`` elements); ``db = rstd * (sum(dy * x) - mean * ds)``; pass 2 writes ``dx = A * dy +
 B * x + C`` with per-channel-row coefficients ``A = rstd * gamma``, ``B = -(c2 * rstd *
@@ -33,6 +33,7 @@ import numpy as np
 
 from . import _jit
 from ._common import Carver, must_stage, overlaps, store, workspace_bytes
+from ._gnb_loops import BLOCK_BYTES, LOOPS
 
 __all__ = [
     "BLOCK_BYTES",
@@ -46,14 +47,6 @@ __all__ = [
 ]
 
 F32 = np.dtype(np.float32)
-
-#: Bytes of each input a block of rows spans in a large launch: pass 1 reads the block,
-#: pass 2 reads it back from cache. Longer runs of pure reading and of writing than one
-#: group at a time keep a single core's memory traffic flowing (measured at 1M and 4M
-#: elements: 1.0x -> 1.3x and 1.35x -> 1.5x against torch); launches that fit in cache
-#: (64K, 256K elements) are faster a group at a time (1.6x against 1.4x). Blocks change no
-#: arithmetic, only the order in which groups are visited.
-BLOCK_BYTES = 1 << 20
 
 
 def group_norm_backward_rows_reference(
@@ -260,12 +253,51 @@ def prepare_group_norm_backward(
         outputs = [a for a in (dgamma, dbeta, ds_out, db_out) if a is not None]
         return functools.partial(_zeros, outputs)
     arrays = _Arrays(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out)
+    direct = _direct(plan, arrays, n)
+    if direct is not None:
+        return direct
     last: list[Any] = [_UNSEEN, None]  # the workspace seen last, and its launch
 
     def launch(workspace: np.ndarray | None) -> None:
         if workspace is not last[0]:
             last[:] = workspace, _lay_out(plan, arrays, n, workspace)
         _run(last[1])
+
+    return launch
+
+
+def _direct(plan: GnbPlan, a: _Arrays, n: int) -> Callable[[np.ndarray | None], None] | None:
+    """The usual launch, laid out here once: all three outputs asked for and nothing copied
+    into the workspace (no staged operand; statistics, gamma and the three outputs float32
+    and C-contiguous, the data operands C-contiguous), so the workspace holds only the
+    per-channel-row sums and the loop's other arguments do not depend on it. None for any
+    other launch (:func:`_lay_out` then lays it out per workspace). The same loop and
+    arguments as :func:`_lay_out`'s."""
+    if plan.stage_x or plan.stage_dy or plan.stage_dx or plan.stats_out:
+        return None
+    if not (plan.want_dx and plan.want_dgamma and plan.want_dbeta):
+        return None
+    grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, _, _ = a
+    if not (
+        dx is not None and dgamma is not None and dbeta is not None
+        and grad_out.flags.c_contiguous and x.flags.c_contiguous and dx.flags.c_contiguous
+        and _plain_f32(mean) and _plain_f32(rstd) and _plain_f32(dgamma) and _plain_f32(dbeta)
+        and (gamma is None or _plain_f32(gamma))
+    ):  # fmt: skip
+        return None
+    c, hxw, kind = plan.c, plan.hxw, _jit.KINDS[plan.dtype]
+    channel_rows, cpg = n * c, c // plan.group
+    gamma32 = _ONE if gamma is None else gamma.ravel()
+    head = (
+        _jit.storage(grad_out, kind), hxw, _jit.storage(x, kind), hxw,
+        _jit.storage(dx, kind), hxw, mean.ravel(), rstd.ravel(), gamma32, gamma32.size,
+    )  # fmt: skip
+    tail = (n * plan.group, cpg, hxw, True, n, c, dgamma.ravel(), dbeta.ravel())
+    loop = LOOPS[kind.name]
+
+    def launch(workspace: np.ndarray | None) -> None:
+        sums = Carver(workspace).take(2 * channel_rows, F32)  # ds, then db
+        loop(*head, sums[:channel_rows], sums[channel_rows:], *tail)
 
     return launch
 
@@ -358,7 +390,7 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
         want_dx, n, c_reduce, dgamma32, dbeta32,
     )  # fmt: skip
     dx_copy = None if dx_target is None or dx is None else (dx, dx_target)
-    return _Launch(tuple(copies), _LOOPS[kind.name], args, dx_copy, tuple(stores))
+    return _Launch(tuple(copies), LOOPS[kind.name], args, dx_copy, tuple(stores))
 
 
 def _plain_f32(array: np.ndarray) -> bool:
@@ -419,139 +451,6 @@ def _run(launch: _Launch) -> None:
         np.copyto(dx, result.reshape(dx.shape))
     for out, sums in launch.stores:
         store(out.reshape(sums.size), sums)
-
-
-@_jit.body
-def _gnb_body(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta, load, store,
-):  # fmt: skip
-    """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
-
-    Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
-    its flat array; ``mean`` / ``rstd`` hold a value per row, ``ds`` / ``db`` one per
-    channel row, ``gamma`` one per channel row modulo ``period`` (C for a request's
-    per-channel gamma). Then, for ``c`` channels (0: none), ``dgamma[k]`` / ``dbeta[k]``
-    are the sums of ``db`` / ``ds`` over the ``n`` samples, added in sample order (as
-    :func:`reduce_over_samples`); each may be ``db`` / ``ds`` itself.
-    """
-    _gnb_rows(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        load, store,
-    )  # fmt: skip
-    for k in range(c):
-        s_db, s_ds = db[k], ds[k]
-        for s in range(1, n):
-            s_db += db[s * c + k]
-            s_ds += ds[s * c + k]
-        dgamma[k] = s_db
-        dbeta[k] = s_ds
-
-
-@_jit.body
-def _gnb_rows(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx, load, store
-):
-    """Passes 1 and 2 over every row (see :func:`_gnb_body`), a block of rows at a time:
-    pass 1 over the block, then pass 2 over it. A launch of at most two
-    :data:`BLOCK_BYTES` of each input (it fits in cache) takes one row (group) at a time:
-    pass 2 reads it back from L1."""
-    lanes = _jit.LANES
-    full = hxw - hxw % lanes
-    m = np.float32(cpg * hxw)
-    group_bytes = max(1, cpg * hxw * x.itemsize)
-    block = 1 if rows * group_bytes <= 2 * BLOCK_BYTES else max(1, BLOCK_BYTES // group_bytes)
-    for r0 in range(0, rows, block):
-        r1 = min(rows, r0 + block)
-        # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
-        for r in range(r0, r1):
-            mu, rs = mean[r], rstd[r]
-            for k in range(r * cpg, r * cpg + cpg):
-                dy_row = dy[k * dys : k * dys + hxw]
-                x_row = x[k * xs : k * xs + hxw]
-                acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
-                for i in range(0, full, lanes):
-                    dy_part = dy_row[i : i + lanes]
-                    x_part = x_row[i : i + lanes]
-                    for j in range(lanes):
-                        d = load(dy_part[j])
-                        acc_dy[j] += d
-                        acc_xy[j] += d * load(x_part[j])
-                s_dy, s_xy = _jit.folded(acc_dy, full), _jit.folded(acc_xy, full)
-                for i in range(full, hxw):
-                    d = load(dy_row[i])
-                    s_dy += d
-                    s_xy += d * load(x_row[i])
-                ds[k] = s_dy
-                db[k] = (s_xy - mu * s_dy) * rs
-        if not want_dx:
-            continue
-        # pass 2: dx = A * dy + B * x + C (the block is still in cache)
-        for r in range(r0, r1):
-            mu, rs = mean[r], rstd[r]
-            c1 = c2 = np.float32(0.0)
-            g0 = (r * cpg) % period  # gamma[k % period], k counting up: no division per k
-            g = g0
-            for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
-                c1 += gamma[g] * ds[k]
-                c2 += gamma[g] * db[k]
-                g = g + 1 if g + 1 < period else 0
-            c1 /= m
-            c2 /= m
-            coef_b = -(c2 * rs * rs)
-            coef_c = (c2 * rs * mu - c1) * rs
-            g = g0
-            for k in range(r * cpg, r * cpg + cpg):
-                coef_a = rs * gamma[g]
-                g = g + 1 if g + 1 < period else 0
-                dy_row = dy[k * dys : k * dys + hxw]
-                x_row = x[k * xs : k * xs + hxw]
-                dx_row = dx[k * dxs : k * dxs + hxw]
-                for i in range(hxw):
-                    dx_row[i] = store((load(dy_row[i]) * coef_a + load(x_row[i]) * coef_b) + coef_c)
-
-
-def _signature(storage: str) -> str:
-    array, f32 = f"{storage}[::1]", "float32[::1]"
-    stats = f"{f32}, {f32}, {f32}, i8, {f32}, {f32}"
-    sums = f"i8, i8, {f32}, {f32}"  # samples, channels, dgamma, dbeta
-    return f"void({array}, i8, {array}, i8, {array}, i8, {stats}, i8, i8, i8, b1, {sums})"
-
-
-@_jit.jit(_signature("float32"))
-def _gnb_float32(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
-    _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.same, _jit.same,
-    )  # fmt: skip
-
-
-@_jit.jit(_signature("uint16"))
-def _gnb_float16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
-    _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.half_to_f32, _jit.f32_to_half,
-    )  # fmt: skip
-
-
-@_jit.jit(_signature("uint16"))
-def _gnb_bfloat16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
-    _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.bf16_to_f32, _jit.f32_to_bf16,
-    )  # fmt: skip
-
-
-_LOOPS = {"float32": _gnb_float32, "float16": _gnb_float16, "bfloat16": _gnb_bfloat16}
 
 
 def plan_group_norm_backward(
