@@ -294,10 +294,13 @@ def _direct(plan: GnbPlan, a: _Arrays, n: int) -> Callable[[np.ndarray | None], 
     )  # fmt: skip
     tail = (n * plan.group, cpg, hxw, True, n, c, dgamma.ravel(), dbeta.ravel())
     loop = LOOPS[kind.name]
+    last: list[Any] = [_UNSEEN, ()]  # the workspace seen last, and the loop's arguments
 
     def launch(workspace: np.ndarray | None) -> None:
-        sums = Carver(workspace).take(2 * channel_rows, F32)  # ds, then db
-        loop(*head, sums[:channel_rows], sums[channel_rows:], *tail)
+        if workspace is not last[0]:
+            sums = Carver(workspace).take(2 * channel_rows, F32)  # ds, then db
+            last[:] = workspace, (*head, sums[:channel_rows], sums[channel_rows:], *tail)
+        loop(*last[1])
 
     return launch
 
