@@ -17,7 +17,7 @@ import functools
 import inspect
 import itertools
 import operator
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -40,12 +40,10 @@ __all__ = [
     "check_types",
     "check_writable",
     "cuts",
-    "deliver_each",
     "dtype_name",
     "entry_point",
     "index_value",
     "register_array_type",
-    "signature_groups",
 ]
 
 #: aclnn dtype names of the numpy dtypes opsched computes in (SPEC, common rules).
@@ -175,47 +173,6 @@ def index_value(op: str, name: str, value: object) -> int:
 def cuts(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous, near-equal ranges covering ``range(n)``."""
     return list(itertools.pairwise(n * i // parts for i in range(parts + 1)))
-
-
-def deliver_each(
-    requests: Sequence[Any], members: Iterable[int], name: str, results: Iterable[np.ndarray]
-) -> None:
-    """Hand each request ``requests[i]`` (``i`` in ``members``) its result of a fused launch,
-    in order: copied into the caller's output ``name``, or, where its launch allocates that
-    output (None), as a new array of its own (never a view of the launch's memory)."""
-    for i, result in zip(members, results, strict=True):
-        tensors = requests[i].tensors
-        out = tensors[name]
-        if out is None:
-            tensors[name] = result.copy()
-        else:
-            np.copyto(out, result)
-
-
-def signature_groups(requests: Sequence[Any]) -> list[list[int]]:
-    """The indices of ``requests`` grouped by signature, in order of first appearance.
-
-    Requests with equal signatures have the same shapes, dtypes and scalars, so a fused
-    launch's gather and scatter move a whole group with a few numpy calls instead of a few
-    per request. A request without a signature is a group of its own.
-    """
-    groups: dict[Hashable, list[int]] = {}
-    last: Any = None  # the previous request's signature, and its group's members
-    members: list[int] = []
-    for i, request in enumerate(requests):
-        signature = request.signature
-        if signature is last and signature is not None:
-            # a run of calls seen before shares one signature object: no hashing (a
-            # GroupNormBackward signature's hash costs more than the rest of this loop)
-            members.append(i)
-            continue
-        key = signature if signature is not None else object()
-        found = groups.get(key)
-        if found is None:
-            found = groups[key] = []
-        found.append(i)
-        last, members = signature, found
-    return list(groups.values())
 
 
 @attrs.frozen

@@ -29,9 +29,7 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
-    deliver_each,
     index_value,
-    signature_groups,
 )
 from opsched.ops._framework import (
     SERIAL_ELEMENTS,
@@ -44,6 +42,7 @@ from opsched.ops._framework import (
     framework_scatter,
     framework_stacks,
 )
+from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops.products import OpSupport
 
 __all__ = ["GLU_BACKWARD", "GluBackward"]
@@ -278,7 +277,7 @@ class GluBackward(Operator):
         staging = fused["out"].reshape(-1)
         for members in signature_groups(requests):
             first = requests[members[0]]
-            x, g = first.tensors["self"], first.tensors["grad_out"]
+            x = first.tensors["self"]
             outer, half = glu_grid(x.shape, first.scalars["dim"])
             start = offset
             for i in members:
@@ -286,10 +285,9 @@ class GluBackward(Operator):
                 offset += outer * half
             rows = len(members) * outer
             segment = slice(start, offset)
-            gathered = [requests[i].tensors["grad_out"] for i in members]
-            np.concatenate(gathered, out=g_row[segment].reshape(-1, *g.shape[1:]))
-            stacked = staging[2 * start : 2 * offset].reshape(-1, *x.shape[1:])
-            np.concatenate([requests[i].tensors["self"] for i in members], out=stacked)
+            gather_into([requests[i].tensors["grad_out"] for i in members], g_row[segment])
+            stacked = staging[2 * start : 2 * offset]
+            gather_into([requests[i].tensors["self"] for i in members], stacked)
             halves = stacked.reshape(rows, 2, half)
             np.copyto(a_row[segment].reshape(rows, half), halves[:, 0])
             np.copyto(b_row[segment].reshape(rows, half), halves[:, 1])

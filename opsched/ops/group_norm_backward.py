@@ -31,11 +31,10 @@ from opsched.ops._base import (
     check_dtype,
     check_present,
     check_types,
-    deliver_each,
     dtype_name,
     index_value,
-    signature_groups,
 )
+from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops._gnb_framework import gnb_framework_batch
 from opsched.ops.products import OpSupport
 
@@ -398,13 +397,11 @@ class GroupNormBackward(Operator):
                 offsets[i] = offset
                 offset += first.units
             for name in ("grad_out", "input"):
-                target = fused[name][start * cpg : offset * cpg]
                 parts = [requests[i].tensors[name] for i in members]
-                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
+                gather_into(parts, fused[name][start * cpg : offset * cpg])
             for name in ("mean", "rstd"):
                 parts = [requests[i].tensors[name] for i in members]
-                target = fused[name][start:offset]
-                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
+                gather_into(parts, fused[name][start:offset])
             if "gamma" in fused:
                 n, c = first.scalars["N"], first.scalars["C"]
                 rows = fused["gamma"][start:offset].reshape(len(members), n, c)

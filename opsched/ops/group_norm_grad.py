@@ -30,8 +30,6 @@ from opsched.ops._base import (
     check_present,
     check_types,
     cuts,
-    deliver_each,
-    signature_groups,
 )
 from opsched.ops._framework import (
     framework_gather,
@@ -40,6 +38,7 @@ from opsched.ops._framework import (
     framework_scatter,
     framework_stacks,
 )
+from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_GRAD", "GroupNormalizationGrad"]
@@ -217,8 +216,7 @@ class GroupNormalizationGrad(Operator):
                 offset += rows
             for name in ("x", "dy", "gamma", "mean", "rstd"):
                 parts = [requests[i].tensors[name] for i in members]
-                target = fused[name][start:offset]
-                np.concatenate(parts, out=target.reshape(-1, *parts[0].shape[1:]))
+                gather_into(parts, fused[name][start:offset])
         return offsets
 
     def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:

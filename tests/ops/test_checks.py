@@ -272,7 +272,7 @@ def test_gn_every_dtype_accepted(dtype):
 def test_signature_groups_keep_first_appearance_order_and_isolate_the_unsigned():
     from types import SimpleNamespace
 
-    from opsched.ops._base import signature_groups
+    from opsched.ops._fusion import signature_groups
 
     a, b = ("a", (2, 3)), ("b", (4,))
     equal_a = ("a", (2, 3))  # equal to ``a``, another object: grouped by value
