@@ -405,8 +405,11 @@ class GroupNormBackward(Operator):
             if "gamma" in fused:
                 n, c = first.scalars["N"], first.scalars["C"]
                 rows = fused["gamma"][start:offset].reshape(len(members), n, c)
-                # one flat concatenate (np.stack adds an axis to each array in Python)
-                gammas = np.concatenate([requests[i].tensors["gamma"] for i in members], None)
+                # the group's gammas in a row (np.stack adds an axis to each array in
+                # Python), then broadcast over each request's samples
+                parts = [requests[i].tensors["gamma"] for i in members]
+                gammas = np.empty(len(members) * parts[0].size, parts[0].dtype)
+                gather_into(parts, gammas)
                 np.copyto(rows, gammas.reshape(len(members), 1, c))
         return offsets
 
