@@ -49,7 +49,7 @@ def gather_into(parts: Sequence[np.ndarray], target: np.ndarray) -> None:
     """
     first = parts[0]
     if (
-        first.nbytes <= GATHER_JOIN_BYTES
+        0 < first.nbytes <= GATHER_JOIN_BYTES  # (older numpy refuses an empty buffer)
         and (first.dtype is target.dtype or first.dtype == target.dtype)
         and target.flags.c_contiguous
     ):
