@@ -183,19 +183,7 @@ def prepare_glu_backward(
         return _nothing
     if kind is None or plan.stage_self or plan.stage_grad or plan.stage_out:
         return functools.partial(_glu_staged, plan, kind, grad_out, self, out, outer, half)
-    if grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous:
-        # the usual call: flat views, strides from the geometry alone (a row of self is
-        # its two halves a, b; a row of grad_out one half), no 2-D / 3-D views
-        x, o = _jit.storage(self, kind), _jit.storage(out, kind)
-        args = (
-            _jit.storage(grad_out, kind), 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half,
-            outer, half,
-        )  # fmt: skip
-    else:
-        args = _compiled_args(
-            kind, grad_out.reshape(outer, half), self.reshape(outer, 2, half),
-            out.reshape(outer, 2, half), outer, half,
-        )  # fmt: skip
+    args = _compiled_args(kind, grad_out, self, out, outer, half)
     loop = _LOOPS[kind.name]
     return lambda workspace: loop(*args)
 
@@ -331,9 +319,25 @@ _LOOPS = {"float32": _glu_float32, "float16": _glu_float16, "bfloat16": _glu_bfl
 
 
 def _compiled_args(
-    kind: _jit.Kind, g2: np.ndarray, x3: np.ndarray, o3: np.ndarray, outer: int, half: int
+    kind: _jit.Kind,
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    out: np.ndarray,
+    outer: int,
+    half: int,
 ) -> tuple[Any, ...]:
-    """The compiled loop's arguments for unit-stride row views (the plan staged any other)."""
+    """The compiled loop's arguments for operands whose rows have unit stride (the plan
+    staged any other), seen as ``(outer, half)`` / ``(outer, 2, half)``."""
+    if grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous:
+        # the usual call: flat views, strides from the geometry alone (a row of self is
+        # its two halves a, b; a row of grad_out one half), no 2-D / 3-D views
+        x, o = _jit.storage(self, kind), _jit.storage(out, kind)
+        return (
+            _jit.storage(grad_out, kind), 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half,
+            outer, half,
+        )  # fmt: skip
+    g2, x3 = grad_out.reshape(outer, half), self.reshape(outer, 2, half)
+    o3 = out.reshape(outer, 2, half)
     g, gs = _jit.flat(g2, kind)
     x, xs = _jit.flat(x3, kind)
     o, os_ = _jit.flat(o3, kind)
