@@ -2,7 +2,7 @@
 
 numba invalidates a cached function when the file that defines it changes, not when a file
 it inlines from changes (a documented limitation of its cache): an entry point of
-``glu.py`` cached before an edit of ``_jit.py`` (``expf``, a conversion) would go on
+``glu.py`` cached before an edit of ``_jit.py`` (``sigmoid``, a conversion) would go on
 running the old machine code, in an editable install after a ``git pull`` or in a working
 tree, and its tests would test the old code. So the package's cache directory holds a
 fingerprint of every kernel source (numba checks its own version itself); on the package's

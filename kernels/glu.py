@@ -63,14 +63,14 @@ def glu_backward_reference(grad_out: np.ndarray, self: np.ndarray, dim: int) -> 
     """Return ``glu_backward(grad_out, self, dim)`` computed straight from the SPEC formula.
 
     FLOAT16 / BFLOAT16 are computed in float32, DOUBLE in float64, and rounded once. The
-    float32 exp is the compiled kernels' :func:`._jit.expf`, so the reference device and the
-    compiled kernel agree bit for bit; the tests' float64 goldens stay independent of both.
+    float32 sigmoid is the compiled kernels' :func:`._jit.sigmoid`, so the reference device
+    and the compiled kernel agree bit for bit; the tests' float64 goldens stay independent
+    of both.
     """
     ct = compute_dtype(self.dtype)
     a, b = np.split(self.astype(ct), 2, axis=dim)
     g = grad_out.astype(ct)
-    exp = np.exp if ct == np.float64 else _jit.exp32  # the compiled kernels' exp (2 ulp)
-    s = 1 / (1 + exp(-b))
+    s = 1 / (1 + np.exp(-b)) if ct == np.float64 else _jit.sigmoid32(b)
     grad_a = g * s
     grad_b = grad_a * (a - a * s)
     return np.concatenate([grad_a, grad_b], axis=dim).astype(self.dtype)
@@ -274,7 +274,6 @@ def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store)
     ``grad_b`` at ``o[oa / ob + i * os_ + j]``. The formula is the SPEC's, in float32, each
     output rounded once.
     """
-    one = np.float32(1.0)
     for i in range(rows):
         # row slices: unit-stride arrays LLVM can check for overlap once per row and
         # vectorise (indexing the flat arrays directly defeats its alias analysis)
@@ -284,7 +283,7 @@ def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store)
         oa_row = o[oa + i * os_ : oa + i * os_ + cols]
         ob_row = o[ob + i * os_ : ob + i * os_ + cols]
         for j in range(cols):
-            s = one / (one + _jit.expf(-load(b_row[j])))
+            s = _jit.sigmoid(load(b_row[j]))
             grad_a = load(g_row[j]) * s
             a = load(a_row[j])
             oa_row[j] = store(grad_a)

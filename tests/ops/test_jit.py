@@ -1,8 +1,8 @@
-"""The compiled pieces of the kernels: exact conversions, expf's error, position invariance.
+"""The compiled pieces of the kernels: exact conversions, sigmoid's error, position invariance.
 
 The expectations are independent of the code under test: numpy's and ml_dtypes' own casts for
-the conversions, float64 ``numpy.exp`` for ``expf``, and, for invariance, the same request
-computed alone.
+the conversions, float64 ``1 / (1 + numpy.exp(-b))`` for ``sigmoid``, and, for invariance, the
+same request computed alone.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def _store_bf16(src, dst):  # type: ignore[no-untyped-def]
 
 
 @numba.njit
-def _exp_all(src, dst):  # type: ignore[no-untyped-def]
+def _sigmoid_all(src, dst):  # type: ignore[no-untyped-def]
     for i in range(src.size):
-        dst[i] = _jit.expf(src[i])
+        dst[i] = _jit.sigmoid(src[i])
 
 
 def _every_float32_kind(rng: np.random.Generator) -> np.ndarray:
@@ -87,25 +87,45 @@ def test_float32_stores_to_bfloat16_as_ml_dtypes():
     assert_same_bits(got, want)  # NaN too: ml_dtypes' quiet NaN with the sign kept
 
 
-def test_expf_within_two_ulp_everywhere():
+def _sigmoid64(b: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-b.astype(np.float64)))
+
+
+def test_sigmoid_within_four_ulp_where_it_is_normal():
     rng = np.random.default_rng(2)
-    x = np.concatenate([rng.uniform(-104, 89, 1 << 20), rng.uniform(-1, 1, 1 << 16)]).astype(F32)
-    got = np.empty_like(x)
-    _exp_all(x, got)
-    want = np.exp(x.astype(np.float64))
-    ok = (want > 1e-45) & (want < 3.4e38)  # representable results
-    ulp = np.spacing(want[ok].astype(F32)).astype(np.float64)
-    err = np.abs(got[ok].astype(np.float64) - want[ok]) / ulp
-    assert err.max() <= 2.0, (err.max(), x[ok][err.argmax()])
+    b = np.concatenate(
+        [rng.uniform(-87, 30, 1 << 20), rng.uniform(-1, 1, 1 << 16), rng.uniform(-20, 20, 1 << 16)]
+    ).astype(F32)
+    got = np.empty_like(b)
+    _sigmoid_all(b, got)
+    want = _sigmoid64(b)
+    ulp = np.spacing(want.astype(F32)).astype(np.float64)
+    err = np.abs(got.astype(np.float64) - want) / ulp
+    assert err.max() <= 4.0, (err.max(), b[err.argmax()])  # exp 2 ulp, the add, the division
 
 
-def test_expf_special_values():
-    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.8, -104.0, 88.72, -103.9], F32)
-    got = np.empty_like(x)
-    _exp_all(x, got)
+def test_sigmoid_far_out_and_special_values():
+    """Past about -88.4 the result is +0.0 (the true one is below 6e-39: inside FLOAT's atol);
+    large b gives exactly 1; NaN stays NaN."""
+    b = np.array(
+        [np.nan, np.inf, -np.inf, 0.0, -0.0, 17.0, 20.0, 1e30, -88.3, -88.4, -88.8, -1e30], F32
+    )
+    got = np.empty_like(b)
+    _sigmoid_all(b, got)
     assert np.isnan(got[0])
-    assert list(got[1:6]) == [np.inf, 0.0, 1.0, 1.0, np.inf]
-    assert got[6] == 0.0 and np.isfinite(got[7]) and 0 < got[8] < 1.2e-38
+    assert list(got[1:8]) == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0]
+    assert 0 < got[8] < 6.1e-39  # subnormal, as the true value
+    assert list(got[9:]) == [0.0, 0.0, 0.0]
+    assert np.all(np.abs(got[8:] - _sigmoid64(b[8:])) <= 6e-39)
+
+
+def test_sigmoid32_is_the_compiled_sigmoid():
+    b = _every_float32_kind(np.random.default_rng(4))
+    got = np.empty_like(b)
+    _sigmoid_all(b, got)
+    n = b.size - b.size % 16
+    assert_same_bits(_jit.sigmoid32(b[:n].reshape(-1, 16)).reshape(-1), got[:n])
 
 
 @pytest.mark.parametrize("dtype", [d for d in GLU_DTYPES if _jit.kind_of(d) is not None], ids=str)
