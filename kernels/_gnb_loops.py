@@ -1,6 +1,6 @@
 """The compiled GroupNormBackward loops (:mod:`.group_norm_backward` plans and lays out
 their launches): pass 1 sums ``dy`` and ``dy * x`` over each channel row, pass 2 writes
-``dx = A * dy + B * x + C`` from per-channel-row coefficients, a block of rows at a time;
+``dx = A * dy + B * x + C`` from per-channel-row coefficients, a row (group) at a time;
 then ``dgamma`` / ``dbeta`` are the per-row sums added over the samples in order. One entry
 point per storage dtype (FLOAT, and FLOAT16 / BFLOAT16 as raw ``uint16`` converted to
 float32 on load, rounded once on store).
@@ -12,15 +12,7 @@ import numpy as np
 
 from . import _jit
 
-__all__ = ["BLOCK_BYTES", "LOOPS"]
-
-#: Bytes of each input a block of rows spans in a large launch: pass 1 reads the block,
-#: pass 2 reads it back from cache. Longer runs of pure reading and of writing than one
-#: group at a time keep a single core's memory traffic flowing (measured at 1M and 4M
-#: elements: 1.0x -> 1.3x and 1.35x -> 1.5x against torch); launches that fit in cache
-#: (64K, 256K elements) are faster a group at a time (1.6x against 1.4x). Blocks change no
-#: arithmetic, only the order in which groups are visited.
-BLOCK_BYTES = 1 << 20
+__all__ = ["LOOPS"]
 
 
 @_jit.body
@@ -54,63 +46,60 @@ def _gnb_body(  # type: ignore[no-untyped-def]
 def _gnb_rows(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx, load, store
 ):
-    """Passes 1 and 2 over every row (see :func:`_gnb_body`), a block of rows at a time:
-    pass 1 over the block, then pass 2 over it. A launch of at most two
-    :data:`BLOCK_BYTES` of each input (it fits in cache) takes one row (group) at a time:
-    pass 2 reads it back from L1."""
+    """Passes 1 and 2 over every row (see :func:`_gnb_body`), one row (group) at a time:
+    pass 2 reads the group back from cache.
+
+    Measured in ``opsched bench kernels`` (FLOAT against torch, alternating builds, three
+    pairs): at 1M elements (32 KiB groups) 1.25 / 1.20 / 1.24x with blocks of 1 MiB of
+    groups (pass 1 over the block, then pass 2) against 1.34 / 1.25 / 1.30x a group at a
+    time; 4M no different; the blocks gone, so is their bookkeeping."""
     lanes = _jit.LANES
     full = hxw - hxw % lanes
     m = np.float32(cpg * hxw)
-    group_bytes = max(1, cpg * hxw * x.itemsize)
-    block = 1 if rows * group_bytes <= 2 * BLOCK_BYTES else max(1, BLOCK_BYTES // group_bytes)
-    for r0 in range(0, rows, block):
-        r1 = min(rows, r0 + block)
+    for r in range(rows):
+        mu, rs = mean[r], rstd[r]
         # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
-        for r in range(r0, r1):
-            mu, rs = mean[r], rstd[r]
-            for k in range(r * cpg, r * cpg + cpg):
-                dy_row = dy[k * dys : k * dys + hxw]
-                x_row = x[k * xs : k * xs + hxw]
-                acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
-                for i in range(0, full, lanes):
-                    dy_part = dy_row[i : i + lanes]
-                    x_part = x_row[i : i + lanes]
-                    for j in range(lanes):
-                        d = load(dy_part[j])
-                        acc_dy[j] += d
-                        acc_xy[j] += d * load(x_part[j])
-                s_dy, s_xy = _jit.folded(acc_dy, full), _jit.folded(acc_xy, full)
-                for i in range(full, hxw):
-                    d = load(dy_row[i])
-                    s_dy += d
-                    s_xy += d * load(x_row[i])
-                ds[k] = s_dy
-                db[k] = (s_xy - mu * s_dy) * rs
+        for k in range(r * cpg, r * cpg + cpg):
+            dy_row = dy[k * dys : k * dys + hxw]
+            x_row = x[k * xs : k * xs + hxw]
+            acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
+            for i in range(0, full, lanes):
+                dy_part = dy_row[i : i + lanes]
+                x_part = x_row[i : i + lanes]
+                for j in range(lanes):
+                    d = load(dy_part[j])
+                    acc_dy[j] += d
+                    acc_xy[j] += d * load(x_part[j])
+            s_dy, s_xy = _jit.folded(acc_dy, full), _jit.folded(acc_xy, full)
+            for i in range(full, hxw):
+                d = load(dy_row[i])
+                s_dy += d
+                s_xy += d * load(x_row[i])
+            ds[k] = s_dy
+            db[k] = (s_xy - mu * s_dy) * rs
         if not want_dx:
             continue
-        # pass 2: dx = A * dy + B * x + C (the block is still in cache)
-        for r in range(r0, r1):
-            mu, rs = mean[r], rstd[r]
-            c1 = c2 = np.float32(0.0)
-            g0 = (r * cpg) % period  # gamma[k % period], k counting up: no division per k
-            g = g0
-            for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
-                c1 += gamma[g] * ds[k]
-                c2 += gamma[g] * db[k]
-                g = g + 1 if g + 1 < period else 0
-            c1 /= m
-            c2 /= m
-            coef_b = -(c2 * rs * rs)
-            coef_c = (c2 * rs * mu - c1) * rs
-            g = g0
-            for k in range(r * cpg, r * cpg + cpg):
-                coef_a = rs * gamma[g]
-                g = g + 1 if g + 1 < period else 0
-                dy_row = dy[k * dys : k * dys + hxw]
-                x_row = x[k * xs : k * xs + hxw]
-                dx_row = dx[k * dxs : k * dxs + hxw]
-                for i in range(hxw):
-                    dx_row[i] = store((load(dy_row[i]) * coef_a + load(x_row[i]) * coef_b) + coef_c)
+        # pass 2: dx = A * dy + B * x + C (the group is still in cache)
+        c1 = c2 = np.float32(0.0)
+        g0 = (r * cpg) % period  # gamma[k % period], k counting up: no division per k
+        g = g0
+        for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
+            c1 += gamma[g] * ds[k]
+            c2 += gamma[g] * db[k]
+            g = g + 1 if g + 1 < period else 0
+        c1 /= m
+        c2 /= m
+        coef_b = -(c2 * rs * rs)
+        coef_c = (c2 * rs * mu - c1) * rs
+        g = g0
+        for k in range(r * cpg, r * cpg + cpg):
+            coef_a = rs * gamma[g]
+            g = g + 1 if g + 1 < period else 0
+            dy_row = dy[k * dys : k * dys + hxw]
+            x_row = x[k * xs : k * xs + hxw]
+            dx_row = dx[k * dxs : k * dxs + hxw]
+            for i in range(hxw):
+                dx_row[i] = store((load(dy_row[i]) * coef_a + load(x_row[i]) * coef_b) + coef_c)
 
 
 def _signature(storage: str) -> str:

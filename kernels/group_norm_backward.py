@@ -10,11 +10,11 @@ group`` channels each, ``M = cpg * HxW`` elements per group), per ``(n, g)``, wi
     dbeta_c = sum_n ds_c                 dgamma_c = sum_n db_c
 
 Every dtype is computed in float32 and rounded once into the outputs, by one compiled loop
-(:mod:`._gnb_loops`) that takes a block of groups (about :data:`BLOCK_BYTES` of each input) at a
-time: pass 1 sums ``dy`` and ``dy * x`` over each channel row (one channel of one sample,
-``HxW`` elements); ``db = rstd * (sum(dy * x) - mean * ds)``; pass 2 writes ``dx = A * dy +
-B * x + C`` with per-channel-row coefficients ``A = rstd * gamma``, ``B = -(c2 * rstd *
-rstd)``, ``C = (c2 * rstd * mean - c1) * rstd``, reading the block back from cache.
+(:mod:`._gnb_loops`) that takes a group at a time: pass 1 sums ``dy`` and ``dy * x`` over
+each channel row (one channel of one sample, ``HxW`` elements); ``db = rstd * (sum(dy * x)
+- mean * ds)``; pass 2 writes ``dx = A * dy + B * x + C`` with per-channel-row
+coefficients ``A = rstd * gamma``, ``B = -(c2 * rstd * rstd)``, ``C = (c2 * rstd * mean -
+c1) * rstd``, reading the group back from cache.
 
 Determinism. A channel row is summed in :data:`._jit.LANES` lanes in an order fixed by its
 length alone; ``c1`` / ``c2`` add the group's channels in order; ``dgamma`` and ``dbeta``
@@ -33,10 +33,9 @@ import numpy as np
 
 from . import _jit
 from ._common import Carver, must_stage, overlaps, store, workspace_bytes
-from ._gnb_loops import BLOCK_BYTES, LOOPS
+from ._gnb_loops import LOOPS
 
 __all__ = [
-    "BLOCK_BYTES",
     "GnbPlan",
     "group_norm_backward_reference",
     "group_norm_backward_rows_reference",
