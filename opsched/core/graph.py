@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import AclnnError
+from opsched.core.checks import canonical_signature
 from opsched.devices import is_tensor, meta_of
 from opsched.ops import Operator
 from opsched.ops.products import Product
@@ -215,7 +216,7 @@ class GraphBuilder:
         stand_ins.update({out: stand_in(s, d) for out, (s, d) in spec.items()})
         node.key, node.units = op.fusion(stand_ins, checked)
         node.nbytes = op.nbytes(stand_ins)
-        node.signature = op.signature(stand_ins, scalars)
+        node.signature = canonical_signature(op.signature(stand_ins, scalars))
         node.binding = tuple(
             (arg, NODE, v.index) if isinstance(v, Node)
             else (arg, PLACEHOLDER, v) if isinstance(v, Placeholder)

@@ -85,3 +85,29 @@ def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
     # numpy integers take the generic path, which does not cache them
     assert op.call_signature((dy, x, stats, stats, stats[0], np.int64(2), 4, 3, 2)) is None
     assert op.call_signature((dy, x, stats, [1.0], stats[0], 2, 4, 3, 2)) is None
+
+
+async def test_requests_of_one_geometry_share_one_signature_object():
+    """A fused launch groups requests by signature and skips hashing a run of the same
+    object: requests checked in full (with ``out=``), from the call cache, and graph nodes
+    of the same geometry in different graphs each share one signature object."""
+    rng = np.random.default_rng(4)
+    calls = [(rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)) for _ in range(3)]
+    async with opsched.open_scheduler(streams=1) as sched:
+        full = [sched._checks.check(GLU_BACKWARD, {"grad_out": g, "self": x,
+                                                   "out": np.empty_like(x)}, {"dim": -1}, 0, None)
+                for g, x in calls]  # fmt: skip
+        await sched.glu_backward(*calls[0])  # remembered by the call
+        hot = [sched._checks.known(GLU_BACKWARD, (g, x, -1), 0) for g, x in calls]
+    g, x = calls[1]
+    fresh = GLU_BACKWARD.signature({"grad_out": g, "self": x, "out": x}, {"dim": -1})
+    assert fresh == full[0].signature and fresh is not full[0].signature  # equal, not same
+    assert full[1].signature is full[0].signature and full[2].signature is full[0].signature
+    assert all(h is not None for h in hot)
+    assert hot[1][-2] is hot[0][-2] and hot[2][-2] is hot[0][-2]
+    nodes = []
+    for _ in range(2):
+        graph = opsched.Graph()
+        g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+        nodes.append(graph.glu_backward(g, x))
+    assert nodes[0].signature == nodes[1].signature and nodes[0].signature is nodes[1].signature
