@@ -33,7 +33,6 @@ from opsched.ops import Operator
 from opsched.ops.products import Product
 
 __all__ = [
-    "ARRAY",
     "NODE",
     "PLACEHOLDER",
     "GraphBuilder",
@@ -81,9 +80,12 @@ class Node:
     units: int = 0
     nbytes: int = 0
     signature: Any = None
-    #: ``(argument, kind, value)``: how a run binds each argument (kind: array, node index,
-    #: placeholder), precomputed so binding is a plain loop.
+    #: ``(argument, kind, value)``: how a run binds each argument that is not an array
+    #: (kind: node index or placeholder), precomputed so binding is a plain loop.
     binding: tuple[tuple[str, object, Any], ...] = ()
+    #: The arguments every run binds alike: the arrays given, every output None (a run
+    #: copies it, then binds :attr:`binding` and its outputs).
+    fixed: dict[str, Any] = attrs.field(factory=dict)
     #: The output argument the node stands for, and the operator's other requested outputs
     #: ``(argument, shape, dtype)``, allocated fresh at each run.
     output: str = ""
@@ -95,7 +97,7 @@ class Node:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
 
 
-ARRAY, NODE, PLACEHOLDER = object(), object(), object()  # kinds of a node argument
+NODE, PLACEHOLDER = object(), object()  # kinds of a node argument that is not an array
 
 
 def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -218,11 +220,12 @@ class GraphBuilder:
         node.nbytes = op.nbytes(stand_ins)
         node.signature = canonical_signature(op.signature(stand_ins, scalars))
         node.binding = tuple(
-            (arg, NODE, v.index) if isinstance(v, Node)
-            else (arg, PLACEHOLDER, v) if isinstance(v, Placeholder)
-            else (arg, ARRAY, v)
+            (arg, NODE, v.index) if isinstance(v, Node) else (arg, PLACEHOLDER, v)
             for arg, v in args.items()
-        )  # fmt: skip
+            if isinstance(v, Node | Placeholder)
+        )
+        node.fixed = {a: v for a, v in args.items() if not isinstance(v, Node | Placeholder)}
+        node.fixed.update(dict.fromkeys(op.outputs))
         self.nodes.append(node)
         self._plans.clear()
         self._products_checked.clear()

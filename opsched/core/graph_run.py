@@ -31,7 +31,7 @@ from opsched._errors import (
     UpstreamFailedError,
 )
 from opsched.core.checks import deadline_of, priority_of
-from opsched.core.graph import ARRAY, NODE, GraphBuilder, Node, Placeholder
+from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder
 from opsched.core.requests import Request, RequestState, finish
 from opsched.devices import Device, Event, meta_of
 
@@ -139,22 +139,18 @@ class GraphRun:
 
     def _submit(self, nr: _NodeRun) -> None:
         node = nr.node
-        tensors: dict[str, Any] = {}
-        runs, placeholders = self.runs, self._placeholders
+        tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
+        runs = self.runs
         for arg, kind, value in node.binding:
-            if kind is ARRAY:
-                tensors[arg] = value
-            elif kind is NODE:
+            if kind is NODE:
                 tensors[arg] = runs[value].output
             else:
-                tensors[arg] = placeholders[value]
+                tensors[arg] = self._placeholders[value]
         waits = [p.event for p in nr.producers if p.event is not None]
         if nr.wanted:
             nr.output = self.fresh(node.shape, node.dtype)  # the caller's array
         else:
             nr.output, nr.block = self.allocate(node.shape, node.dtype)
-        for out in node.op.outputs:  # outputs not asked for stay None
-            tensors[out] = None
         tensors[node.output] = nr.output
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = self.fresh(shape, dtype)
