@@ -266,11 +266,12 @@ class HostDevice(Device):
         hit = executor is not None
         if executor is None:
             plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
-            executor = Executor(op, dict(tensors), scalars, plan, op.workspace_size(plan))
+            # The cache keeps the plan, never a request's arrays (the launch binds its own,
+            # below): bound to the executor, a caller's inputs and result stayed alive until
+            # the next request of that geometry came, if ever.
+            executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
             executor.set_repeatable()
             self._cache.put(cache_key, executor)
-        else:
-            executor.rebind_same_geometry(tensors)  # the cache key is the geometry
         size = executor.workspace_size
         block: Block | None = None
         if size:

@@ -158,6 +158,10 @@ class ThreadStream(Stream):
                 self._run(a, b)
             else:
                 self._handle(kind, a)
+            # An idle stream holds nothing: bound here until the next item arrived, the
+            # launch's work kept its requests, and their arrays, alive after their results
+            # went back.
+            item = a = b = None
 
     def _handle(self, kind: str, a: Any) -> None:
         """An item that is not a launch: an event to record or to wait for."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import anyio
 import numpy as np
@@ -706,3 +707,23 @@ async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
         stats = sched.statistics()
     assert_same_bits(out, solo_glu(g, x, -1))
     assert stats.pool.overflows >= 1 and stats.pool.in_use == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("requests", [1, 8], ids=["solo", "fused"])
+def test_an_idle_scheduler_holds_no_finished_request(device, requests):
+    """Once the results are back, nothing of the scheduler keeps the requests' arrays: not
+    the stream thread that ran their launch (until its next one), nor the executor cache,
+    nor the loop. The inputs are freed while the scheduler stays open and idle (each
+    finalizer sets an event; no sleeping)."""
+    rng = np.random.default_rng(8)
+    with opsched.sync.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
+        calls = [(rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)) for _ in range(requests)]
+        freed = [threading.Event() for _ in calls]
+        for (_, x), event in zip(calls, freed, strict=True):
+            weakref.finalize(x, event.set)
+        futures = [sched.submit_glu_backward(g, x) for g, x in calls]  # via loop and stream
+        results = [f.result() for f in futures]
+        del calls, futures, x
+        assert all(e.wait(timeout=10) for e in freed), "a finished request is still held"
+        assert len(results) == requests and results[0].shape == (8, 64)
