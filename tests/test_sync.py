@@ -108,6 +108,27 @@ def test_request_futures_set_every_field_a_future_has():
     assert all(hasattr(future, name) for name in vars(concurrent.futures.Future()))
 
 
+def test_a_request_future_is_two_tracked_objects():
+    # A burst holds thousands of futures: each tracked object they hold makes the garbage
+    # collector's passes longer. A RequestFuture is itself and its condition, through the
+    # whole of a submission: its fields are slots (no __dict__: fields set after __init__
+    # made one, as the scheduler's handling did), no waiters' list until
+    # concurrent.futures.wait() installs a waiter (or cancel() tells the waiters), no
+    # done-callbacks' list until one is added.
+    import gc
+
+    rng = np.random.default_rng(15)
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        futures = [sched.submit_glu_backward(*glu_args(rng)) for _ in range(64)]
+        gc.collect()  # a pass over live futures, as in a burst
+        for future in futures:
+            future.result(timeout=30)
+        gc.collect()
+    for future in futures:
+        kinds = [type(r).__name__ for r in gc.get_referents(future) if gc.is_tracked(r)]
+        assert kinds == ["_FutureCondition", "type"], kinds  # the class, not an instance
+
+
 def test_futures_work_with_the_standard_waiting_tools():
     # The futures' condition is a leaner one than concurrent.futures builds: wait(),
     # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
