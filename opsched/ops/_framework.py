@@ -47,6 +47,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from opsched.ops._fusion import gather_into
+
 __all__ = [
     "COLUMN_CHUNK",
     "SERIAL_ELEMENTS",
@@ -207,8 +209,9 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
         # and aten reads some operands as contiguous whatever their strides)
         stacked = np.empty((len(arrays), *first.shape), first.dtype)
         if first.ndim:  # along the first axis: cheaper than numpy.stack, which makes a
-            # new view of each array first
-            np.concatenate(arrays, out=stacked.reshape(-1, *first.shape[1:]))
+            # new view of each array first (small parts joined as bytes: one dtype, the
+            # fusion key's)
+            gather_into(arrays, stacked)
         else:
             np.stack(arrays, out=stacked)
         return framework_tensor(torch, stacked)
