@@ -376,7 +376,6 @@ def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str,
         one_stream = asyncio.run(_split_run(target, 1, 4, arrays))
         split.append(one_stream / asyncio.run(_split_run(target, 2, 4, arrays)))
         copy.append(_copy_scaling())
-    del arrays
     return {
         "requests": requests,
         "streams1_rps": statistics.median(one),

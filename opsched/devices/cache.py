@@ -2,7 +2,9 @@
 
 Keys are built by the scheduler from the operator, every bound tensor's shape, dtype and
 strides, the scalar arguments, the device and the stream; data addresses are not part of a
-key, so a hit rebinds new arrays and skips planning.
+key, so a hit skips planning for new arrays. A cached executor keeps its plan (and a fused
+launch's layout), never arrays: the launch binds its own, so the cache holds no caller's
+array nor a pool block's memory.
 """
 
 from __future__ import annotations

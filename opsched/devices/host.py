@@ -312,13 +312,12 @@ class HostDevice(Device):
             return None
         try:
             # A block keeps the views it was carved into, per layout: steady state carves
-            # nothing, and rebinding the same views needs no geometry check.
+            # nothing. The cached executor keeps the plan and layout, never the views (bound
+            # to it, they kept a released block's memory after empty_cache()).
             views = block.views.get(cache_key)
             if views is None:
                 views = block.views[cache_key] = layout.carve(block.array)
             arrays, kernel_ws = views
-            if executor.tensors is not arrays:
-                executor.rebind_same_geometry(arrays)
             executor.count_launch()
         except BaseException:
             self._pool.release(block)

@@ -163,16 +163,6 @@ class Executor:
         if not self._repeatable:
             self._state = ExecutorState.SPENT
 
-    def rebind_same_geometry(self, tensors: dict[str, np.ndarray]) -> None:
-        """Bind arrays the caller guarantees have the planned geometry (no checks).
-
-        For owners that found this executor by a key made of that very geometry, as the
-        scheduler's executor cache does; everyone else uses :meth:`bind`.
-        """
-        self.tensors = tensors
-        self._kernel = None
-        self._as_planned = False
-
     def destroy(self) -> None:
         """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""
         self._state = ExecutorState.DESTROYED

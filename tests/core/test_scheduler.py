@@ -727,3 +727,22 @@ def test_an_idle_scheduler_holds_no_finished_request(device, requests):
         del calls, futures, x
         assert all(e.wait(timeout=10) for e in freed), "a finished request is still held"
         assert len(results) == requests and results[0].shape == (8, 64)
+
+
+async def test_empty_cache_returns_a_fused_launch_s_workspace_memory():
+    """After ``empty_cache()`` nothing keeps a released block's memory: not the pool, and
+    not the executor cache that planned the launch which used it (it keeps plans and
+    layouts, never a block's views)."""
+    rng = np.random.default_rng(9)
+    calls = [(rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)) for _ in range(8)]
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        await gather(*(sched.glu_backward(g, x) for g, x in calls))  # one fused launch
+        assert sched.statistics().requests_per_launch_max > 1
+        pool = sched.device._pool
+        blocks = [b for by_size in pool._free.values() for bs in by_size.values() for b in bs]
+        assert blocks
+        freed = threading.Event()
+        weakref.finalize(blocks[0].array, freed.set)
+        del blocks
+        sched.empty_cache()
+        assert freed.wait(timeout=10), "a released block's memory is still referenced"
