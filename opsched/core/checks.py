@@ -34,8 +34,7 @@ OutputSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 #: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
 SIGNATURES_KEPT = 4096
 
-#: One object per distinct signature, for signatures made outside a scheduler's checks
-#: (graph nodes): see :func:`canonical_signature`.
+#: One object per distinct signature: see :func:`canonical_signature`.
 _CANONICAL: dict[Hashable, Hashable] = {}
 
 
@@ -44,8 +43,8 @@ def canonical_signature(signature: Hashable | None) -> Hashable | None:
 
     A fused launch groups its requests by signature (``ops._fusion.signature_groups``);
     consecutive requests whose signatures are the same object skip hashing it (0.1-0.2 us
-    a nested tuple of shapes and dtypes, twice a launch). Requests checked by a scheduler
-    get the signature object its cache holds; graph nodes get this one.
+    a nested tuple of shapes and dtypes, twice a launch). Requests checked in full and
+    graph nodes both take theirs from here (the call cache hands out what it stored).
     """
     if signature is None:
         return None
@@ -104,7 +103,7 @@ class Checks:
         """
         device = self._device
         meta = device.meta(tensors) if self._meta else tensors
-        signature = op.signature(meta, scalars)
+        signature = canonical_signature(op.signature(meta, scalars))
         known = self._known.get(signature) if signature is not None else None
         if known is None:
             scalars = op.check_on(self._product, meta, scalars, allocate=True)
@@ -117,10 +116,9 @@ class Checks:
             if signature is not None:
                 if len(self._known) >= SIGNATURES_KEPT:
                     self._known.clear()
-                self._known[signature] = (scalars, spec, key, units, nbytes, signature)
+                self._known[signature] = (scalars, spec, key, units, nbytes)
         else:
-            # the cached signature object, not this equal one: see canonical_signature
-            scalars, spec, key, units, nbytes, signature = known
+            scalars, spec, key, units, nbytes = known
             check_writable(op.name, op.outputs, tensors)  # not part of the signature
             tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
         return Checked(
@@ -161,7 +159,7 @@ class Checks:
             if spec is not None:
                 if len(self._calls) >= SIGNATURES_KEPT:
                     self._calls.clear()
-                self._calls[call] = (op, *spec)  # ends with the signature
+                self._calls[call] = (op, *spec, checked.signature)
 
     def known(self, op: Operator, args: Sequence[Any], priority: int) -> tuple[Any, ...] | None:
         """A call without outputs, deadline or timeout whose checks passed before, checked
