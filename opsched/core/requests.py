@@ -11,6 +11,7 @@ This module knows nothing of devices, operators by name, or batching policy.
 from __future__ import annotations
 
 import _thread
+import asyncio
 import collections
 import enum
 import threading
@@ -23,7 +24,7 @@ import attrs
 
 from opsched._errors import SchedulerClosedError
 from opsched._log import enabled, get_logger
-from opsched.core.loop import LoopEvent
+from opsched.core.loop import FUTURE, LoopEvent
 from opsched.core.stats import Counters
 from opsched.ops import Operator
 
@@ -209,10 +210,12 @@ class Request:
     error: BaseException | None = None
     #: Set once the request reached a final state (:func:`finish`).
     finished: bool = False
-    #: The event of the coroutines awaiting it (the loop's own kind), made by the first
-    #: of them (:meth:`Scheduler._wait`): a request waited on by a thread's future or a
-    #: graph run, or finished before anyone waits, never makes one.
-    waiter: LoopEvent | None = None
+    #: What wakes the coroutines awaiting it, made by the first of them
+    #: (:meth:`Scheduler._wait`): a bare asyncio future for one task without a deadline
+    #: (:data:`~opsched.core.loop.FUTURE`), else an event of the loop's own kind. A request
+    #: waited on by a thread's future or a graph run, or finished before anyone waits,
+    #: never makes one.
+    waiter: LoopEvent | asyncio.Future[None] | None = None
     #: The caller stopped waiting: the result is dropped when the launch finishes.
     abandoned: bool = False
     #: Launches (split parts) still running for this request.
@@ -277,7 +280,11 @@ def finish(
     request.finished = True
     waiter = request.waiter
     if waiter is not None:
-        waiter.set()
+        if isinstance(waiter, FUTURE):  # the bare future of the one task awaiting it
+            if not waiter.done():  # (cancelled with its task: nothing to wake)
+                waiter.set_result(None)
+        else:
+            waiter.set()
     if request.graph is not None:
         run, node_run = request.graph
         if state is RequestState.DONE:

@@ -42,7 +42,7 @@ from opsched.core.dispatch import Dispatcher
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
 from opsched.core.here import run_here, runs_here
-from opsched.core.loop import LoopEvent, LoopHandle
+from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
 from opsched.core.requests import Pending, Request, RequestFuture, RequestState, finish
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer
@@ -523,20 +523,21 @@ class Scheduler:
         try:
             if request.finished:  # finished inline at submit: still yield once
                 await loop.checkpoint()
+            elif request.waiter is None and request.deadline is None and loop.new_future:
+                # the common case: one task waits, without a deadline, on a bare future
+                request.waiter = future = loop.new_future()
+                await future
+            elif request.deadline is None:  # a second task (a Pending's), or on trio
+                await self._event(request).wait()
             else:
-                done = request.waiter
-                if done is None:  # the first to wait on it (a Pending may have several)
-                    done = request.waiter = loop.new_event()
-                if request.deadline is None:  # the common case
+                done = self._event(request)
+                with anyio.move_on_after(request.deadline - time.monotonic()):
                     await done.wait()
-                else:
-                    with anyio.move_on_after(request.deadline - time.monotonic()):
+                if not request.finished:
+                    if request.state is RequestState.QUEUED:
+                        self._expire(request)
+                    else:  # launched before its deadline: the result is on its way
                         await done.wait()
-                    if not request.finished:
-                        if request.state is RequestState.QUEUED:
-                            self._expire(request)
-                        else:  # launched before its deadline: the result is on its way
-                            await done.wait()
             if loop.cancelled is not None and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
@@ -544,6 +545,16 @@ class Scheduler:
                 self._abandon(request)
             raise
         return request.returned()
+
+    def _event(self, request: Request) -> LoopEvent:
+        """The event a task waits on for ``request`` when it has a deadline or is not its
+        only waiter: its first waiter's, which a bare future's becomes."""
+        done = request.waiter
+        if done is None:
+            done = request.waiter = self._loop.new_event()
+        elif isinstance(done, FUTURE):  # the first waits on a bare future: it joins the event
+            done = request.waiter = upgrade_waiter(done, self._loop.new_event)
+        return done
 
     def _finish_empty(self, request: Request) -> None:
         """Finish a request of empty tensors at submit: nothing to launch. Its deadline

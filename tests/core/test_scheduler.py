@@ -378,6 +378,35 @@ async def test_cancel_running_request_drops_result_and_others_complete(device):
     assert_adds_up(stats)
 
 
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_every_task_awaiting_one_pending_gets_its_result(device):
+    # The first task waits on the request alone (on asyncio, a bare future); the next ones
+    # join it on an event, which must still wake the first.
+    rng = np.random.default_rng(10)
+    held = small_glu(rng)
+    gate = Gate(hold=held[1])
+    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
+        sched.device.inject_faults(gate)
+        pending = sched.glu_backward_nowait(*held)
+        await settle(lambda: sched.statistics().running == 1)  # launched, held at the gate
+        results = []
+
+        async def wait():
+            results.append(await pending)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()  # the first waits
+            tg.start_soon(wait)
+            tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()
+            gate.open()
+    assert len(results) == 3
+    for result in results:
+        assert result is results[0]
+        assert_result(device, result, solo_glu(*held, -1))
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_scope_cancelled_after_the_result_arrived_still_cancels_the_call(monkeypatch):
     # On asyncio, anyio cancels only a task that waits on a pending future: a request that
