@@ -251,10 +251,11 @@ def prepare_group_norm_backward(
     if n * plan.c == 0 or plan.hxw == 0:
         outputs = [a for a in (dgamma, dbeta, ds_out, db_out) if a is not None]
         return functools.partial(_zeros, outputs)
+    if ds_out is None and dx is not None and dgamma is not None and dbeta is not None:
+        direct = _direct(plan, n, grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta)
+        if direct is not None:
+            return direct
     arrays = _Arrays(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out)
-    direct = _direct(plan, arrays, n)
-    if direct is not None:
-        return direct
     last: list[Any] = [_UNSEEN, None]  # the workspace seen last, and its launch
 
     def launch(workspace: np.ndarray | None) -> None:
@@ -265,23 +266,38 @@ def prepare_group_norm_backward(
     return launch
 
 
-def _direct(plan: GnbPlan, a: _Arrays, n: int) -> Callable[[np.ndarray | None], None] | None:
+def _direct(
+    plan: GnbPlan,
+    n: int,
+    grad_out: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    dx: np.ndarray,
+    dgamma: np.ndarray,
+    dbeta: np.ndarray,
+) -> Callable[[np.ndarray | None], None] | None:
     """The usual launch, laid out here once: all three outputs asked for and nothing copied
     into the workspace (no staged operand; statistics, gamma and the three outputs float32
     and C-contiguous, the data operands C-contiguous), so the workspace holds only the
     per-channel-row sums and the loop's other arguments do not depend on it. None for any
     other launch (:func:`_lay_out` then lays it out per workspace). The same loop and
-    arguments as :func:`_lay_out`'s."""
+    arguments as :func:`_lay_out`'s. (Its arrays come one by one, not as an ``_Arrays``,
+    and the float32 tests are spelled out: this runs for every blocking or two-phase call.)
+    """
     if plan.stage_x or plan.stage_dy or plan.stage_dx or plan.stats_out:
         return None
     if not (plan.want_dx and plan.want_dgamma and plan.want_dbeta):
         return None
-    grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, _, _ = a
+    f32 = F32
     if not (
-        dx is not None and dgamma is not None and dbeta is not None
-        and grad_out.flags.c_contiguous and x.flags.c_contiguous and dx.flags.c_contiguous
-        and _plain_f32(mean) and _plain_f32(rstd) and _plain_f32(dgamma) and _plain_f32(dbeta)
-        and (gamma is None or _plain_f32(gamma))
+        grad_out.flags.c_contiguous and x.flags.c_contiguous and dx.flags.c_contiguous
+        and mean.dtype is f32 and rstd.dtype is f32 and dgamma.dtype is f32
+        and dbeta.dtype is f32 and (gamma is None or gamma.dtype is f32)
+        and mean.flags.c_contiguous and rstd.flags.c_contiguous
+        and dgamma.flags.c_contiguous and dbeta.flags.c_contiguous
+        and (gamma is None or gamma.flags.c_contiguous)
     ):  # fmt: skip
         return None
     c, hxw, kind = plan.c, plan.hxw, _jit.KINDS[plan.dtype]

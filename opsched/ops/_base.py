@@ -43,6 +43,7 @@ __all__ = [
     "dtype_name",
     "entry_point",
     "index_value",
+    "may_overlap",
     "register_array_type",
 ]
 
@@ -168,6 +169,16 @@ def index_value(op: str, name: str, value: object) -> int:
     except TypeError:
         msg = f"{op}: {name} must be an integer, got {type(value).__qualname__} {value!r}"
         raise TypeError(msg) from None
+
+
+def may_overlap(out: np.ndarray, array: np.ndarray | None) -> bool:
+    """Whether ``out`` may share memory with ``array`` (``np.may_share_memory``'s bounds
+    check; None: no array, False), answered without it where both arrays own their memory:
+    two buffers numpy allocated apart never overlap (0.05 us against 0.3; this runs for
+    every two-phase call and blocking call)."""
+    if array is None or (out is not array and out.flags.owndata and array.flags.owndata):
+        return False
+    return bool(np.may_share_memory(out, array))
 
 
 def cuts(n: int, parts: int) -> list[tuple[int, int]]:
@@ -503,11 +514,13 @@ class Operator(abc.ABC):
 
     def overlaps_any(self, tensors: Tensors) -> bool:
         """True when an output may share memory with an input the kernel reads."""
-        return any(
-            np.may_share_memory(tensors[o], tensors[i])
-            for o in self.outputs
-            for i in self.overlap_inputs
-        )
+        for name in self.outputs:
+            out = tensors[name]
+            if out is not None:
+                for input_name in self.overlap_inputs:
+                    if may_overlap(out, tensors[input_name]):
+                        return True
+        return False
 
     # ---------------------------------------------------------------- fusion and splitting
     #

@@ -33,6 +33,7 @@ from opsched.ops._base import (
     check_types,
     dtype_name,
     index_value,
+    may_overlap,
 )
 from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops._gnb_framework import gnb_framework_batch
@@ -329,8 +330,7 @@ class GroupNormBackward(Operator):
     def overlaps_any(self, tensors: Tensors) -> bool:
         dx = tensors["dx"]  # against overlap_inputs, spelled out: this runs for every call
         return dx is not None and (
-            np.may_share_memory(dx, tensors["grad_out"])
-            or np.may_share_memory(dx, tensors["input"])
+            may_overlap(dx, tensors["grad_out"]) or may_overlap(dx, tensors["input"])
         )
 
     def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:

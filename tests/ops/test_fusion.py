@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from opsched.ops._base import may_overlap
 from opsched.ops._fusion import gather_into
 from tests.helpers import BF16, rand
 
@@ -57,3 +58,16 @@ def test_read_only_parts_are_gathered():
     target, _ = _rows(parts, F32)
     gather_into(parts, target)
     np.testing.assert_array_equal(target, np.concatenate(parts))
+
+
+def test_may_overlap_answers_as_numpy_bounds_check_without_it_for_owners():
+    base = np.zeros(64, np.float32)
+    other = np.zeros(64, np.float32)
+    assert not may_overlap(base, other)  # two owners: apart
+    assert may_overlap(base, base)  # the same array
+    assert may_overlap(base[8:], base)  # a view of it (not an owner)
+    assert may_overlap(base, base[:8])
+    assert not may_overlap(base[:8], base[8:])  # views whose bounds do not meet
+    assert not may_overlap(base, None)
+    shared = np.frombuffer(base, np.float32)  # the same memory, owned by neither view
+    assert may_overlap(shared, base)
