@@ -277,6 +277,7 @@ def _new_scheduler(
         executor_cache_limit=config.executor_cache_limit,
         fuse_max_bytes=config.fuse_max_bytes,
         split_min_bytes=config.split_min_bytes,
+        malloc_keep_bytes=config.malloc_keep_bytes,
     )
     tracer = None
     try:

@@ -40,6 +40,7 @@ def make_device(
     executor_cache_limit: int = 1024,
     fuse_max_bytes: int = 1 << 20,
     split_min_bytes: int = 8 << 20,
+    malloc_keep_bytes: int = 0,
 ) -> Device:
     """Create the device called ``name`` with ``streams`` streams.
 
@@ -51,6 +52,8 @@ def make_device(
         fuse_max_bytes: the solo-launch threshold (the host devices).
         split_min_bytes: the size from which the scheduler may split a request across
             streams (a torch device gives such a request its outputs before the launch).
+        malloc_keep_bytes: the host devices: freed memory glibc's malloc keeps for their
+            outputs, process-wide (:func:`~opsched.devices.malloc.keep_freed_memory`).
 
     Raises:
         ValueError: an unknown device name (the message lists the known ones).
@@ -69,6 +72,7 @@ def make_device(
             workspace_limit_bytes=workspace_limit_bytes,
             executor_cache_limit=executor_cache_limit,
             fuse_max_bytes=fuse_max_bytes,
+            malloc_keep_bytes=malloc_keep_bytes,
         )
     if name.startswith("torch:"):
         from opsched.devices.torch_device import TorchDevice

@@ -30,6 +30,7 @@ from opsched._errors import ParamInvalidError
 from opsched._log import enabled, get_logger
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
+from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
 from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
@@ -147,9 +148,13 @@ class HostDevice(Device):
         workspace_limit_bytes: int = 64 << 20,
         executor_cache_limit: int = 1024,
         fuse_max_bytes: int = 1 << 20,
+        malloc_keep_bytes: int = 0,
     ) -> Self:
         """A device of this kind with ``streams`` streams, its workspace pool capped at
-        ``workspace_limit_bytes`` and its executor cache at ``executor_cache_limit``."""
+        ``workspace_limit_bytes`` and its executor cache at ``executor_cache_limit``;
+        glibc's malloc keeps ``malloc_keep_bytes`` of freed memory for its outputs
+        (:func:`~opsched.devices.malloc.keep_freed_memory`: process-wide)."""
+        keep_freed_memory(malloc_keep_bytes)
         return cls(
             cls.device_name,
             [cls.stream_class(i) for i in range(streams)],

@@ -170,6 +170,8 @@ def test_config_defaults_and_overrides():
         ("fuse_max_bytes", -1, ValueError, "expected [0, 281474976710656]"),
         ("split_min_bytes", 1 << 60, ValueError, "expected [1, 281474976710656]"),
         ("inline_max_bytes", 1 << 60, ValueError, "expected [0, 281474976710656]"),
+        ("malloc_keep_bytes", -1, ValueError, "malloc_keep_bytes=-1 is out of range"),
+        ("malloc_keep_bytes", 1 << 31, ValueError, "expected [0, 1073741824]"),
     ],
 )
 def test_config_validation_names_field_value_and_range(field, value, error, words):
