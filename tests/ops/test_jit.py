@@ -141,3 +141,21 @@ def test_compiled_glu_bits_do_not_depend_on_position_or_length(dtype):
             stop = start + length
             part = run_glu(g[:, start:stop].copy(), x[:, start:stop].copy(), 0)
             assert_same_bits(part, whole[:, start:stop])
+
+
+@numba.njit
+def _fma_all(a, b, c, out):  # type: ignore[no-untyped-def]
+    for i in range(out.size):
+        out[i] = _jit.fma(a[i], b[i], c[i])
+
+
+def test_fma_rounds_once_in_every_lane():
+    # (1 + 2**-12)**2 = 1 + 2**-11 + 2**-24: rounded alone, the product loses its 2**-24
+    # (a tie, to even), and adding -(1 + 2**-11) gives 0; fused, 2**-24 remains. 37
+    # elements: the vector body and the scalar tail both compute some.
+    a = np.full(37, 1 + 2.0**-12, F32)
+    c = np.full(37, -(1 + 2.0**-11), F32)
+    out = np.empty(37, F32)
+    _fma_all(a, a, c, out)
+    assert (out == F32(2.0**-24)).all()
+    assert (a * a + c == 0).all()  # numpy's two roundings: what fma must not do
