@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import structlog
 
 from opsched.devices import malloc
 
@@ -31,7 +32,14 @@ def calls(monkeypatch):
 
 
 def test_keeping_sets_the_top_pad_and_the_mmap_threshold_and_only_ever_raises(calls):
-    assert malloc.keep_freed_memory(32 << 20)
+    with structlog.testing.capture_logs() as logs:
+        assert malloc.keep_freed_memory(32 << 20)
+    assert logs == [
+        {
+            "event": "malloc keeps freed memory", "bytes": 32 << 20,
+            "mmap_threshold": malloc.MMAP_THRESHOLD, "log_level": "debug",
+        }
+    ]  # fmt: skip
     assert calls == [(-3, malloc.MMAP_THRESHOLD), (-2, 32 << 20)]
     assert not malloc.keep_freed_memory(16 << 20)  # less than applied: nothing to do
     assert not malloc.keep_freed_memory(32 << 20)
