@@ -2,12 +2,13 @@
 
 The path of one request (``docs/architecture.md``): the caller's coroutine has the request
 checked (:mod:`opsched.core.checks`, cached by signature) and queued (admission, one record,
-one queue operation), then waits on the request's event. A dispatch step, scheduled once per
-loop iteration however many requests arrived, runs the pure :func:`form_batches` on the idle
-streams and starts each batch: the device prepares it (executor, workspace: the device's
-own business) and its stream runs it, inline when tiny and the stream is idle. The stream
-hands the launch back to the loop with one call; the loop finishes every request of the
-launch (:func:`~opsched.core.requests.finish`) and dispatches again.
+one queue operation), then waits on the request's future (or event). A dispatch step,
+scheduled once per loop iteration however many requests arrived, runs the pure
+:func:`form_batches` on the idle streams and starts each batch: the device prepares it
+(executor, workspace: the device's own business) and its stream runs it, inline when tiny
+and the stream is idle. The stream hands the launch back to the loop with one call; the
+loop finishes every request of the launch (:func:`~opsched.core.requests.finish`) and
+dispatches again.
 
 Concurrency rules: all scheduler state changes on the loop thread, inside non-awaiting
 methods; the only code in stream threads is a launch's own work. Every batch formation and
