@@ -82,8 +82,8 @@ class _AsyncioEvent:
 
 
 def upgrade_waiter(waiter: Any, new_event: Callable[[], LoopEvent]) -> LoopEvent:
-    """The event for a second task waiting on a request whose first waits on ``waiter``,
-    a bare future (:attr:`LoopHandle.new_future`): a new event that wakes that future too."""
+    """A new event for the tasks waiting on a request; when ``waiter`` is the bare future
+    its first task waits on (:attr:`LoopHandle.new_future`), one that wakes it too."""
     event = new_event()
     if type(waiter) is FUTURE and isinstance(event, _AsyncioEvent):
         event._waiter = waiter

@@ -551,9 +551,7 @@ class Scheduler:
         """The event a task waits on for ``request`` when it has a deadline or is not its
         only waiter: its first waiter's, which a bare future's becomes."""
         done = request.waiter
-        if done is None:
-            done = request.waiter = self._loop.new_event()
-        elif isinstance(done, FUTURE):  # the first waits on a bare future: it joins the event
+        if done is None or isinstance(done, FUTURE):  # none yet, or the first's bare future
             done = request.waiter = upgrade_waiter(done, self._loop.new_event)
         return done
 
