@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 
@@ -159,3 +160,20 @@ async def settle(condition, tries: int = 1000) -> None:
         await anyio.lowlevel.checkpoint()
     msg = f"still not true after {tries} checkpoints"
     raise AssertionError(msg)
+
+
+@contextlib.asynccontextmanager
+async def held_stream(device: str, blocker, **config):
+    """A scheduler whose one stream is busy: GluBackward on ``blocker`` (``(grad_out,
+    self)``) launched and held at a :class:`Gate` until the test opens it. Yields
+    ``(sched, gate, pending)``, ``pending`` the blocker's request; ``config``: more knobs."""
+    import opsched
+
+    gate = Gate(hold=blocker[1])
+    async with opsched.open_scheduler(
+        device=device, streams=1, inline_max_bytes=0, **config
+    ) as sched:
+        sched.device.inject_faults(gate)
+        pending = sched.glu_backward_nowait(*blocker)
+        await settle(lambda: sched.statistics().running == 1)  # held at the gate
+        yield sched, gate, pending

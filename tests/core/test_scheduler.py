@@ -36,6 +36,7 @@ from tests.sched_helpers import (
     Gate,
     assert_result,
     gather,
+    held_stream,
     random_glu,
     random_gn,
     settle,
@@ -240,13 +241,7 @@ async def test_large_requests_of_a_fused_batch_run_on_their_own_arrays(device, m
 async def test_priorities_then_fifo(device):
     rng = np.random.default_rng(4)
     blocker = small_glu(rng)
-    gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(
-        device=device, streams=1, inline_max_bytes=0, max_batch_requests=1
-    ) as sched:
-        sched.device.inject_faults(gate)
-        first = sched.glu_backward_nowait(*blocker)
-        await settle(lambda: sched.statistics().running == 1)  # the only stream is busy
+    async with held_stream(device, blocker, max_batch_requests=1) as (sched, gate, first):
         prios = [0, 5, 0, 9, 5]
         pend = [sched.glu_backward_nowait(*small_glu(rng), priority=p) for p in prios]
         gate.open()
@@ -262,13 +257,7 @@ async def test_priorities_then_fifo(device):
 async def test_queue_full_nowait_raises_and_await_waits(device):
     rng = np.random.default_rng(5)
     blocker = small_glu(rng)
-    gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(
-        device=device, streams=1, inline_max_bytes=0, max_queued_requests=2
-    ) as sched:
-        sched.device.inject_faults(gate)
-        first = sched.glu_backward_nowait(*blocker)
-        await settle(lambda: sched.statistics().running == 1)  # held at the gate
+    async with held_stream(device, blocker, max_queued_requests=2) as (sched, gate, first):
         queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(2)]
         with pytest.raises(QueueFullError, match="2 requests are queued"):
             sched.glu_backward_nowait(*small_glu(rng))
@@ -301,11 +290,7 @@ async def test_queue_full_nowait_raises_and_await_waits(device):
 async def test_deadline_expires_from_its_own_timer_and_never_launches(device):
     rng = np.random.default_rng(6)
     blocker = small_glu(rng)
-    gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
-        sched.device.inject_faults(gate)
-        first = sched.glu_backward_nowait(*blocker)
-        await settle(lambda: sched.statistics().running == 1)  # held at the gate
+    async with held_stream(device, blocker) as (sched, gate, first):
         late = small_glu(rng)
         with pytest.raises(DeadlineExceededError, match="was not launched"):
             await sched.glu_backward(*late, deadline=time.monotonic() + 0.02)
@@ -333,11 +318,7 @@ async def test_request_launched_before_its_deadline_completes(device):
 async def test_cancel_queued_request_leaves_queue(device):
     rng = np.random.default_rng(8)
     blocker = small_glu(rng)
-    gate = Gate(hold=blocker[1])
-    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
-        sched.device.inject_faults(gate)
-        first = sched.glu_backward_nowait(*blocker)
-        await settle(lambda: sched.statistics().running == 1)  # held at the gate
+    async with held_stream(device, blocker) as (sched, gate, first):
         victim = small_glu(rng)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sched.glu_backward, *victim)
@@ -384,11 +365,7 @@ async def test_every_task_awaiting_one_pending_gets_its_result(device):
     # join it on an event, which must still wake the first.
     rng = np.random.default_rng(10)
     held = small_glu(rng)
-    gate = Gate(hold=held[1])
-    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
-        sched.device.inject_faults(gate)
-        pending = sched.glu_backward_nowait(*held)
-        await settle(lambda: sched.statistics().running == 1)  # launched, held at the gate
+    async with held_stream(device, held) as (sched, gate, pending):
         results = []
 
         async def wait():
@@ -555,12 +532,8 @@ async def test_leaving_the_block_drains_pending_requests(device):
 async def test_aclose_cancel_pending_fails_queued_requests(device):
     rng = np.random.default_rng(15)
     blocker = small_glu(rng)
-    gate = Gate(hold=blocker[1])
     before = set(threading.enumerate())
-    async with opsched.open_scheduler(device=device, streams=1, inline_max_bytes=0) as sched:
-        sched.device.inject_faults(gate)
-        first = sched.glu_backward_nowait(*blocker)
-        await settle(lambda: sched.statistics().running == 1)  # held at the gate
+    async with held_stream(device, blocker) as (sched, gate, first):
         queued = [sched.glu_backward_nowait(*small_glu(rng)) for _ in range(3)]
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: sched.aclose(cancel_pending=True))
