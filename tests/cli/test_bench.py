@@ -56,6 +56,32 @@ def test_kernel_benchmark_takes_at_least_the_repeats_asked_for():
     assert (default["repeats"], asked["repeats"]) == (9, 12)
 
 
+def test_kernel_rows_leave_out_each_loops_warm_rounds(monkeypatch):
+    """The first rounds of each interleaved loop (caches still holding what ran before)
+    are run but not counted: a launch that is slow only in them does not move a median."""
+    from opsched.cli import bench_kernels
+
+    warm, launches = bench_kernels._WARM_ROUNDS, []
+    monkeypatch.setattr(bench_kernels, "_repeats", lambda nbytes, least=1: 5)
+
+    def launch(workspace, size, ex):
+        launches.append(len(launches))
+
+    def clock(fn):  # seconds: 1 for a copy, peer or reference call; ours slow when warm
+        before = len(launches)
+        fn()
+        if len(launches) == before:
+            return 1.0
+        return 100.0 if (len(launches) - 1) % (warm + 5) < warm else 0.5
+
+    case = bench_kernels._glu_case(1024, np.float32, np.random.default_rng(0), None)
+    monkeypatch.setattr(bench_kernels, "_timed", clock)
+    row = bench_kernels._measure({**case, "launch": launch, "peer": lambda: None})
+    assert len(launches) == 2 * (warm + 5)  # both loops ran their warm rounds
+    assert row["fast_median_s"] == 0.5 and row["ratio_to_copy"] == 2.0
+    assert row["speedup_vs_torch"] == 2.0
+
+
 def test_scaling_figures_print_with_the_machines_copy_scaling():
     from opsched.cli.bench_scheduler import _copy_scaling
 
