@@ -114,6 +114,11 @@ class RunPlan:
     wanted: frozenset[int]
     #: ``(placeholder, name of a node using it)`` for every placeholder the run binds.
     placeholders: tuple[tuple[Placeholder, str], ...]
+    fed: frozenset[int]  # the nodes whose values the run is given
+    #: per entry of ``order``: the needed nodes that depend on it, and how many of its
+    #: dependencies a run must wait for (those not fed)
+    consumers: tuple[tuple[int, ...], ...]
+    waiting: tuple[int, ...]
 
 
 @attrs.define(eq=False)
@@ -259,9 +264,15 @@ class GraphBuilder:
                     for _, kind, value in self.nodes[i].binding:
                         if kind is PLACEHOLDER:
                             used.setdefault(value, self.nodes[i].name)
+            consumers: dict[int, list[int]] = {i: [] for i in order}
+            for i, needs in zip(order, deps, strict=True):
+                for d in needs:
+                    consumers[d].append(i)
             plan = self._plans[key] = RunPlan(
-                tuple(order), deps, frozenset(outputs), tuple(used.items())
-            )
+                tuple(order), deps, frozenset(outputs), tuple(used.items()), fed,
+                tuple(tuple(consumers[i]) for i in order),
+                tuple(sum(d not in fed for d in needs) for needs in deps),
+            )  # fmt: skip
         return plan
 
     def _own(self, item: Node | Placeholder, where: str) -> None:

@@ -31,7 +31,7 @@ from opsched._errors import (
     UpstreamFailedError,
 )
 from opsched.core.checks import deadline_of, priority_of
-from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder
+from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
 from opsched.core.requests import Request, RequestState, finish
 from opsched.devices import Device, Event, meta_of
 
@@ -58,21 +58,30 @@ _FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
 
 
 class _NodeRun:
-    """One node's state in one run (a plain slotted class: a run makes one per node)."""
+    """One node's state in one run (a plain slotted class: a run makes one per node). Its
+    producers and consumers are node indices, the same in every run of a plan
+    (:class:`~opsched.core.graph.RunPlan`): a run wires nothing."""
 
     __slots__ = (
         "block", "consumers", "consumers_left", "error", "event", "node", "output",
         "producers", "request", "request_id", "state", "waiting", "wanted",
     )  # fmt: skip
 
-    def __init__(self, node: Node, wanted: bool) -> None:
+    def __init__(
+        self,
+        node: Node,
+        wanted: bool,
+        producers: tuple[int, ...],
+        consumers: tuple[int, ...],
+        waiting: int,
+    ) -> None:
         self.node = node
         self.wanted = wanted  # the caller asked for its output: theirs, not pooled
         self.state = NodeState.WAITING
-        self.waiting = 0
-        self.consumers: list[_NodeRun] = []
-        self.producers: list[_NodeRun] = []
-        self.consumers_left = 0
+        self.producers = producers
+        self.consumers = consumers
+        self.waiting = waiting  # producers not launched yet (fed ones never count)
+        self.consumers_left = len(consumers)  # consumers not final yet
         self.output: np.ndarray | None = None
         self.block: Any = None
         self.request: Request | None = None  # let go of once final (see finished)
@@ -107,27 +116,23 @@ class GraphRun:
     #: Whether some node of the run failed: only then can a finishing node have a failed
     #: producer to blame (the common run never looks).
     failed: bool = False
+    #: Whether some node launched on a stream (with an event its consumers wait on): only
+    #: then can a node have producers to wait for (inline launches record none).
+    events: bool = False
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
-    def start(self, inputs: Mapping[Node | Placeholder, np.ndarray]) -> None:
-        """Set up the nodes the outputs need, bind inputs, submit the ready ones."""
-        fed = frozenset(n.index for n in inputs if isinstance(n, Node))
-        plan = self.graph._plan(tuple(n.index for n in self.outputs), fed)
-        nodes = self.graph.nodes
-        runs = self.runs
-        for index, deps in zip(plan.order, plan.deps, strict=True):
-            nr = runs[index] = _NodeRun(nodes[index], index in plan.wanted)
+    def start(self, inputs: Mapping[Node | Placeholder, np.ndarray], plan: RunPlan) -> None:
+        """Set up the nodes ``plan`` (the outputs' nodes, given ``inputs``) runs, bind
+        inputs, submit the ready ones."""
+        fed, wanted, nodes, runs = plan.fed, plan.wanted, self.graph.nodes, self.runs
+        for index, deps, consumers, waiting in zip(
+            plan.order, plan.deps, plan.consumers, plan.waiting, strict=True
+        ):
+            nr = runs[index] = _NodeRun(nodes[index], index in wanted, deps, consumers, waiting)
             if index in fed:
                 nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
-                continue
-            self.left += 1
-            for d in deps:
-                producer = runs[d]
-                nr.producers.append(producer)
-                producer.consumers.append(nr)
-                producer.consumers_left += 1
-                if producer.state is not NodeState.FED:
-                    nr.waiting += 1
+            else:
+                self.left += 1
         self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
         if not self.left:
             self.done()
@@ -146,7 +151,9 @@ class GraphRun:
                 tensors[arg] = runs[value].output
             else:
                 tensors[arg] = self._placeholders[value]
-        waits = [p.event for p in nr.producers if p.event is not None]
+        waits: list[Event] = []
+        if self.events:  # some node launched on a stream: wait for its producers' events
+            waits = [e for e in (runs[p].event for p in nr.producers) if e is not None]
         if nr.wanted:
             nr.output = self.fresh(node.shape, node.dtype)  # the caller's array
         else:
@@ -165,7 +172,11 @@ class GraphRun:
         inline, before any consumer can be dispatched)."""
         nr.state = NodeState.LAUNCHED
         nr.event = event
-        for consumer in nr.consumers:
+        if event is not None:
+            self.events = True
+        runs = self.runs
+        for index in nr.consumers:
+            consumer = runs[index]
             consumer.waiting -= 1
             if consumer.waiting == 0 and consumer.state is NodeState.WAITING and not self.cancelled:
                 self._submit(consumer)
@@ -221,7 +232,8 @@ class GraphRun:
         return queued
 
     def _fail_downstream(self, failed: _NodeRun) -> None:
-        for consumer in failed.consumers:
+        for index in failed.consumers:
+            consumer = self.runs[index]
             if consumer.state is NodeState.WAITING:
                 consumer.state = NodeState.FAILED
                 self.failed = True
@@ -235,7 +247,9 @@ class GraphRun:
 
     def _settle(self, nr: _NodeRun) -> None:
         """A node is final: free the inputs it held, count it, finish the run."""
-        for producer in nr.producers:
+        runs = self.runs
+        for index in nr.producers:
+            producer = runs[index]
             producer.consumers_left -= 1
             self._maybe_release(producer)
         self._maybe_release(nr)
@@ -250,12 +264,10 @@ class GraphRun:
             nr.block = None
 
     def unlink(self) -> None:
-        """Break the run's reference cycles (producers and consumers, each node run and its
-        request) once every node is final: reference counting then frees the run at once,
-        instead of the garbage collector's later, costlier passes over everything."""
+        """Break the run's reference cycles (each node run and its request) once every node
+        is final: reference counting then frees the run at once, instead of the garbage
+        collector's later, costlier passes over everything."""
         for nr in self.runs.values():
-            nr.producers.clear()
-            nr.consumers.clear()
             if nr.request is not None:
                 nr.request.graph = None
                 nr.request = None
@@ -264,7 +276,7 @@ class GraphRun:
         """The requested outputs, or GraphExecutionError naming every failed node."""
         failed = {
             nr.node.name: nr.error
-            for nr in self.runs.values()
+            for nr in (self.runs.values() if self.failed else ())
             if nr.state is NodeState.FAILED and nr.error is not None
         }
         outs = [_output(n, self.runs[n.index]) for n in self.outputs]
@@ -365,7 +377,7 @@ def _start(
             raise ValueError(msg)
     graph.check_on(sched._product)
     device = sched.device
-    given = check_inputs(
+    given, plan = check_inputs(
         graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds
     )
 
@@ -392,7 +404,7 @@ def _start(
         fresh=device.empty,
     )
     sched._counters.graph_runs += 1
-    run.start(given)
+    run.start(given, plan)
     return run
 
 
@@ -438,10 +450,10 @@ def check_inputs(
     inputs: dict[Any, Any],
     tensors: bool,
     kinds: str,
-) -> dict[Node | Placeholder, Any]:
+) -> tuple[dict[Node | Placeholder, Any], RunPlan]:
     """Check ``inputs`` against the graph: owners, geometry, every needed placeholder
     (``tensors``: the device takes framework tensors too; ``kinds``: what it takes, for
-    the message)."""
+    the message). Returns them with the run's plan."""
     for key, array in inputs.items():
         if not isinstance(key, Node | Placeholder) or key.graph is not graph:
             msg = f"run: inputs key {key!r} is not a placeholder or node of this graph"
@@ -465,4 +477,4 @@ def check_inputs(
                 "array in inputs"
             )
             raise ParamNullptrError(msg)
-    return inputs
+    return inputs, plan

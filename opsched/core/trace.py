@@ -211,8 +211,9 @@ def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: A
     edges = []
     for r in requests:
         if r.graph is not None:
-            node_run = r.graph[1]
-            producers = [p.request_id for p in node_run.producers if p.request_id is not None]
+            run, node_run = r.graph
+            producers = [run.runs[p].request_id for p in node_run.producers]
+            producers = [p for p in producers if p is not None]
             edges.append((r.id, producers))
     if edges:
         args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]

@@ -201,6 +201,32 @@ async def test_diamond_fan_out_fan_in(device):
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_node_reading_one_producer_twice_runs_once_it_is_launched(device):
+    """One producer read through two arguments: the consumer runs once it is launched,
+    again in a second run of the same plan, and at once when the producer is fed (a fed
+    node is nothing to wait for: counted as one, the run would never end)."""
+    rng = np.random.default_rng(13)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 4, 8), F32)
+    _, _, gamma2, mean2, rstd2 = gn_inputs(rng, (2, 4, 8), F32)
+    g = Graph()
+    top = g.group_norm_grad(x, dy, gamma, mean, rstd, name="top")
+    twice = g.group_norm_grad(top, top, gamma2, mean2, rstd2, name="twice")
+    t = solo_gn(x, dy, gamma, mean, rstd)
+    want = solo_gn(t, t, gamma2, mean2, rstd2)
+    async with opsched.open_scheduler(device=device, streams=2) as sched:
+        for _ in range(2):
+            (out,) = await sched.run(g, outputs=[twice])
+            assert_result(device, out, want)
+        fed = rand(rng, (2, 4, 8), F32)
+        (out,) = await sched.run(g, outputs=[twice], inputs={top: fed})
+        assert_result(device, out, solo_gn(fed, fed, gamma2, mean2, rstd2))
+        stats = sched.statistics()
+    assert stats.graph_nodes == 5  # top twice, twice three times
+    assert stats.pool.in_use == 0
+
+
+@pytest.mark.anyio
 async def test_only_needed_nodes_run_and_fed_nodes_are_not_computed():
     rng = np.random.default_rng(4)
     graph, nodes, oracle = chain(rng, length=4)
