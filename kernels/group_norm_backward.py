@@ -313,11 +313,24 @@ def _direct(
 
     def launch(workspace: np.ndarray | None) -> None:
         if workspace is not last[0]:
-            sums = Carver(workspace).take(2 * channel_rows, F32)  # ds, then db
+            sums = _sums(workspace, 2 * channel_rows)  # ds, then db
             last[:] = workspace, (*head, sums[:channel_rows], sums[channel_rows:], *tail)
         loop(*last[1])
 
     return launch
+
+
+def _sums(workspace: np.ndarray | None, count: int) -> np.ndarray:
+    """``count`` float32 sums at the start of the workspace (a contiguous ``uint8`` array)
+    when that start is float-aligned (numpy's allocations and the pool's blocks are), else
+    carved at the next :data:`ALIGN` as planned. The usual workspace needs no address:
+    reading one through ctypes costs 0.7 us, this 0.4 us (two-phase GroupNormBackward,
+    tiny: 23.9-24.8 -> 21.2-22.1 us a call)."""
+    if workspace is not None and workspace.nbytes >= 4 * count:
+        sums = np.frombuffer(workspace, F32, count)
+        if sums.flags.aligned:
+            return sums
+    return Carver(workspace).take(count, F32)
 
 
 class _Arrays(NamedTuple):
