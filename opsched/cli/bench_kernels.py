@@ -177,9 +177,9 @@ def _measure(case: dict[str, Any], least: int = 1) -> dict[str, Any]:
     other bytes, and a working set that fits in the last-level cache takes several launches
     to get back into it. On our Zen 3 machine, whose L3 is filled by what L2 evicts, a 1M
     GroupNormBackward took 0.64, 0.53, 0.49, 0.44 ... 0.41 ms in the first launches after
-    the copies (9 counted repeats: the median was the recovery, 1.10-1.19x torch; counted
-    from the fourth launch, 1.4x). The reference runs last for the same reason: its float64
-    temporaries evict everything.
+    the copies (9 counted repeats: the median fell in that recovery, 1.10-1.19x torch;
+    after 8 warm rounds, 1.19-1.38x in five runs). The reference runs last for the same
+    reason: its float64 temporaries evict everything.
     """
     ex: Executor = case["executor"]
     ex.set_repeatable()
