@@ -20,11 +20,13 @@ import numpy as np
 
 import opsched
 from opsched.cli.bench_kernels import BenchTarget
-from opsched.cli.solo import solo_glu, solo_gn
+from opsched.cli.bench_paths import two_phase_call
 
 __all__ = ["bench_graphs", "print_graph_report"]
 
 F32 = np.float32
+#: One call through the two-phase API, as its caller writes it (the direct way).
+_GN, _GLU = two_phase_call("gn"), two_phase_call("glu")
 
 
 class _Chain:
@@ -70,9 +72,9 @@ class _Chain:
         for i, (kind, args) in enumerate(self.steps):
             if kind == "gn":
                 x, dy, gamma, mean, rstd = args
-                value = solo_gn(x, dy if i == 0 else value, gamma, mean, rstd)
+                value = _GN(x, dy if i == 0 else value, gamma, mean, rstd)
             else:
-                value = solo_glu(value, args[0], -1)
+                value = _GLU(value, args[0], -1)
         return value
 
 

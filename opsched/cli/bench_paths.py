@@ -1,9 +1,12 @@
-"""The per-request cost of every way in, against torch's CPU operator called once per request.
+"""The per-request cost of every way in, against the operator called once per request.
 
 Each path runs the same tiny requests (GluBackward 8x64, GroupNormBackward N=4, C=8,
-HxW=64, 4 groups, FLOAT) and is timed right after torch's operator on as many requests, in
-the same round; a row is the median over rounds of torch's time / the path's time (above
-1.0x the scheduler is cheaper than no scheduler at all) with the microseconds per request:
+HxW=64, 4 groups, GroupNormalizationGrad 4x8x64, FLOAT) and is timed right after the peer
+on as many requests, in the same round; a row is the median over rounds of the peer's time /
+the path's time (above 1.0x the scheduler is cheaper than no scheduler at all) with the
+microseconds per request. The peer is torch's CPU operator for GluBackward and
+GroupNormBackward, and for GroupNormalizationGrad, which has no aten operator, its own
+two-phase call (issue 15): its rows need no torch, and it has no two-phase row of its own.
 
 - ``coroutines``: 256 coroutines each awaiting its share through ``Scheduler``.
 - ``submit``: one thread queuing every request with ``submit_*`` on the sync facade, then
@@ -41,14 +44,18 @@ from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices import torch_ops as _torch_ops
 
 __all__ = [
+    "INPUTS",
+    "OPS",
     "PATHS",
     "PATH_TARGETS",
     "bench_memory",
     "bench_paths",
     "glu_inputs",
+    "gn_inputs",
     "gnb_inputs",
     "print_paths",
     "torch_per_request",
+    "two_phase_call",
 ]
 
 F32 = np.float32
@@ -57,8 +64,12 @@ F32 = np.float32
 PATHS = ("coroutines", "submit", "sync", "two-phase")
 #: The reference row measured for GLU after its paths (no target: see the module docstring).
 FLOOR = "bare batcher"
-#: The speed each path should reach against torch's operator per request.
+#: The speed each path should reach against the operator called once per request.
 PATH_TARGETS = {"coroutines": 1.5, "submit": 1.0, "sync": 0.5, "two-phase": 0.5}
+#: The operators measured, with the name a row prints.
+OPS = {"glu": "GLU 8x64", "gnb": "GroupNormBackward 4x8x64", "gn": "GroupNormalizationGrad 4x8x64"}
+#: The operator whose peer is its own two-phase call (no aten operator to compare with).
+_OWN_PEER = "gn"
 _CLIENTS = 256
 
 
@@ -68,6 +79,18 @@ def glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]
         (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
         for _ in range(n)
     ]
+
+
+def gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
+    """``n`` tiny GroupNormalizationGrad requests: ``(x, dy, gamma, mean, rstd)``, x of
+    4 samples x 8 groups x 64, FLOAT."""
+    out: list[tuple[np.ndarray, ...]] = []
+    for _ in range(n):
+        x, dy, gamma = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(3))
+        mean = rng.standard_normal((4, 8)).astype(F32)
+        rstd = (rng.random((4, 8)) + 0.5).astype(F32)
+        out.append((x, dy, gamma, mean, rstd))
+    return out
 
 
 def gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
@@ -80,6 +103,12 @@ def gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
         gamma = rng.standard_normal(8).astype(F32)
         out.append((dy, x, mean, rstd, gamma, 4, 8, 64, 4))
     return out
+
+
+#: Each operator's tiny requests (``n`` of them from a generator).
+INPUTS: dict[str, Callable[[np.random.Generator, int], list[tuple[Any, ...]]]] = {
+    "glu": glu_inputs, "gn": gn_inputs, "gnb": gnb_inputs,
+}  # fmt: skip
 
 
 def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:
@@ -113,7 +142,8 @@ def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int],
 
 async def _clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -> None:
     """``_CLIENTS`` coroutines awaiting ``n`` requests in all (results dropped)."""
-    call = sched.glu_backward if op == "glu" else sched.group_norm_backward
+    call = {"glu": "glu_backward", "gn": "group_norm_grad"}.get(op, "group_norm_backward")
+    call = getattr(sched, call)
     share = n // _CLIENTS
 
     async def client(i: int) -> None:
@@ -211,10 +241,9 @@ def _facade(
     target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int, submit: bool
 ) -> float:
     with opsched.sync.open_scheduler(target.config, device=target.device) as sched:
-        call: Callable[..., Any] = sched.glu_backward
-        queue: Callable[..., Any] = sched.submit_glu_backward
-        if op == "gnb":
-            call, queue = sched.group_norm_backward, sched.submit_group_norm_backward
+        name = {"glu": "glu_backward", "gn": "group_norm_grad"}.get(op, "group_norm_backward")
+        call: Callable[..., Any] = getattr(sched, name)
+        queue: Callable[..., Any] = getattr(sched, f"submit_{name}")
         for args in inputs[: min(n, 256)]:  # warm-up: the signatures, the executors
             call(*args)
         gc.collect()
@@ -229,24 +258,50 @@ def _facade(
         return time.perf_counter() - start
 
 
+def two_phase_call(op: str) -> Callable[..., Any]:
+    """One request of ``op`` (``glu``, ``gn`` or ``gnb``; its arguments as :data:`INPUTS`
+    holds them, GLU's ``dim`` -1 unless given) through ``opsched.aclnn``, as its caller
+    writes it: fresh outputs, the workspace size (checked and planned, by one cache lookup
+    for a geometry seen before), a workspace, the launch. Returns the result. The baseline
+    every scheduler figure calls direct."""
+    if op == "glu":
+
+        def glu(grad_out: np.ndarray, x: np.ndarray, dim: int = -1) -> np.ndarray:
+            out = np.empty_like(x)
+            size, ex = aclnn.glu_backward_get_workspace_size(grad_out, x, dim, out)
+            aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
+            return out
+
+        return glu
+    if op == "gn":
+
+        def gn(*args: np.ndarray) -> np.ndarray:
+            dx = np.empty_like(args[0])
+            size, ex = aclnn.group_norm_grad_get_workspace_size(*args, dx)
+            aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
+            return dx
+
+        return gn
+    mask = (True, True, True)
+
+    def gnb(*args: Any) -> tuple[np.ndarray, ...]:
+        x, c = args[1], args[6]
+        outs = np.empty_like(x), np.empty(c, x.dtype), np.empty(c, x.dtype)
+        size, ex = aclnn.group_norm_backward_get_workspace_size(*args, mask, *outs)
+        aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+        return outs
+
+    return gnb
+
+
 def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
-    """What a caller of ``opsched.aclnn`` writes: outputs, workspace size, launch."""
+    """``n`` requests through :func:`two_phase_call`, one after another."""
+    call = two_phase_call(op)
+    count = len(inputs)
     gc.collect()
     start = time.perf_counter()
-    if op == "glu":
-        for k in range(n):
-            g, x = inputs[k % len(inputs)]
-            out = np.empty_like(x)
-            size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
-            aclnn.glu_backward(np.empty(size, np.uint8) if size else None, size, ex)
-    else:
-        mask = (True, True, True)
-        for k in range(n):
-            args = inputs[k % len(inputs)]
-            c = args[6]
-            outs = np.empty_like(args[1]), np.empty(c, F32), np.empty(c, F32)
-            size, ex = aclnn.group_norm_backward_get_workspace_size(*args, mask, *outs)
-            aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+    for k in range(n):
+        call(*inputs[k % count])
     return time.perf_counter() - start
 
 
@@ -266,28 +321,42 @@ def bench_paths(
     target: BenchTarget | None = None,
     repeats: int = 3,
     requests: int = 25_600,
-    ops: Sequence[str] = ("glu", "gnb"),
+    ops: Sequence[str] = tuple(OPS),
 ) -> dict[str, Any]:
-    """Every path for each operator: seconds per request, and the ratio to torch's call."""
+    """Every path for each operator: seconds per request, and the ratio to its peer (see
+    the module docstring; rows of the torch peer have no ratio without torch)."""
     target = target or BenchTarget()
     requests = max(requests, _CLIENTS)  # every coroutine awaits at least one
     torch = torch_peer()
     rows = []
     for op in ops:
-        inputs = (glu_inputs if op == "glu" else gnb_inputs)(np.random.default_rng(0), 4096)
-        peer = torch_per_request(op, inputs) if torch is not None else None
-        for path in (*PATHS, FLOOR) if op == "glu" else PATHS:
+        inputs = INPUTS[op](np.random.default_rng(0), 4096)
+        own = op == _OWN_PEER
+        peer: Callable[[int], float] | None = None
+        if not own and torch is not None:
+            per_request = torch_per_request(op, inputs)
+
+            def peer(n: int, per_request: Callable[[int], object] = per_request) -> float:
+                start = time.perf_counter()
+                for k in range(n):
+                    per_request(k)
+                return time.perf_counter() - start
+
+        elif own:
+
+            def peer(n: int, op: str = op, inputs: list[tuple[Any, ...]] = inputs) -> float:
+                return _two_phase(op, inputs, n)
+
+        paths = PATHS[:-1] if own else (*PATHS, FLOOR) if op == "glu" else PATHS
+        for path in paths:
             many = path in ("coroutines", "submit", FLOOR)
             n = requests if many else max(_CLIENTS, requests // 10)
             ours, peers, ratios = [], [], []
-            for _ in range(repeats):  # torch right before the path, in every round
+            for _ in range(repeats):  # the peer right before the path, in every round
                 t_peer = None
                 if peer is not None:
                     gc.collect()
-                    start = time.perf_counter()
-                    for k in range(n):
-                        peer(k)
-                    t_peer = time.perf_counter() - start
+                    t_peer = peer(n)
                 t_ours = _run_path(path, target, op, inputs, n)
                 ours.append(t_ours / n)
                 if t_peer is not None:
@@ -298,38 +367,32 @@ def bench_paths(
                 "path": path,
                 "requests": n,
                 "us": statistics.median(ours) * 1e6,
+                "peer": "two-phase" if own else "torch",
             }
             if ratios:
-                row["torch_us"] = statistics.median(peers) * 1e6
-                row["speedup_vs_torch"] = statistics.median(ratios)
+                row["peer_us"] = statistics.median(peers) * 1e6
+                row["speedup_vs_peer"] = statistics.median(ratios)
             rows.append(row)
     return {"repeats": repeats, "device": target.device, "rows": rows}
 
 
 def print_paths(result: dict[str, Any], out: TextIO) -> None:
     """Print one row per operator and path, with its target and whether it was reached."""
-    names = {"glu": "GLU 8x64", "gnb": "GroupNormBackward 4x8x64"}
     print(
-        f"{'path (tiny FLOAT requests)':<40}{'us/request':>11}{'torch us':>10}"
-        f"{'vs torch':>10}{'target':>9}",
+        f"{'path (tiny FLOAT requests)':<46}{'us/request':>11}{'peer us':>9}"
+        f"{'vs peer':>9}{'target':>9}",
         file=out,
     )
     for row in result["rows"]:
-        label = f"{names[row['op']]}, {row['path']}"
+        label = f"{OPS[row['op']]}, {row['path']}"
         target = PATH_TARGETS.get(row["path"])
-        if target is None and "speedup_vs_torch" in row:  # the reference row
-            print(
-                f"{label:<40}{row['us']:>11.1f}{row['torch_us']:>10.1f}"
-                f"{row['speedup_vs_torch']:>9.2f}x{'':>9}  (reference: the floor)",
-                file=out,
-            )
-        elif "speedup_vs_torch" in row:
-            speed = row["speedup_vs_torch"]
-            verdict = "reached" if speed >= target else "NOT reached"
-            print(
-                f"{label:<40}{row['us']:>11.1f}{row['torch_us']:>10.1f}{speed:>9.2f}x"
-                f"{'>= ' + str(target) + 'x':>9}  {verdict}",
-                file=out,
-            )
+        if "speedup_vs_peer" not in row:
+            print(f"{label:<46}{row['us']:>11.1f}{'(no torch)':>10}", file=out)
+            continue
+        figures = f"{label:<46}{row['us']:>11.1f}{row['peer_us']:>9.1f}"
+        speed = row["speedup_vs_peer"]
+        if target is None:  # the reference row
+            print(f"{figures}{speed:>8.2f}x{'':>9}  (reference: the floor)", file=out)
         else:
-            print(f"{label:<40}{row['us']:>11.1f}{'(no torch)':>10}", file=out)
+            verdict = "reached" if speed >= target else "NOT reached"
+            print(f"{figures}{speed:>8.2f}x{'>= ' + str(target) + 'x':>9}  {verdict}", file=out)

@@ -1,8 +1,9 @@
 """The scheduler benchmark: ten figures, each against a baseline measured in the same run.
 
 1. Small-request throughput: 256 coroutines each awaiting 200 requests through the
-   scheduler, against the same requests one at a time through the two-phase API (check,
-   plan, workspace, launch) with no scheduler.
+   scheduler, against the same requests one at a time through the two-phase API with no
+   scheduler, as its caller writes it (fresh outputs, workspace size, workspace, launch:
+   :func:`~opsched.cli.bench_paths.two_phase_call`, the direct baseline of every figure).
 2. Idle latency: one request at a time; scheduler median minus direct median.
 3. Event-loop responsiveness: a 1 ms ticker's lag while 32 large GLU requests run.
 4. Stream scaling: 64 requests of GLU 256x8192, streams=2 against streams=1; and one GLU
@@ -15,7 +16,8 @@
 7. Sweeps (for the plot): throughput of (1) for GLU against the number of concurrent
    clients, and against the fused batch size (``max_batch_requests``).
 8. Paths: the per-request cost of each way in (coroutines, ``submit_*`` from a thread,
-   blocking calls, the two-phase API) against torch's operator per request
+   blocking calls, the two-phase API) against the operator called once per request:
+   torch's, and for GroupNormalizationGrad its own two-phase call
    (:mod:`opsched.cli.bench_paths`).
 9. Memory: what a steady-state round of tiny awaited requests leaves allocated, and its
    peak per in-flight request (``tracemalloc``).
@@ -48,38 +50,24 @@ import opsched
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import bench_medium, on_device, print_medium
 from opsched.cli.bench_paths import (
+    INPUTS,
     bench_memory,
     bench_paths,
     glu_inputs,
-    gnb_inputs,
     print_paths,
     torch_per_request,
+    two_phase_call,
 )
-from opsched.cli.solo import solo_glu, solo_gn, solo_gnb
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 
 F32 = np.float32
 
 
-def _gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
-    out: list[tuple[np.ndarray, ...]] = []
-    for _ in range(n):
-        x, dy, gamma = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(3))
-        mean = rng.standard_normal((4, 8)).astype(F32)
-        rstd = (rng.random((4, 8)) + 0.5).astype(F32)
-        out.append((x, dy, gamma, mean, rstd))
-    return out
-
-
-_INPUTS = {"glu": glu_inputs, "gn": _gn_inputs, "gnb": gnb_inputs}
-
-
 def _direct(op: str) -> Callable[..., Any]:
-    """One request through the two-phase API: check, plan, workspace, launch."""
-    if op == "glu":
-        return lambda g, x: solo_glu(g, x, -1)
-    return solo_gn if op == "gn" else solo_gnb
+    """One request through the two-phase API, as its caller writes it (fresh outputs,
+    workspace size, workspace, launch): :func:`~opsched.cli.bench_paths.two_phase_call`."""
+    return two_phase_call(op)
 
 
 def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:
@@ -122,7 +110,7 @@ def _throughput(
     trace: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     rng = np.random.default_rng(0)
-    inputs = _INPUTS[op](rng, 4096)
+    inputs = INPUTS[op](rng, 4096)
     total = clients * per_client
     direct = _direct(op)
     torch = torch_peer()
@@ -530,7 +518,9 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         print(f"   (direct, one request at a time: {sw['direct_rps']:,.0f}/s)", file=out)
     if "paths" in r:
         print(
-            "8. the per-request cost of every path, against torch's operator per request", file=out
+            "8. the per-request cost of every path, against the operator once per request "
+            "(torch's; GroupNormalizationGrad: its own two-phase call)",
+            file=out,
         )
         print_paths(r["paths"], out)
     if "memory" in r:

@@ -1,8 +1,9 @@
 """Each operator called alone through the two-phase API, into fresh outputs.
 
-The oracle the demo checks the scheduler against (bit for bit), and the baseline of the
-scheduler and graph benchmarks: check, plan, workspace, launch, for one request. One
-generic function serves every operator, from its description.
+The oracle the demo checks the scheduler against (bit for bit): check, plan, workspace,
+launch, for one request. One generic function serves every operator, from its description.
+(The benchmarks' direct baseline is the leaner call a two-phase caller writes, with no
+check of its own before ``get_workspace_size``: :func:`opsched.cli.bench_paths.two_phase_call`.)
 """
 
 from __future__ import annotations

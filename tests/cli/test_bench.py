@@ -110,12 +110,29 @@ def test_paths_benchmark_reports_every_operator_and_path():
     assert [(r["op"], r["path"]) for r in rows] == [
         *[("glu", path) for path in (*PATHS, FLOOR)],
         *[("gnb", path) for path in PATHS],
+        *[("gn", path) for path in PATHS if path != "two-phase"],  # the peer itself
     ]
     assert all(r["us"] > 0 and r["requests"] >= 1 for r in rows)
+    # GroupNormalizationGrad's peer is its own two-phase call: measured with or without torch
+    assert all(r["peer"] == "two-phase" and r["speedup_vs_peer"] > 0 for r in rows[-3:])
     out = io.StringIO()
     print_scheduler_report(result, out)
     assert "8. the per-request cost of every path" in out.getvalue()
     assert "GroupNormBackward 4x8x64, two-phase" in out.getvalue()
+    assert "GroupNormalizationGrad 4x8x64, sync" in out.getvalue()
+
+
+def test_the_direct_baseline_computes_each_operator_alone():
+    """The two-phase call every figure calls direct does the real work: the bits of the
+    demo's oracle (which checks each call in full first), for every operator."""
+    from opsched.cli.bench_paths import INPUTS, two_phase_call
+    from opsched.cli.solo import same_bits, solo_glu, solo_gn, solo_gnb
+
+    rng = np.random.default_rng(9)
+    oracles = {"glu": lambda g, x: solo_glu(g, x, -1), "gn": solo_gn, "gnb": solo_gnb}
+    for op, oracle in oracles.items():
+        for args in INPUTS[op](rng, 3):
+            assert same_bits(two_phase_call(op)(*args), oracle(*args))
 
 
 def test_the_reference_batcher_computes_glu_backward():
