@@ -387,7 +387,7 @@ def print_paths(result: dict[str, Any], out: TextIO) -> None:
         label = f"{OPS[row['op']]}, {row['path']}"
         target = PATH_TARGETS.get(row["path"])
         if "speedup_vs_peer" not in row:
-            print(f"{label:<46}{row['us']:>11.1f}{'(no torch)':>10}", file=out)
+            print(f"{label:<46}{row['us']:>11.1f}  (no torch: no peer)", file=out)
             continue
         figures = f"{label:<46}{row['us']:>11.1f}{row['peer_us']:>9.1f}"
         speed = row["speedup_vs_peer"]
