@@ -7,7 +7,7 @@ import pytest
 
 import opsched
 from opsched import ParamInvalidError
-from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import solo_glu
 
@@ -85,6 +85,36 @@ def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
     # numpy integers take the generic path, which does not cache them
     assert op.call_signature((dy, x, stats, stats, stats[0], np.int64(2), 4, 3, 2)) is None
     assert op.call_signature((dy, x, stats, [1.0], stats[0], 2, 4, 3, 2)) is None
+
+
+async def test_group_norm_grad_hot_path_agrees_with_the_generic_one():
+    """The five-array fast path: the generic path's arguments (same arrays, same order),
+    a key per geometry and dtype, none for what the generic path does not cache; a call
+    repeated through a scheduler is then served by the call cache."""
+    from opsched.ops._base import Operator
+
+    rng = np.random.default_rng(6)
+    x, dy, gamma = (rand(rng, (2, 4, 8), F32) for _ in range(3))
+    mean, rstd = rand(rng, (2, 4), F32), rand(rng, (2, 4), F32)
+    op, args = GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd)
+    fast, generic = op.arguments(args, None), Operator.arguments(op, args, None)
+    assert list(fast[0]) == list(generic[0]) and fast[1] == generic[1] == {}
+    assert all(fast[0][k] is generic[0][k] for k in generic[0])
+    out = np.empty_like(x)
+    assert op.arguments(args, out)[0]["dx"] is out
+    keys = {
+        op.call_signature(args),
+        op.call_signature((x, dy, gamma, mean.astype(np.float16), rstd)),  # another dtype
+        op.call_signature((x[:1], dy[:1], gamma[:1], mean[:1], rstd[:1])),  # another shape
+    }
+    assert len(keys) == 3 and None not in keys
+    assert op.call_signature((x, dy, [1.0], mean, rstd)) is None  # a list: not cached
+    four = (x, dy, gamma, mean)  # a wrong count: the generic key (the checks then refuse it)
+    assert op.call_signature(four) == Operator.call_signature(op, four)
+    async with opsched.open_scheduler(streams=1) as sched:
+        first = await sched.group_norm_grad(*args)
+        assert sched._checks.known(op, args, 0) is not None
+        assert_same_bits(await sched.group_norm_grad(*args), first)
 
 
 async def test_requests_of_one_geometry_share_one_signature_object():
