@@ -70,6 +70,8 @@ PATH_TARGETS = {"coroutines": 1.5, "submit": 1.0, "sync": 0.5, "two-phase": 0.5}
 OPS = {"glu": "GLU 8x64", "gnb": "GroupNormBackward 4x8x64", "gn": "GroupNormalizationGrad 4x8x64"}
 #: The operator whose peer is its own two-phase call (no aten operator to compare with).
 _OWN_PEER = "gn"
+#: Each operator's scheduler method (with ``submit_`` before it: its queuing twin).
+_METHODS = {"glu": "glu_backward", "gn": "group_norm_grad", "gnb": "group_norm_backward"}
 _CLIENTS = 256
 
 
@@ -142,8 +144,7 @@ def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int],
 
 async def _clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -> None:
     """``_CLIENTS`` coroutines awaiting ``n`` requests in all (results dropped)."""
-    call = {"glu": "glu_backward", "gn": "group_norm_grad"}.get(op, "group_norm_backward")
-    call = getattr(sched, call)
+    call = getattr(sched, _METHODS[op])
     share = n // _CLIENTS
 
     async def client(i: int) -> None:
@@ -241,9 +242,8 @@ def _facade(
     target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int, submit: bool
 ) -> float:
     with opsched.sync.open_scheduler(target.config, device=target.device) as sched:
-        name = {"glu": "glu_backward", "gn": "group_norm_grad"}.get(op, "group_norm_backward")
-        call: Callable[..., Any] = getattr(sched, name)
-        queue: Callable[..., Any] = getattr(sched, f"submit_{name}")
+        call: Callable[..., Any] = getattr(sched, _METHODS[op])
+        queue: Callable[..., Any] = getattr(sched, f"submit_{_METHODS[op]}")
         for args in inputs[: min(n, 256)]:  # warm-up: the signatures, the executors
             call(*args)
         gc.collect()
