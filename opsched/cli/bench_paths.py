@@ -28,6 +28,7 @@ ms with numba's objects alive) that another window's leftovers made due.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import statistics
 import time
@@ -305,6 +306,14 @@ def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
     return time.perf_counter() - start
 
 
+def _calls(call: Callable[[int], object], n: int) -> float:
+    """Seconds for ``call(0)`` ... ``call(n - 1)``."""
+    start = time.perf_counter()
+    for k in range(n):
+        call(k)
+    return time.perf_counter() - start
+
+
 def _run_path(
     path: str, target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int
 ) -> float:
@@ -332,21 +341,11 @@ def bench_paths(
     for op in ops:
         inputs = INPUTS[op](np.random.default_rng(0), 4096)
         own = op == _OWN_PEER
-        peer: Callable[[int], float] | None = None
-        if not own and torch is not None:
-            per_request = torch_per_request(op, inputs)
-
-            def peer(n: int, per_request: Callable[[int], object] = per_request) -> float:
-                start = time.perf_counter()
-                for k in range(n):
-                    per_request(k)
-                return time.perf_counter() - start
-
-        elif own:
-
-            def peer(n: int, op: str = op, inputs: list[tuple[Any, ...]] = inputs) -> float:
-                return _two_phase(op, inputs, n)
-
+        peer: Callable[[int], float] | None = None  # seconds for the first n requests
+        if own:
+            peer = functools.partial(_two_phase, op, inputs)
+        elif torch is not None:
+            peer = functools.partial(_calls, torch_per_request(op, inputs))
         paths = PATHS[:-1] if own else (*PATHS, FLOOR) if op == "glu" else PATHS
         for path in paths:
             many = path in ("coroutines", "submit", FLOOR)

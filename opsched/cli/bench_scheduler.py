@@ -64,12 +64,6 @@ __all__ = ["bench_scheduler", "print_scheduler_report"]
 F32 = np.float32
 
 
-def _direct(op: str) -> Callable[..., Any]:
-    """One request through the two-phase API, as its caller writes it (fresh outputs,
-    workspace size, workspace, launch): :func:`~opsched.cli.bench_paths.two_phase_call`."""
-    return two_phase_call(op)
-
-
 def _submit(sched: opsched.Scheduler, op: str) -> Callable[..., Any]:
     calls: dict[str, Callable[..., Any]] = {
         "glu": sched.glu_backward,
@@ -112,7 +106,7 @@ def _throughput(
     rng = np.random.default_rng(0)
     inputs = INPUTS[op](rng, 4096)
     total = clients * per_client
-    direct = _direct(op)
+    direct = two_phase_call(op)
     torch = torch_peer()
     peer = torch_per_request(op, inputs) if torch is not None else None
     sched_times, direct_times, ratios, torch_ratios = [], [], [], []
@@ -206,7 +200,7 @@ def _sweeps(target: BenchTarget, repeats: int, requests: int) -> dict[str, Any]:
     for cap in SWEEP_BATCH:
         r, fused = rps(256, max_batch_requests=cap)
         by_batch.append({"max_batch_requests": cap, "rps": r, "requests_per_launch": fused})
-    direct = _direct("glu")
+    direct = two_phase_call("glu")
     start = time.perf_counter()
     for k in range(requests):
         direct(*inputs[k % len(inputs)])
@@ -222,7 +216,7 @@ async def _latency_run(
 ) -> tuple[list[float], list[float]]:
     """Alternate one scheduler request and one direct call, n times: drift in the
     machine's load hits both series alike."""
-    direct = _direct("glu")
+    direct = two_phase_call("glu")
     g, x = args
     sched_s, direct_s = [], []
     async with target.open() as sched:
