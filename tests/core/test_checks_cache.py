@@ -102,12 +102,14 @@ async def test_group_norm_grad_hot_path_agrees_with_the_generic_one():
     assert all(fast[0][k] is generic[0][k] for k in generic[0])
     out = np.empty_like(x)
     assert op.arguments(args, out)[0]["dx"] is out
-    keys = {
-        op.call_signature(args),
-        op.call_signature((x, dy, gamma, mean.astype(np.float16), rstd)),  # another dtype
-        op.call_signature((x[:1], dy[:1], gamma[:1], mean[:1], rstd[:1])),  # another shape
-    }
-    assert len(keys) == 3 and None not in keys
+    # each argument's dtype and shape is part of the key: a call that differs in any one
+    # is checked again (and, mixing dtypes, refused)
+    halves = [
+        tuple(a.astype(np.float16) if j == i else a for j, a in enumerate(args)) for i in range(5)
+    ]
+    keys = {op.call_signature(a) for a in (args, *halves)}
+    keys.add(op.call_signature((x[:1], dy[:1], gamma[:1], mean[:1], rstd[:1])))
+    assert len(keys) == 7 and None not in keys
     assert op.call_signature((x, dy, [1.0], mean, rstd)) is None  # a list: not cached
     four = (x, dy, gamma, mean)  # a wrong count: the generic key (the checks then refuse it)
     assert op.call_signature(four) == Operator.call_signature(op, four)
@@ -115,6 +117,9 @@ async def test_group_norm_grad_hot_path_agrees_with_the_generic_one():
         first = await sched.group_norm_grad(*args)
         assert sched._checks.known(op, args, 0) is not None
         assert_same_bits(await sched.group_norm_grad(*args), first)
+        for mixed in halves:
+            with pytest.raises(ParamInvalidError, match="dtype"):
+                await sched.group_norm_grad(*mixed)
 
 
 async def test_requests_of_one_geometry_share_one_signature_object():
