@@ -15,6 +15,7 @@ through their descriptions.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -381,9 +382,6 @@ def _start(
         graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds
     )
 
-    def submit(run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]) -> Any:
-        return _submit_node(sched, run, node_run, tensors, waits)
-
     def drop(request: Request, error: BaseException) -> None:
         """Fail a queued node request whose producer failed (it never launches)."""
         if request.state is RequestState.QUEUED:
@@ -396,7 +394,7 @@ def _start(
         outputs,
         priority_of(priority),
         deadline_of(deadline, timeout),
-        submit,
+        functools.partial(_submit_node, sched),
         device.intermediate,
         device.release,
         done,

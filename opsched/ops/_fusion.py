@@ -27,8 +27,8 @@ def deliver_each(
         out = tensors[name]
         if out is None:
             tensors[name] = result.copy()
-        else:
-            np.copyto(out, result)
+        else:  # (of the launch's dtype: no cast; ``np.copyto`` costs half again as much)
+            out[...] = result
 
 
 #: The largest array :func:`gather_into` joins as bytes: above it the copy itself costs
