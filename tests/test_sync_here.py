@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import opsched.sync
-from opsched import DeadlineExceededError, InjectedFault, RuntimeLaunchError
+from opsched import DeadlineExceededError, InjectedFault, RuntimeLaunchError, aclnn
 from opsched.core.scheduler import Scheduler
-from tests.helpers import assert_same_bits, rand
+from tests.helpers import assert_close, assert_same_bits, rand
 from tests.sched_helpers import THREADED_DEVICES, Gate, assert_result, solo_glu, uses
 
 F32 = np.dtype(np.float32)
@@ -85,6 +85,49 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
     assert_same_bits(result[0], solo_glu(g, x, -1))
     assert gate.launched_array(x)  # it went through a stream's launch, not the caller
     assert stats.streams[0].launches == stats.launches == 2
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, True), (False, True, False)])
+def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
+    # A lone call whose outputs the launch allocates is planned by its signature and its
+    # inputs' strides, and its outputs are made from the shapes that plan's entry kept. A
+    # second call of the geometry (a hit), the same geometry with a Fortran-ordered input
+    # (another plan: it stages that input) and outputs not asked for (left None) must all
+    # come out as the two-phase call's, within tolerance of the float64 formula, each in
+    # new arrays of its own.
+    from tests.ops.test_group_norm_backward import golden
+
+    rng = np.random.default_rng(21)
+    n, c, hxw, group = 2, 4, 40, 2
+    where = Where()
+    results = []
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        sched.scheduler.device.inject_faults(where)
+        for order in ("C", "C", "F", "F"):
+            dy = np.asarray(rand(rng, (n, c, hxw), F32), order=order)
+            x = rand(rng, (n, c, hxw), F32)
+            mean = rand(rng, (n, group), F32)
+            rstd = (rng.random((n, group)) + 0.5).astype(F32)
+            gamma = rand(rng, (c,), F32)
+            call = (dy, x, mean, rstd, gamma, n, c, hxw, group)
+            got = sched.group_norm_backward(*call, output_mask=mask)
+            outs = [np.empty_like(x), np.empty(c, F32), np.empty(c, F32)]
+            outs = [o if m else None for o, m in zip(outs, mask, strict=True)]
+            size, ex = aclnn.group_norm_backward_get_workspace_size(*call, mask, *outs)
+            aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)
+            for array, want, gold, asked in zip(got, outs, golden(call), mask, strict=True):
+                if not asked:
+                    assert array is None
+                    continue
+                assert_same_bits(array, want)
+                assert_close(array, gold.reshape(array.shape), F32, "group_norm_backward")
+                assert array.flags.c_contiguous and array.flags.owndata
+            results.append(got)
+        plans = [e[0] for e in sched.scheduler.device._plans.values()]
+    # one plan a layout (a C-ordered call's plan reads dy in place; the other stages it)
+    assert sorted(p.stage_dy for p in plans) == [False, True]
+    assert where.threads == [threading.get_ident()] * 4  # each ran in this thread
+    assert all(a is not b for a, b in zip(results[0], results[1], strict=True) if a is not None)
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)

@@ -47,6 +47,8 @@ Outcome = tuple[dict[int, BaseException], float, float]
 
 #: Plans :meth:`HostDevice.run_here` keeps (cleared when full).
 _PLANS_KEPT = 1024
+#: Marks the plan-cache key of a request whose outputs the launch allocates.
+_FRESH = "fresh outputs"
 
 #: Graph intermediates at least this large come from the workspace pool, which reuses
 #: their memory (fresh pages of a large array fault: about 650 us a MiB measured here).
@@ -223,28 +225,60 @@ class HostDevice(Device):
     def run_here(self, request: Any) -> None:
         """The solo launch of ``request`` in the calling thread: the same plan and kernel
         as :meth:`_prepare_solo` (so the same bits), a fresh workspace instead of the
-        pool's (the pool belongs to the loop thread), plans cached by geometry."""
+        pool's (the pool belongs to the loop thread), plans cached by geometry.
+
+        A request whose outputs are all left to the launch (the usual blocking call) is
+        planned by its signature and its inputs' strides alone: its outputs are new,
+        C-contiguous arrays of shapes the signature fixes, which overlap nothing; the cache
+        holds those shapes too, so they are allocated without the operator's rules."""
         op: Operator = request.op
         tensors = request.tensors
-        # outputs allocated here cannot overlap an input: no overlap test for them
-        fresh = all([tensors[n] is None for n in op.outputs])
-        allocate_missing(op, tensors, request.scalars)
-        key = (
-            request.signature,
-            tuple([_strides(tensors[n]) for n in op.tensor_names]),
-            False if fresh else op.overlaps_any(tensors),
-        )
-        plan = self._plans.get(key) if request.signature is not None else None
-        if plan is None:
-            plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
-            if request.signature is not None:
-                if len(self._plans) >= _PLANS_KEPT:
-                    self._plans.clear()
-                self._plans[key] = plan
+        signature = request.signature
+        for name in op.outputs:  # a loop, not all(): this runs for every blocking call
+            if tensors[name] is not None:
+                fresh = False
+                break
+        else:
+            fresh = signature is not None
+        if fresh:
+            key: Hashable = (
+                signature, tuple([_strides(tensors[n]) for n in op.inputs]), _FRESH
+            )  # fmt: skip
+            found = self._plans.get(key)
+            if found is None:
+                allocate_missing(op, tensors, request.scalars)
+                plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
+                made = tuple(
+                    (n, tensors[n].shape, tensors[n].dtype)
+                    for n in op.outputs
+                    if tensors[n] is not None
+                )
+                self._remember_plan(key, (plan, made))
+            else:
+                plan, made = found
+                for name, shape, dtype in made:
+                    tensors[name] = np.empty(shape, dtype)
+        else:
+            allocate_missing(op, tensors, request.scalars)
+            key = (
+                signature,
+                tuple([_strides(tensors[n]) for n in op.tensor_names]),
+                op.overlaps_any(tensors),
+            )
+            plan = self._plans.get(key) if signature is not None else None
+            if plan is None:
+                plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
+                if signature is not None:
+                    self._remember_plan(key, plan)
         size = op.workspace_size(plan)
         workspace = np.empty(size, np.uint8) if size else None
         self.check_fault([request])
         self.run_kernel(op, plan, tensors, workspace)
+
+    def _remember_plan(self, key: Hashable, entry: Any) -> None:
+        if len(self._plans) >= _PLANS_KEPT:
+            self._plans.clear()
+        self._plans[key] = entry
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:
