@@ -129,6 +129,41 @@ def test_a_request_future_is_two_tracked_objects():
         assert kinds == ["_FutureCondition", "type"], kinds  # the class, not an instance
 
 
+def test_a_gone_futures_condition_serves_a_new_future():
+    # A future's condition goes back to a list when the future is gone, and a new future
+    # takes it (a burst then promotes one new object a future to the collector's oldest
+    # generation, not two). The new future must wait and wake as with a fresh condition,
+    # with nothing left of the old one's waiters, and the list keeps a bounded number.
+    from opsched.core import requests
+
+    idle = requests._IDLE_CONDITIONS
+    idle.clear()
+    old = requests.RequestFuture()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        old.result(timeout=0)  # a wait that timed out leaves its list of waiters made
+    condition = old._condition
+    assert condition._waiters is not None
+    del old
+    assert idle == [condition] and condition._waiters is None
+    new = requests.RequestFuture()
+    assert new._condition is condition and not idle
+
+    def settle() -> None:
+        with condition:  # taken once the main thread waits in result(), which lets go
+            new.settle(np.ones(2), None)
+
+    with condition:
+        thread = threading.Thread(target=settle)
+        thread.start()
+        got = new.result(timeout=30)  # waits: the condition's notify wakes it
+    thread.join(30)
+    assert got.shape == (2,)
+    many = [requests.RequestFuture() for _ in range(requests.IDLE_CONDITIONS_KEPT + 3)]
+    del many
+    assert len(idle) == requests.IDLE_CONDITIONS_KEPT
+    idle.clear()
+
+
 def test_futures_work_with_the_standard_waiting_tools():
     # The futures' condition is a leaner one than concurrent.futures builds: wait(),
     # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
