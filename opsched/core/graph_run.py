@@ -53,6 +53,10 @@ class NodeState(enum.Enum):
     CANCELLED = "cancelled"
     FED = "fed"  # its value was given in ``inputs``
 
+    #: Members are singletons compared by identity: hashed by it too, in C (``Enum``'s
+    #: Python-level ``__hash__`` cost a frame per ``in _FINAL`` test, one a node).
+    __hash__ = object.__hash__
+
 
 #: The states a node ends in.
 _FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
