@@ -155,7 +155,9 @@ def test_a_gone_futures_condition_serves_a_new_future():
     with condition:
         thread = threading.Thread(target=settle)
         thread.start()
-        got = new.result(timeout=30)  # waits: the condition's notify wakes it
+        # as result() waits (a wait that ends by its timeout says False: settle must notify)
+        assert condition.wait(timeout=30)
+        got = new.result(timeout=0)
     thread.join(30)
     assert got.shape == (2,)
     many = [requests.RequestFuture() for _ in range(requests.IDLE_CONDITIONS_KEPT + 3)]

@@ -175,7 +175,8 @@ class RequestFuture(Future[Any]):
         future first with ``set_running_or_notify_cancel`` and then calling ``set_result``
         took the lock three times: 1.5 us a future on the loop thread.)
         """
-        with self._condition:
+        condition = self._condition
+        with condition:
             if self._state != PENDING:
                 return  # cancelled by its owner
             self._state = FINISHED
@@ -188,8 +189,10 @@ class RequestFuture(Future[Any]):
                 self._exception = error
                 for waiter in waiters:
                     waiter.add_exception(self)
-            self._condition.notify_all()
-        self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own
+            if condition._waiters:  # type: ignore[attr-defined]  # threads in result()
+                condition.notify_all()
+        if self._done_callbacks:  # an empty tuple until the first is added
+            self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own
 
     def cancel(self) -> bool:
         if not super().cancel():  # done-callbacks run in there, without the lock held
