@@ -123,7 +123,7 @@ def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
                 assert_close(array, gold.reshape(array.shape), F32, "group_norm_backward")
                 assert array.flags.c_contiguous and array.flags.owndata
             results.append(got)
-        plans = [e[0] for e in sched.scheduler.device._plans.values()]
+        plans = [e[0] for e in sched.scheduler.device._fresh_plans.values()]
     # one plan a layout (a C-ordered call's plan reads dy in place; the other stages it)
     assert sorted(p.stage_dy for p in plans) == [False, True]
     assert where.threads == [threading.get_ident()] * 4  # each ran in this thread

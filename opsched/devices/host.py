@@ -45,10 +45,8 @@ _log = get_logger("opsched.device")
 Outcome = tuple[dict[int, BaseException], float, float]
 
 
-#: Plans :meth:`HostDevice.run_here` keeps (cleared when full).
+#: Plans :meth:`HostDevice.run_here` keeps, in each of its two caches (cleared when full).
 _PLANS_KEPT = 1024
-#: Marks the plan-cache key of a request whose outputs the launch allocates.
-_FRESH = "fresh outputs"
 
 #: Graph intermediates at least this large come from the workspace pool, which reuses
 #: their memory (fresh pages of a large array fault: about 650 us a MiB measured here).
@@ -141,6 +139,11 @@ class HostDevice(Device):
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
     #: Plans of :meth:`run_here`, by geometry (a dict: safe to share between threads).
     _plans: dict[Hashable, Any] = attrs.field(factory=dict, init=False)
+    #: :meth:`run_here`'s plans of requests whose outputs the launch allocates, with the
+    #: outputs' shapes and dtypes, by signature and the inputs' strides.
+    _fresh_plans: dict[Hashable, tuple[Any, tuple[tuple[str, tuple[int, ...], np.dtype], ...]]] = (
+        attrs.field(factory=dict, init=False)
+    )
 
     @classmethod
     def create(
@@ -241,10 +244,8 @@ class HostDevice(Device):
         else:
             fresh = signature is not None
         if fresh:
-            key: Hashable = (
-                signature, tuple([_strides(tensors[n]) for n in op.inputs]), _FRESH
-            )  # fmt: skip
-            found = self._plans.get(key)
+            key: Hashable = (signature, tuple([_strides(tensors[n]) for n in op.inputs]))
+            found = self._fresh_plans.get(key)
             if found is None:
                 allocate_missing(op, tensors, request.scalars)
                 plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
@@ -253,7 +254,7 @@ class HostDevice(Device):
                     for n in op.outputs
                     if tensors[n] is not None
                 )
-                self._remember_plan(key, (plan, made))
+                _remember(self._fresh_plans, key, (plan, made))
             else:
                 plan, made = found
                 for name, shape, dtype in made:
@@ -269,16 +270,11 @@ class HostDevice(Device):
             if plan is None:
                 plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
                 if signature is not None:
-                    self._remember_plan(key, plan)
+                    _remember(self._plans, key, plan)
         size = op.workspace_size(plan)
         workspace = np.empty(size, np.uint8) if size else None
         self.check_fault([request])
         self.run_kernel(op, plan, tensors, workspace)
-
-    def _remember_plan(self, key: Hashable, entry: Any) -> None:
-        if len(self._plans) >= _PLANS_KEPT:
-            self._plans.clear()
-        self._plans[key] = entry
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:
@@ -536,6 +532,13 @@ def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout
     geometry, scalars = op.fused_geometry(key, capacity)
     plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
     return FusedLayout.of(geometry, op.workspace_size(plan)), plan, scalars
+
+
+def _remember(plans: dict[Hashable, Any], key: Hashable, entry: Any) -> None:
+    """Keep ``entry`` under ``key`` in one of :meth:`HostDevice.run_here`'s caches."""
+    if len(plans) >= _PLANS_KEPT:
+        plans.clear()
+    plans[key] = entry
 
 
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:
