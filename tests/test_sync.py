@@ -160,9 +160,9 @@ def test_a_gone_futures_condition_serves_a_new_future():
         got = new.result(timeout=0)
     thread.join(30)
     assert got.shape == (2,)
-    many = [requests.RequestFuture() for _ in range(requests.IDLE_CONDITIONS_KEPT + 3)]
+    many = [requests.RequestFuture() for _ in range(requests._IDLE_CONDITIONS_KEPT + 3)]
     del many
-    assert len(idle) == requests.IDLE_CONDITIONS_KEPT
+    assert len(idle) == requests._IDLE_CONDITIONS_KEPT
     idle.clear()
 
 

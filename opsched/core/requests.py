@@ -84,14 +84,14 @@ class _FutureCondition(_thread.RLock):  # type: ignore[misc]
 
 
 #: Conditions of futures that are gone, for new futures to take (at most
-#: :data:`IDLE_CONDITIONS_KEPT`, about 110 bytes each). A burst of submissions holds
+#: :data:`_IDLE_CONDITIONS_KEPT`, about 110 bytes each). A burst of submissions holds
 #: thousands of futures, and each new object a burst keeps alive is promoted to the garbage
 #: collector's oldest generation, whose growth by a quarter triggers a pass over the whole
 #: heap: a condition taken from here is old already, so a burst of futures promotes one
 #: object a future instead of two (measured: eight 25,600-future bursts in a row, torch
 #: imported, 15.0 -> 13.1 us a request; full passes in 15 of 16 bursts -> 10 of 16).
 _IDLE_CONDITIONS: list[_FutureCondition] = []
-IDLE_CONDITIONS_KEPT = 32768
+_IDLE_CONDITIONS_KEPT = 32768
 
 
 class RequestFuture(Future[Any]):
@@ -139,7 +139,7 @@ class RequestFuture(Future[Any]):
         self.withdrawn = False
 
     def __del__(
-        self, idle: list[_FutureCondition] = _IDLE_CONDITIONS, kept: int = IDLE_CONDITIONS_KEPT
+        self, idle: list[_FutureCondition] = _IDLE_CONDITIONS, kept: int = _IDLE_CONDITIONS_KEPT
     ) -> None:
         # Its condition is idle: whoever locks or waits on a future holds the future (the
         # lists are bound as defaults: still there while the interpreter shuts down).
