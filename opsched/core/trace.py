@@ -212,9 +212,8 @@ def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: A
     for r in requests:
         if r.graph is not None:
             run, node_run = r.graph
-            producers = [run.runs[p].request_id for p in node_run.producers]
-            producers = [p for p in producers if p is not None]
-            edges.append((r.id, producers))
+            ids = (run.runs[p].request_id for p in node_run.producers)
+            edges.append((r.id, [i for i in ids if i is not None]))
     if edges:
         args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]
     name = f"{op.name} x{len(requests)}" if len(requests) > 1 else op.name

@@ -261,15 +261,17 @@ class HostDevice(Device):
                     tensors[name] = np.empty(shape, dtype)
         else:
             allocate_missing(op, tensors, request.scalars)
-            key = (
-                signature,
-                tuple([_strides(tensors[n]) for n in op.tensor_names]),
-                op.overlaps_any(tensors),
-            )
-            plan = self._plans.get(key) if signature is not None else None
-            if plan is None:
+            if signature is None:  # arguments the checks could not key: planned afresh
                 plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
-                if signature is not None:
+            else:
+                key = (
+                    signature,
+                    tuple([_strides(tensors[n]) for n in op.tensor_names]),
+                    op.overlaps_any(tensors),
+                )
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
                     _remember(self._plans, key, plan)
         size = op.workspace_size(plan)
         workspace = np.empty(size, np.uint8) if size else None
