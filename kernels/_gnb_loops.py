@@ -33,13 +33,16 @@ def _gnb_body(  # type: ignore[no-untyped-def]
         dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
         load, store,
     )  # fmt: skip
+    # a sample at a time, every channel at once: the channels are independent chains of
+    # adds (each still in sample order), where a channel's samples are one (32 samples of
+    # 256 channels: 16 -> 6 us)
     for k in range(c):
-        s_db, s_ds = db[k], ds[k]
-        for s in range(1, n):
-            s_db += db[s * c + k]
-            s_ds += ds[s * c + k]
-        dgamma[k] = s_db
-        dbeta[k] = s_ds
+        dgamma[k] = db[k]
+        dbeta[k] = ds[k]
+    for s in range(1, n):
+        for k in range(c):
+            dgamma[k] += db[s * c + k]
+            dbeta[k] += ds[s * c + k]
 
 
 @_jit.body
@@ -60,21 +63,30 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
         mu, rs = mean[r], rstd[r]
         # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
         for k in range(r * cpg, r * cpg + cpg):
-            dy_row = dy[k * dys : k * dys + hxw]
-            x_row = x[k * xs : k * xs + hxw]
-            acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
-            for i in range(0, full, lanes):
-                dy_part = dy_row[i : i + lanes]
-                x_part = x_row[i : i + lanes]
-                for j in range(lanes):
-                    d = load(dy_part[j])
-                    acc_dy[j] += d
-                    acc_xy[j] += d * load(x_part[j])
-            s_dy, s_xy = _jit.folded(acc_dy, full), _jit.folded(acc_xy, full)
-            for i in range(full, hxw):
-                d = load(dy_row[i])
-                s_dy += d
-                s_xy += d * load(x_row[i])
+            if full:
+                dy_row = dy[k * dys : k * dys + hxw]
+                x_row = x[k * xs : k * xs + hxw]
+                acc_dy, acc_xy = _jit.lanes(), _jit.lanes()
+                for i in range(0, full, lanes):
+                    dy_part = dy_row[i : i + lanes]
+                    x_part = x_row[i : i + lanes]
+                    for j in range(lanes):
+                        d = load(dy_part[j])
+                        acc_dy[j] += d
+                        acc_xy[j] += d * load(x_part[j])
+                s_dy, s_xy = _jit.fold(acc_dy), _jit.fold(acc_xy)
+                for i in range(full, hxw):
+                    d = load(dy_row[i])
+                    s_dy += d
+                    s_xy += d * load(x_row[i])
+            else:  # a short row is all tail (the same adds from +0.0), indexed directly:
+                # slicing each row cost more than its sums (HxW 1: 7.1 -> 3.8 ns a row)
+                s_dy = s_xy = np.float32(0.0)
+                at_dy, at_x = k * dys, k * xs
+                for i in range(hxw):
+                    d = load(dy[at_dy + i])
+                    s_dy += d
+                    s_xy += d * load(x[at_x + i])
             ds[k] = s_dy
             db[k] = (s_xy - mu * s_dy) * rs
         if not want_dx:
