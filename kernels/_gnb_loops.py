@@ -29,10 +29,18 @@ def _gnb_body(  # type: ignore[no-untyped-def]
     are the sums of ``db`` / ``ds`` over the ``n`` samples, added in sample order (as
     :func:`reduce_over_samples`); each may be ``db`` / ``ds`` itself.
     """
-    _gnb_rows(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        load, store,
-    )  # fmt: skip
+    if dys == hxw and xs == hxw and dxs == hxw:
+        # rows back to back, the usual layout: compiled with the strides known equal to
+        # the row length (short rows, HxW 16: 25 -> 17 ns a channel row)
+        _gnb_rows(
+            dy, hxw, x, hxw, dx, hxw, mean, rstd, gamma, period, ds, db, rows, cpg, hxw,
+            want_dx, load, store,
+        )  # fmt: skip
+    else:
+        _gnb_rows(
+            dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw,
+            want_dx, load, store,
+        )  # fmt: skip
     # a sample at a time, every channel at once: the channels are independent chains of
     # adds (each still in sample order), where a channel's samples are one (32 samples of
     # 256 channels: 16 -> 6 us)
@@ -61,8 +69,11 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
     m = np.float32(cpg * hxw)
     for r in range(rows):
         mu, rs = mean[r], rstd[r]
+        k0 = r * cpg  # (loops over a group count kk from 0: a range from k0 compiled
+        # to slower code; HxW 1: 86 -> 80 us for N=32, C=256)
         # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
-        for k in range(r * cpg, r * cpg + cpg):
+        for kk in range(cpg):
+            k = k0 + kk
             if full:
                 dy_row = dy[k * dys : k * dys + hxw]
                 x_row = x[k * xs : k * xs + hxw]
@@ -95,7 +106,8 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
         c1 = c2 = np.float32(0.0)
         g0 = (r * cpg) % period  # gamma[k % period], k counting up: no division per k
         g = g0
-        for k in range(r * cpg, r * cpg + cpg):  # the group's channels, in order
+        for kk in range(cpg):  # the group's channels, in order
+            k = k0 + kk
             c1 += gamma[g] * ds[k]
             c2 += gamma[g] * db[k]
             g = g + 1 if g + 1 < period else 0
@@ -104,7 +116,8 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
         coef_b = -(c2 * rs * rs)
         coef_c = (c2 * rs * mu - c1) * rs
         g = g0
-        for k in range(r * cpg, r * cpg + cpg):
+        for kk in range(cpg):
+            k = k0 + kk
             coef_a = rs * gamma[g]
             g = g + 1 if g + 1 < period else 0
             dy_row = dy[k * dys : k * dys + hxw]
