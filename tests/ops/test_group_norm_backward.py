@@ -381,6 +381,27 @@ def test_launches_of_large_groups_match_the_reference_bit_for_bit(dtype):
         assert_same_bits(got, want.reshape(got.shape))
 
 
+@pytest.mark.parametrize("dtype", GN_DTYPES, ids=str)
+@pytest.mark.parametrize("hxw", [1, 5, 31, 32, 45, 97])
+@pytest.mark.parametrize("layout", ["back to back", "cut from wider rows"])
+def test_rows_of_every_length_match_the_reference_bit_for_bit(dtype, hxw, layout):
+    """Rows shorter than the lanes (added in order), rows of whole lanes, rows of lanes
+    and a tail; their rows back to back or cut from wider ones (the compiled loop's two
+    copies); dgamma / dbeta added over five samples: the reference kernel's bits."""
+    args = case(np.random.default_rng(hxw), 5, 6, hxw, 3, dtype=dtype)
+    if layout == "cut from wider rows":  # unit-stride rows, hxw + 3 apart
+        wide = [np.zeros((5, 6, hxw + 3), dtype) for _ in range(2)]
+        for buffer, array in zip(wide, args[:2], strict=True):
+            buffer[..., 1 : hxw + 1] = array
+        args = (wide[0][..., 1 : hxw + 1], wide[1][..., 1 : hxw + 1], *args[2:])
+    ref = GROUP_NORM_BACKWARD.reference(
+        dict(zip(("grad_out", "input", "mean", "rstd", "gamma"), args[:5], strict=True)),
+        dict(zip(("N", "C", "HxW", "group"), args[5:], strict=True)),
+    )
+    for got, want in zip(solo(args), ref, strict=True):
+        assert_same_bits(got, want.reshape(got.shape))
+
+
 def test_reference_device_fuses_to_the_reference_kernel_bit_for_bit():
     rng = np.random.default_rng(11)
     requests = _mixed(rng, 12)
