@@ -90,11 +90,12 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, True), (False, True, False)])
 def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
     # A lone call whose outputs the launch allocates is planned by its signature and its
-    # inputs' strides, and its outputs are made from the shapes that plan's entry kept. A
-    # second call of the geometry (a hit), the same geometry with a Fortran-ordered input
-    # (another plan: it stages that input) and outputs not asked for (left None) must all
-    # come out as the two-phase call's, within tolerance of the float64 formula, each in
-    # new arrays of its own.
+    # inputs' strides, and its outputs are made from the shapes that plan's entry kept; the
+    # usual launch (every output asked for, nothing staged) keeps a runner with its layout
+    # checked once. A second call of the geometry (a hit), the same geometry with a
+    # Fortran-ordered input (another plan: it stages that input), calls without gamma and
+    # outputs not asked for (left None) must all come out as the two-phase call's, within
+    # tolerance of the float64 formula, each in new arrays of its own.
     from tests.ops.test_group_norm_backward import golden
 
     rng = np.random.default_rng(21)
@@ -103,12 +104,12 @@ def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
     results = []
     with opsched.sync.open_scheduler(streams=1) as sched:
         sched.scheduler.device.inject_faults(where)
-        for order in ("C", "C", "F", "F"):
+        for order, with_gamma in [("C", 1), ("C", 1), ("F", 1), ("F", 1), ("C", 0), ("C", 0)]:
             dy = np.asarray(rand(rng, (n, c, hxw), F32), order=order)
             x = rand(rng, (n, c, hxw), F32)
             mean = rand(rng, (n, group), F32)
             rstd = (rng.random((n, group)) + 0.5).astype(F32)
-            gamma = rand(rng, (c,), F32)
+            gamma = rand(rng, (c,), F32) if with_gamma else None
             call = (dy, x, mean, rstd, gamma, n, c, hxw, group)
             got = sched.group_norm_backward(*call, output_mask=mask)
             outs = [np.empty_like(x), np.empty(c, F32), np.empty(c, F32)]
@@ -123,10 +124,13 @@ def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
                 assert_close(array, gold.reshape(array.shape), F32, "group_norm_backward")
                 assert array.flags.c_contiguous and array.flags.owndata
             results.append(got)
-        plans = [e[0] for e in sched.scheduler.device._fresh_plans.values()]
-    # one plan a layout (a C-ordered call's plan reads dy in place; the other stages it)
-    assert sorted(p.stage_dy for p in plans) == [False, True]
-    assert where.threads == [threading.get_ident()] * 4  # each ran in this thread
+        entries = list(sched.scheduler.device._fresh_plans.values())
+    # one plan a layout (a C-ordered call's plan reads dy in place; the other stages it),
+    # and one without gamma; a runner where the launch is the usual one
+    assert sorted(e[0].stage_dy for e in entries) == [False, False, True]
+    usual = mask == (True, True, True)
+    assert [e[2] is not None for e in entries] == [usual, False, usual]
+    assert where.threads == [threading.get_ident()] * 6  # each ran in this thread
     assert all(a is not b for a, b in zip(results[0], results[1], strict=True) if a is not None)
 
 

@@ -39,6 +39,9 @@ from opsched.ops.executor import Executor, geometry_of
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
 
+#: The outputs a blocking call's launch allocates: (name, shape, dtype) each.
+_Made = tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+
 _log = get_logger("opsched.device")
 
 #: Launch work: ``(errors by request id, start, end)``.
@@ -140,10 +143,9 @@ class HostDevice(Device):
     #: Plans of :meth:`run_here`, by geometry (a dict: safe to share between threads).
     _plans: dict[Hashable, Any] = attrs.field(factory=dict, init=False)
     #: :meth:`run_here`'s plans of requests whose outputs the launch allocates, with the
-    #: outputs' shapes and dtypes, by signature and the inputs' strides.
-    _fresh_plans: dict[Hashable, tuple[Any, tuple[tuple[str, tuple[int, ...], np.dtype], ...]]] = (
-        attrs.field(factory=dict, init=False)
-    )
+    #: outputs' shapes and dtypes and the launch's runner (or None), by signature and the
+    #: inputs' strides.
+    _fresh_plans: dict[Hashable, tuple[Any, _Made, Any]] = attrs.field(factory=dict, init=False)
 
     @classmethod
     def create(
@@ -173,6 +175,11 @@ class HostDevice(Device):
     ) -> None:
         """Compute ``op`` for ``plan`` into the output arrays."""
         op.run(plan, tensors, workspace)
+
+    def runner(self, op: Operator, plan: Any, tensors: dict[str, np.ndarray]) -> Any:
+        """:meth:`run_kernel` for calls laid out as ``tensors`` with new outputs, its
+        checks done once (:meth:`Operator.runner`), or None."""
+        return op.runner(plan, tensors)
 
     # --------------------------------------------------------------------- admission
 
@@ -254,11 +261,16 @@ class HostDevice(Device):
                     for n in op.outputs
                     if tensors[n] is not None
                 )
-                _remember(self._fresh_plans, key, (plan, made))
+                runner = self.runner(op, plan, tensors)
+                _remember(self._fresh_plans, key, (plan, made, runner))
             else:
-                plan, made = found
+                plan, made, runner = found
                 for name, shape, dtype in made:
                     tensors[name] = np.empty(shape, dtype)
+            if runner is not None:  # the layout checked when the plan was made
+                self.check_fault([request])
+                runner(tensors)
+                return
         else:
             allocate_missing(op, tensors, request.scalars)
             if signature is None:  # arguments the checks could not key: planned afresh
@@ -527,6 +539,9 @@ class ReferenceDevice(HostDevice):
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
     ) -> None:
         op.run_reference(plan, tensors)
+
+    def runner(self, op: Operator, plan: Any, tensors: dict[str, np.ndarray]) -> Any:
+        return None  # the reference kernels, always
 
 
 def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout, Any, Any]:

@@ -446,6 +446,14 @@ class Operator(abc.ABC):
         arguments). The default does no work ahead."""
         return functools.partial(self.run, plan, tensors)
 
+    def runner(self, plan: Any, tensors: Tensors) -> Callable[[Tensors], None] | None:
+        """:meth:`run` for every later call laid out as ``tensors`` (the same shapes,
+        dtypes and strides, outputs new arrays that overlap no input), its per-array checks
+        done once, here: a function of the call's tensors that needs no workspace (safe from
+        any thread). None where the operator has none for this launch (the default): the
+        device then plans a workspace and calls :meth:`run`."""
+        return None
+
     @abc.abstractmethod
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """Return the reference kernel's result (a new array; a tuple for several outputs)

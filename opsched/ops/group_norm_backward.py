@@ -18,6 +18,7 @@ from opsched.kernels.group_norm_backward import (
     GnbPlan,
     group_norm_backward_reference,
     group_norm_backward_rows_reference,
+    group_norm_backward_runner,
     make_gnb_plan,
     plan_group_norm_backward,
     prepare_group_norm_backward,
@@ -290,6 +291,23 @@ class GroupNormBackward(Operator):
 
     def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         self.prepare(plan, tensors)(workspace)
+
+    def runner(self, plan: GnbPlan, tensors: Tensors) -> Callable[[Tensors], None] | None:
+        t = tensors
+        run = group_norm_backward_runner(
+            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
+            t["dgamma"], t["dbeta"],
+        )  # fmt: skip
+        if run is None:
+            return None
+
+        def launch(t: Tensors) -> None:
+            run(
+                t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
+                t["dgamma"], t["dbeta"],
+            )  # fmt: skip
+
+        return launch
 
     def prepare(self, plan: GnbPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
         t = tensors
