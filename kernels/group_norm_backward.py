@@ -352,14 +352,14 @@ def group_norm_backward_runner(
     dbeta: np.ndarray | None,
 ) -> Callable[..., None] | None:
     """The usual launch of ``plan`` with its layout checked once, on these arrays: a
-    function ``run(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta)`` for every later
-    call whose arrays have these shapes, dtypes and strides and whose outputs overlap no
-    input (new arrays: a blocking call's); it keeps its sums in a new array of its own, so
-    threads may call it at once. None when the launch is not the usual one (see
-    :func:`_is_direct`) or computes nothing.
+    function ``run(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, workspace)`` for
+    every later call whose arrays have these shapes, dtypes and strides and whose outputs
+    overlap no input. It keeps its sums in the workspace, as the launch it stands for, or
+    (``workspace`` None) in a new array of its own, so threads may call it at once. None
+    when the launch is not the usual one (see :func:`_is_direct`) or computes nothing.
 
-    A blocking call made again with arrays laid out as before pays for its flat views and
-    the compiled call alone (GroupNormBackward 4x8x64: 7.2 -> 3.5 us, the launch's checks and
+    A call made again with arrays laid out as before pays for its flat views and the
+    compiled call alone (GroupNormBackward 4x8x64: 7.2 -> 3.5 us, the launch's checks and
     carving gone)."""
     n = mean.size // plan.group
     if n * plan.c == 0 or plan.hxw == 0:
@@ -380,8 +380,10 @@ def group_norm_backward_runner(
         dx: np.ndarray,
         dgamma: np.ndarray,
         dbeta: np.ndarray,
+        workspace: np.ndarray | None,
     ) -> None:
-        sums = np.empty(2 * channel_rows, F32)  # ds, then db
+        count = 2 * channel_rows  # ds, then db
+        sums = np.empty(count, F32) if workspace is None else _sums(workspace, count)
         loop(
             storage(grad_out, kind), hxw, storage(x, kind), hxw, storage(dx, kind), hxw,
             mean.ravel(), rstd.ravel(), _ONE if gamma is None else gamma.ravel(), period,

@@ -252,6 +252,32 @@ def test_repeat_launches_read_the_arrays_as_they_are_at_launch(dtype, strided):
         args[3][...] = np.abs(args[3]) + 0.5  # rstd > 0
 
 
+def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
+    # The plan cache keeps a runner for the usual launch (every output, float32 statistics,
+    # C-contiguous arrays): its executors launch without Operator.prepare, a miss's as a
+    # hit's, with the reference kernel's bits; a launch that stages an operand prepares.
+    from opsched.ops import GROUP_NORM_BACKWARD
+
+    def boom(*args, **kwargs):
+        raise AssertionError("prepared per call")
+
+    rng = np.random.default_rng(16)
+    calls = [gnb_call(rng, hxw=23), gnb_call(rng, hxw=23)]  # a miss, then a hit
+    monkeypatch.setattr(GROUP_NORM_BACKWARD, "prepare", boom)
+    names = ("grad_out", "input", "mean", "rstd", "gamma")
+    for args, outs, size, ex in calls:
+        aclnn.group_norm_backward(ws(size), size, ex)
+        ref = GROUP_NORM_BACKWARD.reference(
+            dict(zip(names, args[:5], strict=True)),
+            dict(zip(("N", "C", "HxW", "group"), args[5:9], strict=True)),
+        )
+        for got, want in zip(outs, ref, strict=True):
+            assert_same_bits(got, want.reshape(got.shape))
+    args, outs, size, ex = gnb_call(rng, strided=True, hxw=23)
+    with pytest.raises(AssertionError, match="prepared per call"):
+        aclnn.group_norm_backward(ws(size), size, ex)
+
+
 def test_repeat_launch_uses_the_workspace_it_is_given():
     rng = np.random.default_rng(6)
     args, outs, size, ex = gnb_call(rng)

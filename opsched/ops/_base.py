@@ -446,12 +446,15 @@ class Operator(abc.ABC):
         arguments). The default does no work ahead."""
         return functools.partial(self.run, plan, tensors)
 
-    def runner(self, plan: Any, tensors: Tensors) -> Callable[[Tensors], None] | None:
+    def runner(
+        self, plan: Any, tensors: Tensors
+    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
         """:meth:`run` for every later call laid out as ``tensors`` (the same shapes,
-        dtypes and strides, outputs new arrays that overlap no input), its per-array checks
-        done once, here: a function of the call's tensors that needs no workspace (safe from
-        any thread). None where the operator has none for this launch (the default): the
-        device then plans a workspace and calls :meth:`run`."""
+        dtypes and strides, outputs that overlap no input), its per-array checks done once,
+        here: a function of the call's tensors and workspace (None: it keeps its scratch in
+        arrays of its own; safe from any thread). A blocking call's cached plan and the
+        two-phase plan cache keep one. None where the operator has none for this launch
+        (the default): the caller then runs :meth:`run` (or :meth:`prepare`)."""
         return None
 
     @abc.abstractmethod

@@ -12,6 +12,7 @@ Every misuse is a ParamInvalidError (161002) whose message says what was wrong.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 from collections.abc import Callable, Hashable
 from types import TracebackType
@@ -81,6 +82,10 @@ class Executor:
     #: Whether the bound arrays are the ones the plan was made for (so their overlap is
     #: planned): False after a bind, until the next launch checks it.
     _as_planned: bool = attrs.field(default=True, init=False)
+    #: The plan cache's runner for arrays laid out as the bound ones (Operator.runner),
+    #: or None: bind() keeps the layout it was checked for (shapes, dtypes, strides), and a
+    #: bound output overlapping an input is refused before it runs.
+    _runner: Callable[..., None] | None = attrs.field(default=None, kw_only=True)
 
     @property
     def repeatable(self) -> bool:
@@ -224,7 +229,11 @@ class Executor:
                     "planned for separate buffers; plan a new executor for overlapping arrays"
                 )
                 raise ParamInvalidError(msg)
-            self._kernel = op.prepare(self.plan, tensors)
+            runner = self._runner
+            if runner is None:
+                self._kernel = op.prepare(self.plan, tensors)
+            else:  # the layout the plan cache checked: no per-array work but the views
+                self._kernel = functools.partial(_run, runner, tensors)
         self._launches += 1
         if not self._repeatable:
             self._state = ExecutorState.SPENT
@@ -266,6 +275,11 @@ class Executor:
         if self._state is ExecutorState.DESTROYED:
             msg = f"{self.op.name} executor: {what} after destroy()"
             raise ParamInvalidError(msg)
+
+
+def _run(runner: Callable[..., None], tensors: dict[str, Any], workspace: Any) -> None:
+    """A runner's launch on the executor's arrays and the launch's workspace."""
+    runner(tensors, workspace)
 
 
 def null_executor(name: str) -> InnerError:
@@ -318,7 +332,9 @@ class PlanCache:
     """
 
     limit: int = 256
-    _plans: dict[Hashable, tuple[dict[str, Any], Any, int]] = attrs.field(factory=dict, init=False)
+    _plans: dict[Hashable, tuple[dict[str, Any], Any, int, Any]] = attrs.field(
+        factory=dict, init=False
+    )
     _hits: int = attrs.field(default=0, init=False)
     _misses: int = attrs.field(default=0, init=False)
     _uncached: int = attrs.field(default=0, init=False)
@@ -333,7 +349,9 @@ class PlanCache:
         if found is None:
             checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
             plan = op.plan(tensors, checked, DEFAULT_BLOCK)
-            found = checked, plan, op.workspace_size(plan)
+            # a runner only where the key fixes the layout (plain, C-contiguous arrays)
+            runner = None if key is None else op.runner(plan, tensors)
+            found = checked, plan, op.workspace_size(plan), runner
             if key is None:
                 self._uncached += 1
             else:
@@ -341,8 +359,8 @@ class PlanCache:
                 self._remember(key, found)
         else:
             self._hits += 1
-        checked, plan, size = found
-        return size, Executor(op, tensors, dict(checked), plan, size)
+        checked, plan, size, runner = found
+        return size, Executor(op, tensors, dict(checked), plan, size, runner=runner)
 
     def statistics(self) -> PlanCacheStatistics:
         """A snapshot of the counters."""
@@ -368,7 +386,7 @@ class PlanCache:
             writeable.append(array is None or array.flags.writeable)
         return op.name, product, signature, tuple(writeable), op.overlaps_any(tensors)
 
-    def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int]) -> None:
+    def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int, Any]) -> None:
         if len(self._plans) >= self.limit:
             self._plans.pop(next(iter(self._plans), None), None)
             self._evictions += 1

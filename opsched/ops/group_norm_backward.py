@@ -292,7 +292,9 @@ class GroupNormBackward(Operator):
     def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         self.prepare(plan, tensors)(workspace)
 
-    def runner(self, plan: GnbPlan, tensors: Tensors) -> Callable[[Tensors], None] | None:
+    def runner(
+        self, plan: GnbPlan, tensors: Tensors
+    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
         t = tensors
         run = group_norm_backward_runner(
             plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
@@ -301,10 +303,10 @@ class GroupNormBackward(Operator):
         if run is None:
             return None
 
-        def launch(t: Tensors) -> None:
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
             run(
                 t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
-                t["dgamma"], t["dbeta"],
+                t["dgamma"], t["dbeta"], workspace,
             )  # fmt: skip
 
         return launch
