@@ -278,6 +278,29 @@ def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
         aclnn.group_norm_backward(ws(size), size, ex)
 
 
+def test_the_usual_glu_backward_launch_needs_no_preparing(monkeypatch):
+    # As GroupNormBackward's: a cached plan's runner launches C-contiguous FLOAT calls,
+    # with the reference kernel's bits; DOUBLE (the numpy kernel) prepares.
+    def boom(*args, **kwargs):
+        raise AssertionError("prepared per call")
+
+    rng = np.random.default_rng(17)
+    calls = []
+    for _ in range(2):  # a miss, then a hit
+        g, x = rand(rng, (6, 23), F32), rand(rng, (6, 46), F32)
+        out = np.empty_like(x)
+        calls.append((g, x, out, aclnn.glu_backward_get_workspace_size(g, x, -1, out)))
+    monkeypatch.setattr(GLU_BACKWARD, "prepare", boom)
+    for g, x, out, (size, ex) in calls:
+        aclnn.glu_backward(ws(size), size, ex)
+        want = GLU_BACKWARD.reference({"grad_out": g, "self": x, "out": None}, {"dim": -1})
+        assert_same_bits(out, want)
+    g, x = (rand(rng, shape, np.dtype(np.float64)) for shape in ((6, 23), (6, 46)))
+    size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, np.empty_like(x))
+    with pytest.raises(AssertionError, match="prepared per call"):
+        aclnn.glu_backward(ws(size), size, ex)
+
+
 def test_repeat_launch_uses_the_workspace_it_is_given():
     rng = np.random.default_rng(6)
     args, outs, size, ex = gnb_call(rng)

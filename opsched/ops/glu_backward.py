@@ -14,6 +14,7 @@ from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
     glu_backward_reference,
+    glu_backward_runner,
     glu_grid,
     make_glu_plan,
     plan_glu_backward,
@@ -185,6 +186,18 @@ class GluBackward(Operator):
 
     def prepare(self, plan: GluPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
         return prepare_glu_backward(plan, tensors["grad_out"], tensors["self"], tensors["out"])
+
+    def runner(
+        self, plan: GluPlan, tensors: Tensors
+    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
+        run = glu_backward_runner(plan, tensors["grad_out"], tensors["self"], tensors["out"])
+        if run is None:
+            return None
+
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            run(t["grad_out"], t["self"], t["out"])
+
+        return launch
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])
