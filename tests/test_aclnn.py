@@ -205,9 +205,10 @@ def test_error_status_in_str():
     assert "161001" in str(info.value) and "ERR_PARAM_NULLPTR" in str(info.value)
 
 
-def gnb_call(rng, dtype=F32, strided=False, n=2, c=4, hxw=40, group=2):
-    """A repeatable GroupNormBackward executor (its ds / db sums live in the workspace;
-    non-float32 statistics and ``strided`` operands are copied into it on every launch)."""
+def gnb_call(rng, dtype=F32, strided=False, n=2, c=4, hxw=40, group=2, repeatable=True):
+    """A GroupNormBackward executor, repeatable unless asked otherwise (its ds / db sums
+    live in the workspace; non-float32 statistics and ``strided`` operands are copied into
+    it on every launch)."""
     dy, x = rand(rng, (n, c, 2 * hxw if strided else hxw), dtype), rand(rng, (n, c, hxw), dtype)
     if strided:
         dy = dy[..., ::2]
@@ -217,7 +218,8 @@ def gnb_call(rng, dtype=F32, strided=False, n=2, c=4, hxw=40, group=2):
     outs = np.empty_like(x), np.empty(c, dtype), np.empty(c, dtype)
     args = (dy, x, mean, rstd, gamma, n, c, hxw, group, (True, True, True))
     size, ex = aclnn.group_norm_backward_get_workspace_size(*args, *outs)
-    ex.set_repeatable()
+    if repeatable:
+        ex.set_repeatable()
     return args, outs, size, ex
 
 
@@ -254,28 +256,34 @@ def test_repeat_launches_read_the_arrays_as_they_are_at_launch(dtype, strided):
 
 def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
     # The plan cache keeps a runner for the usual launch (every output, float32 statistics,
-    # C-contiguous arrays): its executors launch without Operator.prepare, a miss's as a
-    # hit's, with the reference kernel's bits; a launch that stages an operand prepares.
+    # C-contiguous arrays): its single-use executors launch without Operator.prepare, a
+    # miss's as a hit's, their sums in the workspace given, with the reference kernel's
+    # bits; a launch that stages an operand, or a repeatable executor, prepares.
     from opsched.ops import GROUP_NORM_BACKWARD
 
     def boom(*args, **kwargs):
         raise AssertionError("prepared per call")
 
     rng = np.random.default_rng(16)
-    calls = [gnb_call(rng, hxw=23), gnb_call(rng, hxw=23)]  # a miss, then a hit
+    calls = [gnb_call(rng, hxw=23, repeatable=False) for _ in range(2)]  # a miss, a hit
     monkeypatch.setattr(GROUP_NORM_BACKWARD, "prepare", boom)
     names = ("grad_out", "input", "mean", "rstd", "gamma")
     for args, outs, size, ex in calls:
-        aclnn.group_norm_backward(ws(size), size, ex)
+        workspace = np.zeros(size, np.uint8)
+        aclnn.group_norm_backward(workspace, size, ex)
+        assert workspace.any()  # the sums were carved from it
         ref = GROUP_NORM_BACKWARD.reference(
             dict(zip(names, args[:5], strict=True)),
             dict(zip(("N", "C", "HxW", "group"), args[5:9], strict=True)),
         )
         for got, want in zip(outs, ref, strict=True):
             assert_same_bits(got, want.reshape(got.shape))
-    args, outs, size, ex = gnb_call(rng, strided=True, hxw=23)
-    with pytest.raises(AssertionError, match="prepared per call"):
-        aclnn.group_norm_backward(ws(size), size, ex)
+    for _, _, size, ex in (
+        gnb_call(rng, strided=True, hxw=23, repeatable=False),
+        gnb_call(rng, hxw=23),
+    ):
+        with pytest.raises(AssertionError, match="prepared per call"):
+            aclnn.group_norm_backward(ws(size), size, ex)
 
 
 def test_the_usual_glu_backward_launch_needs_no_preparing(monkeypatch):
