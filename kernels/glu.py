@@ -208,14 +208,10 @@ def glu_backward_runner(
         return None
     if not (grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous):
         return None
-    storage, loop, row = _jit.storage, _LOOPS[kind.name], 2 * half
+    loop = _LOOPS[kind.name]
 
     def run(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
-        # as _compiled_args lays out C-contiguous operands
-        loop(
-            storage(grad_out, kind), 0, half, storage(self, kind), 0, half, row,
-            storage(out, kind), 0, half, row, outer, half,
-        )  # fmt: skip
+        loop(*_flat_args(kind, grad_out, self, out, outer, half))
 
     return run
 
@@ -349,6 +345,24 @@ def _glu_bfloat16(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type
 _LOOPS = {"float32": _glu_float32, "float16": _glu_float16, "bfloat16": _glu_bfloat16}
 
 
+def _flat_args(
+    kind: _jit.Kind,
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    out: np.ndarray,
+    outer: int,
+    half: int,
+) -> tuple[Any, ...]:
+    """:func:`_compiled_args` of C-contiguous operands (the usual call): flat views, strides
+    from the geometry alone (a row of self is its two halves a, b; a row of grad_out one
+    half), no 2-D / 3-D views."""
+    storage, row = _jit.storage, 2 * half
+    return (
+        storage(grad_out, kind), 0, half, storage(self, kind), 0, half, row,
+        storage(out, kind), 0, half, row, outer, half,
+    )  # fmt: skip
+
+
 def _compiled_args(
     kind: _jit.Kind,
     grad_out: np.ndarray,
@@ -360,13 +374,7 @@ def _compiled_args(
     """The compiled loop's arguments for operands whose rows have unit stride (the plan
     staged any other), seen as ``(outer, half)`` / ``(outer, 2, half)``."""
     if grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous:
-        # the usual call: flat views, strides from the geometry alone (a row of self is
-        # its two halves a, b; a row of grad_out one half), no 2-D / 3-D views
-        x, o = _jit.storage(self, kind), _jit.storage(out, kind)
-        return (
-            _jit.storage(grad_out, kind), 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half,
-            outer, half,
-        )  # fmt: skip
+        return _flat_args(kind, grad_out, self, out, outer, half)
     g2, x3 = grad_out.reshape(outer, half), self.reshape(outer, 2, half)
     o3 = out.reshape(outer, 2, half)
     g, gs = _jit.flat(g2, kind)

@@ -279,33 +279,59 @@ def _direct(
     dgamma: np.ndarray,
     dbeta: np.ndarray,
 ) -> Callable[[np.ndarray | None], None] | None:
-    """The usual launch, laid out here once: all three outputs asked for and nothing copied
-    into the workspace (:func:`_is_direct`), so the workspace holds only the per-channel-row
-    sums and the loop's other arguments do not depend on it. None for any other launch
+    """The usual launch, its arguments laid out once per workspace: all three outputs asked
+    for and nothing copied into the workspace (:func:`_is_direct`), so the workspace holds
+    only the per-channel-row sums (:func:`_direct_arguments`). None for any other launch
     (:func:`_lay_out` then lays it out per workspace). The same loop and arguments as
     :func:`_lay_out`'s. (Its arrays come one by one, not as an ``_Arrays``: this runs for
     every two-phase call.)
     """
     if not _is_direct(plan, grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta):
         return None
-    c, hxw, kind = plan.c, plan.hxw, _jit.KINDS[plan.dtype]
-    channel_rows, cpg = n * c, c // plan.group
-    gamma32 = _ONE if gamma is None else gamma.ravel()
-    head = (
-        _jit.storage(grad_out, kind), hxw, _jit.storage(x, kind), hxw,
-        _jit.storage(dx, kind), hxw, mean.ravel(), rstd.ravel(), gamma32, gamma32.size,
-    )  # fmt: skip
-    tail = (n * plan.group, cpg, hxw, True, n, c, dgamma.ravel(), dbeta.ravel())
-    loop = LOOPS[kind.name]
+    arguments, count = _direct_arguments(plan, n, gamma)
+    loop = LOOPS[_jit.KINDS[plan.dtype].name]
     last: list[Any] = [_UNSEEN, ()]  # the workspace seen last, and the loop's arguments
 
     def launch(workspace: np.ndarray | None) -> None:
         if workspace is not last[0]:
-            sums = _sums(workspace, 2 * channel_rows)  # ds, then db
-            last[:] = workspace, (*head, sums[:channel_rows], sums[channel_rows:], *tail)
+            sums = _sums(workspace, count)
+            last[:] = workspace, arguments(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, sums)
         loop(*last[1])
 
     return launch
+
+
+def _direct_arguments(
+    plan: GnbPlan, n: int, gamma: np.ndarray | None
+) -> tuple[Callable[..., tuple[Any, ...]], int]:
+    """The usual launch's loop arguments, as a function ``arguments(grad_out, x, mean,
+    rstd, gamma, dx, dgamma, dbeta, sums)`` of its arrays (laid out as :func:`_is_direct`
+    requires) and its ``count`` float32 sums (ds, then db), with that count: the same
+    arguments as :func:`_lay_out`'s."""
+    c, hxw, kind = plan.c, plan.hxw, _jit.KINDS[plan.dtype]
+    channel_rows, rows, cpg = n * c, n * plan.group, c // plan.group
+    period = 1 if gamma is None else gamma.size
+    storage = _jit.storage
+
+    def arguments(
+        grad_out: np.ndarray,
+        x: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        dx: np.ndarray,
+        dgamma: np.ndarray,
+        dbeta: np.ndarray,
+        sums: np.ndarray,
+    ) -> tuple[Any, ...]:
+        return (
+            storage(grad_out, kind), hxw, storage(x, kind), hxw, storage(dx, kind), hxw,
+            mean.ravel(), rstd.ravel(), _ONE if gamma is None else gamma.ravel(), period,
+            sums[:channel_rows], sums[channel_rows:], rows, cpg, hxw, True, n, c,
+            dgamma.ravel(), dbeta.ravel(),
+        )  # fmt: skip
+
+    return arguments, 2 * channel_rows
 
 
 def _is_direct(
@@ -366,10 +392,8 @@ def group_norm_backward_runner(
         return None
     if not _is_direct(plan, grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta):
         return None
-    c, hxw, kind = plan.c, plan.hxw, _jit.KINDS[plan.dtype]
-    channel_rows, rows, cpg = n * c, n * plan.group, c // plan.group
-    period = 1 if gamma is None else gamma.size
-    storage, loop = _jit.storage, LOOPS[kind.name]
+    arguments, count = _direct_arguments(plan, n, gamma)
+    loop = LOOPS[_jit.KINDS[plan.dtype].name]
 
     def run(
         grad_out: np.ndarray,
@@ -382,14 +406,8 @@ def group_norm_backward_runner(
         dbeta: np.ndarray,
         workspace: np.ndarray | None,
     ) -> None:
-        count = 2 * channel_rows  # ds, then db
         sums = np.empty(count, F32) if workspace is None else _sums(workspace, count)
-        loop(
-            storage(grad_out, kind), hxw, storage(x, kind), hxw, storage(dx, kind), hxw,
-            mean.ravel(), rstd.ravel(), _ONE if gamma is None else gamma.ravel(), period,
-            sums[:channel_rows], sums[channel_rows:], rows, cpg, hxw, True, n, c,
-            dgamma.ravel(), dbeta.ravel(),
-        )  # fmt: skip
+        loop(*arguments(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, sums))
 
     return run
 
