@@ -227,13 +227,14 @@ class GluBackward(Operator):
             half = _half(stack[0][0])
             outers = [_grid(group[0])[0] * len(group) for group in stack]
             rows = sum(outers)
-            columns = framework_columns(half, x0.device)
-            calls = framework_rows(torch, rows, half, x0.device)
+            cpu = x0.is_cpu
+            columns = framework_columns(half, cpu)
+            calls = framework_rows(torch, rows, half, cpu)
             # aten's CPU kernel for FLOAT16 / BFLOAT16 rounds sigmoid(b) into that dtype and
             # computes grad_b from the rounded value: where 1 - s cancels, that is outside
             # SPEC's tolerance (measured: 1.12x the allowed error on 131,072 BFLOAT16
             # elements of [-3, 3]). SPEC computes them in float32, rounded once: so do we.
-            wide = x0.device.type == "cpu" and x0.dtype in (torch.float16, torch.bfloat16)
+            wide = cpu and x0.dtype in (torch.float16, torch.bfloat16)
             x = framework_gather(torch, stack, "self", (rows, 2, half))
             g = framework_gather(torch, stack, "grad_out", (rows, 1, half))
             out = framework_output(torch, stack, "out", (rows, 2, half), x)

@@ -177,7 +177,7 @@ class GroupNormalizationGrad(Operator):
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
             }
             out = framework_output(torch, stack, "dx", (rows, 1, m), x0)
-            for a, b in framework_rows(torch, rows, m, x0.device):
+            for a, b in framework_rows(torch, rows, m, x0.is_cpu):
                 chunk = {name: value[a:b] for name, value in stacked.items()}
                 self.framework_call(torch, {**chunk, "dx": out[a:b]}, {})
             framework_scatter(torch, out, stack, "dx", counts, "x")
