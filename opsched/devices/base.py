@@ -198,7 +198,8 @@ class Device(abc.ABC):
     ) -> tuple[dict[str, Any], Converter | None]:
         """A checked request's arrays as the launch uses them, outputs allocated (``spec``:
         each output's shape and dtype; ``nbytes``: what the request reads and writes), and
-        the converter of its result (None: as is).
+        the converter of its result (None: as is). ``tensors`` is the request's own dict,
+        made for it by the checks: a device may update it in place and return it.
 
         The default keeps numpy arrays where they are and allocates missing outputs.
         """

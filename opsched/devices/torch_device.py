@@ -264,32 +264,30 @@ class TorchDevice(Device):
                     break
             else:
                 return HostOperands(tensors), None
-        # one pass (this runs for every request): a tensor on this device as it is,
-        # anything else through admit()
-        caller_out: dict[str, np.ndarray] = {}
+        # one pass (this runs for every request), in place (``tensors`` is the request's
+        # own dict): a tensor on this device as it is, anything else through admit()
+        caller_out: dict[str, np.ndarray] | None = None
         numpy_in = True
-        data: dict[str, Any] = {}
         for name, value in tensors.items():
             if type(value) is tensor and (value.is_cpu if on_cpu else value.device == where):
-                data[name] = value
                 numpy_in = False
-            elif value is None:
-                data[name] = None
-            else:
-                data[name] = self.admit(op.name, name, value)
-                if isinstance(value, np.ndarray):
-                    if name in spec:
-                        caller_out[name] = value
-                else:
+            elif value is not None:
+                tensors[name] = self.admit(op.name, name, value)
+                if not isinstance(value, np.ndarray):
                     numpy_in = False
+                elif name in spec:
+                    if caller_out is None:
+                        caller_out = {}
+                    caller_out[name] = value
         if nbytes == 0 or (
             nbytes >= self.split_min_bytes and op.splits and len(self.streams) > 1
         ):  # may be split: parts write into views
             for name, (shape, dtype) in spec.items():
-                if data[name] is None:
-                    data[name] = self.empty(shape, dtype)
-        convert = _to_numpy(op, caller_out) if numpy_in or caller_out else None
-        return data, convert
+                if tensors[name] is None:
+                    tensors[name] = self.empty(shape, dtype)
+        if numpy_in or caller_out:
+            return tensors, _to_numpy(op, caller_out or {})
+        return tensors, None
 
     def graph_converter(self, given: Iterable[Any]) -> Converter | None:
         """A graph run returns numpy unless some array given to it was a tensor."""

@@ -291,6 +291,9 @@ def framework_split_deliver(
             if tensor_views is None:
                 tensor_views = framework_split(stacked, k, shape)
             view = tensor_views[i]
+            if tensors[name] is None:  # the usual request: its view, no call
+                tensors[name] = view
+                continue
         framework_deliver(torch, tensors, name, view)
 
 

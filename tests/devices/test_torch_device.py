@@ -59,6 +59,21 @@ def test_numpy_out_is_written_and_returned():
     assert_result("torch:cpu", out, solo_glu(g, x, -1))
 
 
+def test_tensor_inputs_with_a_numpy_out_return_that_out():
+    # the caller's numpy out= is what comes back, written, whatever kind the inputs are
+    rng = np.random.default_rng(11)
+    g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
+    out = np.zeros((4, 16), F32)
+
+    async def main():
+        async with opsched.open_scheduler(device="torch:cpu") as sched:
+            return await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x), out=out)
+
+    assert asyncio.run(main()) is out
+    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
+    assert torch.equal(torch.from_numpy(out), expected)
+
+
 def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
     # calls of numpy arrays stay numpy until their launch (one copy per operand, numpy
     # views back): the same bits as the same calls made with tensors, written into the
