@@ -47,6 +47,9 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
         if _size(first) >= _STACK_MAX:  # large: alone, whatever it was launched with
             _alone(torch, first, wide)
             continue
+        if len(stack) == 1 and len(stack[0]) == 1:  # small, by itself: the same calls, flat
+            _lone(torch, first, wide)
+            continue
         geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
         channels = [k * n * c for k, n, c in geometry]
         total = sum(channels)
@@ -99,6 +102,34 @@ def _alone(torch: Any, request: Any, wide: Any) -> None:
     for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
         if mask[i]:
             framework_deliver(torch, t, name, result if i == 0 else _wide(result, stat_dtype))
+
+
+def _lone(torch: Any, request: Any, wide: Any) -> None:
+    """A small request launched by itself, in the stacked layout: the framework calls a
+    stack of this one request makes, on the same values (so the same bits), without the
+    stacking's per-group bookkeeping (a lone GroupNormBackward 4 x 64 x 8: 128 -> 80 us
+    of launch, aten's call 12 of it)."""
+    t, s = request.tensors, request.scalars
+    n, c, hxw, mask = s["N"], s["C"], s["HxW"], s["output_mask"]
+    total, groups = n * c, n * s["group"]
+    x, gamma, stat_dtype = t["input"], t["gamma"], t["mean"].dtype
+    if gamma is None:  # aten cannot give dgamma without one: ones, SPEC's meaning of it
+        gammas = torch.ones(total, dtype=wide, device=x.device)
+    else:  # [gamma] * n, as a stack of one repeats it
+        gammas = torch.cat([_wide(gamma.contiguous(), wide).view(1, c)] * n, dim=1).view(-1)
+    rows, stats = (1, total, hxw), (1, groups)
+    dx, dgamma, dbeta = torch.ops.aten.native_group_norm_backward(
+        t["grad_out"].contiguous().view(rows), x.contiguous().view(rows),
+        _wide(t["mean"].contiguous().view(stats), wide),
+        _wide(t["rstd"].contiguous().view(stats), wide), gammas, 1, total, hxw, groups,
+        list(mask),
+    )  # fmt: skip
+    sums = _sample_sums(torch, dgamma, dbeta, 1, n, c, stat_dtype)
+    stat_shape = _stat_shape(request)
+    shapes = (tuple(x.shape), stat_shape, stat_shape)
+    for name, result, shape, want in zip(_OUTPUTS, (dx, *sums), shapes, mask, strict=True):
+        if want:
+            framework_deliver(torch, t, name, result.view(shape))
 
 
 def _stat_shape(request: Any) -> tuple[int, ...]:
