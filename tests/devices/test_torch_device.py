@@ -46,32 +46,22 @@ def test_results_come_back_as_the_kind_of_the_inputs():
     assert_result("torch:cpu", as_numpy, solo_glu(g, x, -1))
 
 
-def test_numpy_out_is_written_and_returned():
+@pytest.mark.parametrize("tensors", [False, True], ids=["numpy inputs", "tensor inputs"])
+def test_numpy_out_is_written_and_returned(tensors):
+    # the caller's numpy out= is what comes back, written, whatever kind the inputs are
     rng = np.random.default_rng(1)
     g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
+    args = (torch.from_numpy(g), torch.from_numpy(x)) if tensors else (g, x)
     out = np.zeros((4, 16), F32)
 
     async def main():
         async with opsched.open_scheduler(device="torch:cpu") as sched:
-            return await sched.glu_backward(g, x, out=out)
-
-    assert asyncio.run(main()) is out
-    assert_result("torch:cpu", out, solo_glu(g, x, -1))
-
-
-def test_tensor_inputs_with_a_numpy_out_return_that_out():
-    # the caller's numpy out= is what comes back, written, whatever kind the inputs are
-    rng = np.random.default_rng(11)
-    g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
-    out = np.zeros((4, 16), F32)
-
-    async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
-            return await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x), out=out)
+            return await sched.glu_backward(*args, out=out)
 
     assert asyncio.run(main()) is out
     expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
     assert torch.equal(torch.from_numpy(out), expected)
+    assert_result("torch:cpu", out, solo_glu(g, x, -1))
 
 
 def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
