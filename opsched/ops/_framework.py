@@ -164,11 +164,19 @@ def framework_stacks(
         _lead(torch, requests[0], inputs)
         return [[[requests[0]]]]
     groups: dict[Hashable, list[Any]] = {}
+    last: Any = None  # the previous request's signature, and its group
+    members: list[Any] = []
     for request in requests:
         # the checked signature (same shapes, dtypes, scalars) is already a hashable
-        # tuple: no tensor attributes read per request
+        # tuple: no tensor attributes read per request; a run of calls seen before shares
+        # one signature object (as in ``signature_groups``): no hashing it again
         signature = getattr(request, "signature", None)
-        groups.setdefault(key(request) if signature is None else signature, []).append(request)
+        if signature is last and signature is not None:
+            members.append(request)
+            continue
+        members = groups.setdefault(key(request) if signature is None else signature, [])
+        members.append(request)
+        last = signature
     stacks: dict[Hashable, list[list[Any]]] = {}
     alone: list[list[list[Any]]] = []
     for group in groups.values():  # one shape each: one size, weighed once
