@@ -47,7 +47,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from opsched.ops._fusion import gather_into
+from opsched.ops._fusion import gather_into, signature_groups
 
 __all__ = [
     "COLUMN_CHUNK",
@@ -163,23 +163,12 @@ def framework_stacks(
     if len(requests) == 1:  # a lone request (a blocking call, a medium one): one stack
         _lead(torch, requests[0], inputs)
         return [[[requests[0]]]]
-    groups: dict[Hashable, list[Any]] = {}
-    last: Any = None  # the previous request's signature, and its group
-    members: list[Any] = []
-    for request in requests:
-        # the checked signature (same shapes, dtypes, scalars) is already a hashable
-        # tuple: no tensor attributes read per request; a run of calls seen before shares
-        # one signature object (as in ``signature_groups``): no hashing it again
-        signature = getattr(request, "signature", None)
-        if signature is last and signature is not None:
-            members.append(request)
-            continue
-        members = groups.setdefault(key(request) if signature is None else signature, [])
-        members.append(request)
-        last = signature
+    # by the checked signature (same shapes, dtypes, scalars), already a hashable tuple
+    # shared by a run of calls seen before: no tensor attributes read per request
+    groups = [[requests[i] for i in members] for members in signature_groups(requests, key)]
     stacks: dict[Hashable, list[list[Any]]] = {}
     alone: list[list[list[Any]]] = []
-    for group in groups.values():  # one shape each: one size, weighed once
+    for group in groups:  # one shape each: one size, weighed once
         _lead(torch, group[0], inputs)
         if size(group[0]) >= stack_max:
             for request in group[1:]:  # each the first of its own stack

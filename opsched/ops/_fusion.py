@@ -8,7 +8,7 @@ move the whole group. This room never imports the scheduler core, the devices or
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,27 +64,32 @@ def gather_into(parts: Sequence[np.ndarray], target: np.ndarray) -> None:
     np.concatenate(parts, out=target.reshape(-1, *first.shape[1:]))
 
 
-def signature_groups(requests: Sequence[Any]) -> list[list[int]]:
+def signature_groups(
+    requests: Sequence[Any], key: Callable[[Any], Hashable] | None = None
+) -> list[list[int]]:
     """The indices of ``requests`` grouped by signature, in order of first appearance.
 
     Requests with equal signatures have the same shapes, dtypes and scalars, so a fused
     launch's gather and scatter move a whole group with a few numpy calls instead of a few
-    per request. A request without a signature is a group of its own.
+    per request. A request without a signature is a group of its own, or, given ``key``,
+    grouped with those of equal ``key(request)`` (a framework launch's shapes and scalars).
     """
     groups: dict[Hashable, list[int]] = {}
     last: Any = None  # the previous request's signature, and its group's members
     members: list[int] = []
     for i, request in enumerate(requests):
-        signature = request.signature
+        signature = getattr(request, "signature", None)  # (a stand-in may have none)
         if signature is last and signature is not None:
             # a run of calls seen before shares one signature object: no hashing (a
             # GroupNormBackward signature's hash costs more than the rest of this loop)
             members.append(i)
             continue
-        key = signature if signature is not None else object()
-        found = groups.get(key)
+        group: Hashable = signature
+        if signature is None:  # unsigned: alone, or by ``key``
+            group = object() if key is None else key(request)
+        found = groups.get(group)
         if found is None:
-            found = groups[key] = []
+            found = groups[group] = []
         found.append(i)
         last, members = signature, found
     return list(groups.values())

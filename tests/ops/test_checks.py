@@ -280,3 +280,10 @@ def test_signature_groups_keep_first_appearance_order_and_isolate_the_unsigned()
     requests = [SimpleNamespace(signature=s) for s in sigs]
     assert signature_groups(requests) == [[0, 1, 3, 6], [2, 7, 8], [4], [5]]
     assert signature_groups([]) == []
+    # given a key, the unsigned group by it (a framework launch's shapes), the signed as before
+    shapes = [None, None, None, None, (1,), (2,), None, None, None]
+    for r, shape in zip(requests, shapes, strict=True):
+        r.shape = shape
+    unsigned = [*requests, SimpleNamespace(signature=None, shape=(1,))]
+    by_shape = signature_groups(unsigned, key=lambda r: r.shape)
+    assert by_shape == [[0, 1, 3, 6], [2, 7, 8], [4, 9], [5]]
