@@ -196,10 +196,12 @@ def test_bad_options_are_clear_errors(args, words):
 
 def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
     """Make GluBackward's kernel negate its output, on every path: fused launches, solo
-    launches and the solo two-phase oracle alike (so results stay bit-identical to the
+    launches, the usual launch through a runner (blocking calls, single-use two-phase
+    executors) and the solo two-phase oracle alike (so results stay bit-identical to the
     solo call, and only an independent oracle can tell). ``graphs_only``: only when the
     launch serves a graph node (a wrong result on graphs alone)."""
     from opsched.devices.host import HostDevice
+    from opsched.ops.executor import PLANS
     from opsched.ops.glu_backward import GluBackward
 
     real = GluBackward.run  # the scheduler's solo launches
@@ -229,9 +231,28 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
 
         return launch
 
+    real_runner = GluBackward.runner
+
+    def negated_runner(self, plan, tensors):  # the usual launch of blocking / two-phase calls
+        launch = real_runner(self, plan, tensors)
+        if launch is None or graphs_only:  # (no graph node launches through a runner)
+            return launch
+
+        def wrong(t, workspace):
+            launch(t, workspace)
+            np.negative(t["out"], out=t["out"])
+
+        return wrong
+
     monkeypatch.setattr(GluBackward, "run", negated)
     monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
+    monkeypatch.setattr(GluBackward, "runner", negated_runner)
     monkeypatch.setattr(HostDevice, "_run_fused", fused)
+    # the two-phase API's plan cache is the process's: runners an earlier test cached
+    # would launch the real kernel, and the negated ones made here must not outlive this
+    # test. An empty cache for its duration (the test then depended on the order the
+    # suite ran in: CI saw one result right and the rest wrong)
+    monkeypatch.setattr(PLANS, "_plans", {})
 
 
 def test_a_wrong_kernel_on_every_path_fails_the_verdict(monkeypatch):
