@@ -18,6 +18,7 @@ generic call.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Mapping, Sequence
@@ -94,7 +95,7 @@ class Scheduler(_core.Scheduler):
     """
 
     # BEGIN GENERATED scheduler: scripts/gen_entry_points.py writes this; do not edit
-    async def glu_backward(
+    def glu_backward(
         sched,
         grad_out: np.ndarray,
         self: np.ndarray,
@@ -104,8 +105,10 @@ class Scheduler(_core.Scheduler):
         priority: int = 0,
         deadline: float | None = None,
         timeout: float | None = None,
-    ) -> np.ndarray:
+    ) -> Coroutine[Any, Any, np.ndarray]:
         """GluBackward (``aclnnGluBackward``): the gradient of GLU; returns ``out``.
+
+        Awaitable (a coroutine): ``await`` it for the result.
 
         Args:
             grad_out: the upstream gradient: self's shape, shape[dim] halved.
@@ -115,13 +118,13 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return await sched.submit(
+        return sched.submit(
             ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
     glu_backward_nowait = _nowait(ops.GLU_BACKWARD, glu_backward)
 
-    async def group_norm_grad(
+    def group_norm_grad(
         sched,
         x: np.ndarray,
         dy: np.ndarray,
@@ -133,8 +136,10 @@ class Scheduler(_core.Scheduler):
         priority: int = 0,
         deadline: float | None = None,
         timeout: float | None = None,
-    ) -> np.ndarray:
+    ) -> Coroutine[Any, Any, np.ndarray]:
         """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``); returns ``dx``.
+
+        Awaitable (a coroutine): ``await`` it for the result.
 
         Args:
             x: (N, G, *rest), 3 to 8 dims: FLOAT, FLOAT16 or BFLOAT16.
@@ -146,13 +151,13 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return await sched.submit(
+        return sched.submit(
             ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
     group_norm_grad_nowait = _nowait(ops.GROUP_NORM_GRAD, group_norm_grad)
 
-    async def group_norm_backward(
+    def group_norm_backward(
         sched,
         grad_out: np.ndarray,
         input: np.ndarray,
@@ -169,9 +174,11 @@ class Scheduler(_core.Scheduler):
         priority: int = 0,
         deadline: float | None = None,
         timeout: float | None = None,
-    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    ) -> Coroutine[Any, Any, tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]:
         """GroupNormBackward (``aclnnGroupNormBackward``): the true group-norm gradient; returns
         ``(dx, dgamma, dbeta)``, None where ``output_mask`` is False.
+
+        Awaitable (a coroutine): ``await`` it for the result.
 
         Args:
             grad_out: N * C * HxW elements (e.g. (N, C, H, W)).
@@ -188,7 +195,7 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return await sched.submit(
+        return sched.submit(
             ops.GROUP_NORM_BACKWARD,
             (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
             out,
@@ -335,7 +342,22 @@ async def open_scheduler(
 
 async def current_scheduler() -> Scheduler:
     """The scheduler module-level calls use here (creating the loop's default if needed)."""
+    return _scheduler_here()
+
+
+def _scheduler_here() -> Scheduler:
+    """:func:`current_scheduler`, without a coroutine of its own: every module-level call
+    runs it."""
     scheduler = _current.get()
+    if scheduler is not None and scheduler.state is SchedulerState.OPEN:
+        return scheduler
+    # The running asyncio loop's default, found by the loop itself: current_loop() builds
+    # a whole handle (about 6 us, as much again as the rest of a tiny request). On trio,
+    # or with no loop running, asyncio has none and the handle decides.
+    try:
+        scheduler = _defaults.get(asyncio.get_running_loop())
+    except RuntimeError:
+        scheduler = None
     if scheduler is not None and scheduler.state is SchedulerState.OPEN:
         return scheduler
     loop = current_loop()
@@ -366,8 +388,6 @@ def _start_service(scheduler: Scheduler, serve: Callable[[], Coroutine[Any, Any,
 
         trio.lowlevel.spawn_system_task(serve, name="opsched scheduler service")
     else:
-        import asyncio
-
         scheduler._service = asyncio.get_running_loop().create_task(
             serve(), name="opsched scheduler service"
         )
@@ -395,8 +415,7 @@ def _module_level(
     """``method`` on the current scheduler (:func:`current_scheduler`)."""
 
     async def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        scheduler = await current_scheduler()
-        return await method(scheduler, *args, **kwargs)
+        return await method(_scheduler_here(), *args, **kwargs)
 
     doc = f"{method.__name__} on the current scheduler; see :meth:`Scheduler.{method.__name__}`."
     return entry_point(call, method, method.__name__, doc)

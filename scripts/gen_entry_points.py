@@ -82,10 +82,8 @@ def _signature(
     params: Sequence[str],
     returns: str,
     indent: str,
-    *,
-    is_async: bool = False,
 ) -> list[str]:
-    lead = f"{indent}{'async ' if is_async else ''}def {name}("
+    lead = f"{indent}def {name}("
     items = ([receiver] if receiver else []) + list(params)
     one = f"{lead}{', '.join(items)}) -> {returns}:"
     if len(one) <= WIDTH:
@@ -106,7 +104,10 @@ def _keywords(op: Operator, *, out: bool = True) -> list[str]:
     if out:
         kw.append(f"out: {op.out_annotation} = None")
     return [
-        *kw, "priority: int = 0", "deadline: float | None = None", "timeout: float | None = None"
+        *kw,
+        "priority: int = 0",
+        "deadline: float | None = None",
+        "timeout: float | None = None",
     ]
 
 
@@ -160,11 +161,23 @@ def scheduler_methods(op: Operator) -> list[str]:
     ``_nowait`` twin, typed from it)."""
     i, params = "    ", [_param(op, p) for p in op.parameters] + _keywords(op)
     call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
-    lines = _signature(op.method, "sched", params, op.result_annotation, i, is_async=True)
+    # A plain function returning submit()'s coroutine (awaited the same way): a coroutine
+    # of its own would be one more made and resumed a request.
+    returns = f"Coroutine[Any, Any, {op.result_annotation}]"
+    lines = _signature(op.method, "sched", params, returns, i)
     lines += _doc(
-        [op.summary, "", *_args_doc(op, _WAIT_DOCS), "", "Raises: as :meth:`submit`."], i * 2
+        [
+            op.summary,
+            "",
+            "Awaitable (a coroutine): ``await`` it for the result.",
+            "",
+            *_args_doc(op, _WAIT_DOCS),
+            "",
+            "Raises: as :meth:`submit`.",
+        ],
+        i * 2,
     )
-    lines += _call("return await sched.submit(", call, i * 2)
+    lines += _call("return sched.submit(", call, i * 2)
     lines.append("")
     lines.append(f"{i}{op.method}_nowait = _nowait({_const(op)}, {op.method})")
     return lines

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -110,3 +112,56 @@ def test_open_scheduler_rejects_bad_config():
                 pass
 
     trio.run(main)
+
+
+def test_module_functions_find_the_loops_default_without_a_new_loop_handle(monkeypatch):
+    # The default scheduler is found by the running asyncio loop itself: the loop handle
+    # (current_loop) is built once, when the default is made, not once a call.
+    import opsched._api as api
+
+    built = []
+    real = api.current_loop
+
+    def counting():
+        built.append(1)
+        return real()
+
+    monkeypatch.setattr(api, "current_loop", counting)
+    g, x = np.ones((2, 3), F32), np.arange(12, dtype=F32).reshape(2, 6) / 10
+    seen = {}
+
+    async def main():
+        first = await opsched.current_scheduler()
+        made = len(built)  # its handle, and the scheduler's own
+        for _ in range(5):
+            assert_same_bits(await opsched.glu_backward(g, x), solo_glu(g, x, -1))
+        seen["calls"] = len(built) - made
+        seen["same"] = await opsched.current_scheduler() is first
+        async with opsched.open_scheduler(device="reference") as sched:  # the block's first
+            seen["block"] = await opsched.current_scheduler() is sched
+            assert_same_bits(await opsched.glu_backward(g, x), solo_glu(g, x, -1))
+        seen["after"] = await opsched.current_scheduler() is first
+        await first.aclose()  # a closed default is replaced by a new one
+        seen["new"] = await opsched.current_scheduler() is not first
+
+    asyncio.run(main())
+    assert seen == {"calls": 0, "same": True, "block": True, "after": True, "new": True}
+
+
+def test_scheduler_methods_return_a_coroutine_that_submits_when_awaited():
+    g, x = np.ones((2, 3), F32), np.arange(12, dtype=F32).reshape(2, 6) / 10
+
+    async def main():
+        async with opsched.open_scheduler(device="reference") as sched:
+            pending = sched.glu_backward(g, x)
+            assert inspect.iscoroutine(pending)
+            assert sched.statistics().submitted == 0  # nothing queued before the await
+            task = asyncio.create_task(pending)
+            assert_same_bits(await task, solo_glu(g, x, -1))
+            unawaited = sched.group_norm_grad(
+                *(np.ones((2, 2, 4), F32),) * 3, np.zeros((2, 2), F32), np.ones((2, 2), F32)
+            )
+            unawaited.close()  # dropped unawaited: never submitted
+            assert sched.statistics().submitted == 1
+
+    asyncio.run(main())
