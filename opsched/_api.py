@@ -403,8 +403,7 @@ async def run(
     timeout: float | None = None,
 ) -> list[Any]:
     """Run a graph on the current scheduler; see :meth:`Scheduler.run`."""
-    scheduler = await current_scheduler()
-    return await scheduler.run(
+    return await _scheduler_here().run(
         graph, outputs, inputs=inputs, priority=priority, deadline=deadline, timeout=timeout
     )
 
