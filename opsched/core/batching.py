@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import bisect
 import collections
+import heapq
 import math
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -75,6 +77,12 @@ class RequestQueue:
 
     Removal (cancel, expiry) is lazy: the request's state changes and the entry is
     skipped when reached. ``len()`` counts live requests.
+
+    Requests with a deadline are also on one heap by deadline (:meth:`expire_due`,
+    :meth:`next_deadline`): the scheduler keeps one timer for all of them, at the earliest,
+    instead of one per request. The heap refers to them weakly (it keeps no request, nor
+    its arrays, alive once the request is done); entries of requests that left the queue
+    are dropped when they reach the top, and all at once when they outnumber the queued.
     """
 
     #: Per key: its lanes by priority, in order of priority, highest first.
@@ -86,6 +94,9 @@ class RequestQueue:
     #: When a list, every popped request is also appended to it (the dispatcher's record of
     #: what a batch formation round took, to fail them if the round raises).
     taken: list[Request] | None = None
+    #: ``(deadline, id, weak reference to the request)`` of requests queued with a
+    #: deadline: a heap.
+    _deadlines: list[tuple[float, int, weakref.ref[Request]]] = attrs.field(factory=list)
 
     def __len__(self) -> int:
         return self.live
@@ -107,6 +118,30 @@ class RequestQueue:
         self.live += 1
         if self.live > self.peak:
             self.peak = self.live
+        if request.deadline is not None:
+            deadlines = self._deadlines
+            heapq.heappush(deadlines, (request.deadline, request.id, weakref.ref(request)))
+            if len(deadlines) > 2 * self.live + 64:  # mostly requests gone: keep the rest
+                self._deadlines = [e for e in deadlines if _queued(e[2]())]
+                heapq.heapify(self._deadlines)
+
+    def expire_due(self, now: float) -> list[Request]:
+        """Take every queued request whose deadline is at or before ``now`` out of the
+        queue, left EXPIRED, and return them (in order of deadline)."""
+        deadlines, expired = self._deadlines, []
+        while deadlines and deadlines[0][0] <= now:
+            request = heapq.heappop(deadlines)[2]()
+            if request is not None and request.state is RequestState.QUEUED:
+                self.discard(request, RequestState.EXPIRED)
+                expired.append(request)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a queued request, or None."""
+        deadlines = self._deadlines
+        while deadlines and not _queued(deadlines[0][2]()):
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
 
     def discard(self, request: Request, state: RequestState) -> None:
         """Take a queued ``request`` out (lazily), leaving it in ``state``."""
@@ -222,6 +257,7 @@ class RequestQueue:
         out = [r for lanes in self._lanes.values() for lane in lanes.values() for r in lane]
         self._lanes.clear()
         self._bytes.clear()
+        self._deadlines.clear()
         self.live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
 
@@ -237,6 +273,10 @@ def _new_lane(
         lanes.clear()
         lanes.update(ordered)
     return lane
+
+
+def _queued(request: Request | None) -> bool:
+    return request is not None and request.state is RequestState.QUEUED
 
 
 def _request_id(request: Request) -> int:

@@ -72,6 +72,10 @@ class Checked(NamedTuple):
     convert: Converter | None = None
 
 
+#: Where :meth:`Checks.known`'s tuple holds the deadline.
+_DEADLINE = Checked._fields.index("deadline")
+
+
 class Checks:
     """A scheduler's checks for one device and product, with the signature cache."""
 
@@ -135,13 +139,17 @@ class Checks:
         timeout: float | None,
     ) -> tuple[Any, ...]:
         """A public call checked: by one lookup (:meth:`known`) when the same call without
-        outputs, deadline or timeout passed before, else in full (:meth:`check`), and then
-        remembered for the lookup. Raises as :meth:`check`."""
-        cacheable = out is None and deadline is None and timeout is None and type(priority) is int
+        outputs passed before (its deadline is not part of the checks: added to the
+        result), else in full (:meth:`check`), and then remembered for the lookup. Raises
+        as :meth:`check`."""
+        cacheable = out is None and type(priority) is int
         if cacheable:
             known = self.known(op, args, priority)
             if known is not None:
-                return known
+                if deadline is None and timeout is None:
+                    return known
+                at = _DEADLINE
+                return (*known[:at], deadline_of(deadline, timeout), *known[at + 1 :])
         tensors, scalars = op.arguments(args, out)
         checked = self.check(
             op, tensors, scalars, priority_of(priority), deadline_of(deadline, timeout)
@@ -162,10 +170,10 @@ class Checks:
                 self._calls[call] = (op, *spec, checked.signature)
 
     def known(self, op: Operator, args: Sequence[Any], priority: int) -> tuple[Any, ...] | None:
-        """A call without outputs, deadline or timeout whose checks passed before, checked
-        by one lookup: the fields of its :class:`Checked`, as a plain tuple (the hot path
-        builds no named tuple); None when it is not known (the caller then checks it in
-        full)."""
+        """A call without outputs whose checks passed before, checked by one lookup: the
+        fields of its :class:`Checked`, as a plain tuple (the hot path builds no named
+        tuple), without a deadline; None when it is not known (the caller then checks it
+        in full)."""
         call = op.call_signature(args)
         hit = self._calls.get(call) if call is not None else None
         if hit is None or hit[0] is not op:

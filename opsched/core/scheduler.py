@@ -375,7 +375,8 @@ class Scheduler:
             raise SchedulerClosedError(msg)
 
     async def _serve(self) -> None:
-        """Service task: timers for ``max_delay_us``; returns when the scheduler closes."""
+        """Service task: the one timer, for ``max_delay_us`` and for the earliest deadline
+        of a queued request; returns when the scheduler closes."""
         while self._state is not SchedulerState.CLOSED:
             self._wake = self._loop.new_event()
             if self._wake_at is None:
@@ -384,6 +385,7 @@ class Scheduler:
                 with anyio.move_on_after(max(0.0, self._wake_at - time.monotonic())):
                     await self._wake.wait()
                 self._wake_at = None
+                self._expire_due()
                 self._dispatcher.dispatch()
 
     def _close_now(self) -> None:
@@ -482,10 +484,11 @@ class Scheduler:
                 self._abandon(request)
                 return request
             if request.deadline is not None:
-                delay = request.deadline - time.monotonic()
-                self._loop.call_later(delay, self._deadline_reached, request)
+                self._arm_timer(request.deadline)
             self._dispatcher.schedule()
             return request
+        if request.deadline is not None:  # (one timer for all: the earliest deadline's)
+            self._arm_timer(request.deadline)
         dispatcher = self._dispatcher
         if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
             return request
@@ -513,10 +516,6 @@ class Scheduler:
         if not request.finished:
             self._abandon(request)
 
-    def _deadline_reached(self, request: Request) -> None:
-        if request.state is RequestState.QUEUED:
-            self._expire(request)
-
     # ------------------------------------------------------------------------- waiting
 
     async def _wait(self, request: Request) -> Any:
@@ -524,21 +523,13 @@ class Scheduler:
         try:
             if request.finished:  # finished inline at submit: still yield once
                 await loop.checkpoint()
-            elif request.waiter is None and request.deadline is None and loop.new_future:
-                # the common case: one task waits, without a deadline, on a bare future
+            elif request.waiter is None and loop.new_future:
+                # the common case: one task waits on a bare future (a deadline is the
+                # scheduler's: a request still queued then is expired, which wakes it)
                 request.waiter = future = loop.new_future()
                 await future
-            elif request.deadline is None:  # a second task (a Pending's), or on trio
+            else:  # a second task (a Pending's), or on trio
                 await self._event(request).wait()
-            else:
-                done = self._event(request)
-                with anyio.move_on_after(request.deadline - time.monotonic()):
-                    await done.wait()
-                if not request.finished:
-                    if request.state is RequestState.QUEUED:
-                        self._expire(request)
-                    else:  # launched before its deadline: the result is on its way
-                        await done.wait()
             if loop.cancelled is not None and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
@@ -571,6 +562,14 @@ class Scheduler:
             self._wake_space()
         else:
             request.abandoned = True  # running: its launch finishes, the result is dropped
+
+    def _expire_due(self) -> None:
+        """Expire the queued requests whose deadline passed; arm the timer for the next."""
+        for request in self._queue.expire_due(time.monotonic()):
+            self._expired(request)
+        upcoming = self._queue.next_deadline()
+        if upcoming is not None:
+            self._arm_timer(upcoming)
 
     def _expire(self, request: Request) -> None:
         """A queued request's deadline passed: out of the queue, expired."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -136,6 +138,34 @@ def test_expired_requests_leave_without_launching():
     batches, expired, _ = form_batches(q, [0], CFG, now=1.0)
     assert expired == [gone] and gone.state is RequestState.EXPIRED
     assert batches[0].requests == [live] and len(q) == 0
+
+
+def test_queue_expires_due_deadlines_in_order_and_says_the_next():
+    late, soon, never, gone = (glu_request(deadline=d) for d in (3.0, 1.0, None, 2.0))
+    q = queue_of(late, soon, never, gone)
+    q.discard(gone, RequestState.CANCELLED)  # left the queue: its deadline no longer counts
+    assert q.next_deadline() == 1.0
+    assert q.expire_due(now=0.5) == [] and len(q) == 3
+    assert q.expire_due(now=2.5) == [soon] and soon.state is RequestState.EXPIRED
+    assert q.next_deadline() == 3.0 and len(q) == 2
+    assert q.expire_due(now=9.0) == [late] and q.next_deadline() is None
+    assert never.state is RequestState.QUEUED and q.head(never.key) is never
+
+
+def test_queue_deadlines_keep_no_request_alive():
+    q = RequestQueue()
+    refs = []
+    for _ in range(500):  # queued with a deadline, launched, done and dropped
+        request = glu_request(deadline=1e9)
+        refs.append(weakref.ref(request))
+        q.push(request)
+        q.take(request.key, 1, 1 << 30, 1 << 30, now=0.0)
+        del request
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    kept = glu_request(deadline=5.0)
+    q.push(kept)
+    assert q.next_deadline() == 5.0 and q.expire_due(now=6.0) == [kept]
 
 
 def test_max_delay_holds_a_young_key_and_says_when_to_wake():

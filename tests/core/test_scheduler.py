@@ -306,6 +306,43 @@ async def test_deadline_expires_from_its_own_timer_and_never_launches(device):
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_queued_deadlines_expire_each_at_its_own_time_in_order(device):
+    # One timer serves every deadline: a later request with an earlier deadline re-arms
+    # it (its expiry does not wait for the first one's), and a far deadline is untouched.
+    rng = np.random.default_rng(16)
+    blocker = small_glu(rng)
+    async with held_stream(device, blocker) as (sched, gate, first):
+        far, late, soon = small_glu(rng), small_glu(rng), small_glu(rng)
+        order: list[str] = []
+        two_expired = anyio.Event()
+
+        async def waits(name, args, timeout):
+            try:
+                await sched.glu_backward(*args, timeout=timeout)
+            except DeadlineExceededError:
+                order.append(name)
+                if len(order) == 2:
+                    two_expired.set()
+            else:
+                order.append(f"{name} done")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waits, "far", far, 60.0)
+            await settle(lambda: sched.statistics().queued == 1)
+            tg.start_soon(waits, "late", late, 0.06)
+            tg.start_soon(waits, "soon", soon, 0.02)
+            with anyio.fail_after(30):
+                await two_expired.wait()
+            assert order == ["soon", "late"]  # both while the stream was still held
+            assert sched.statistics().queued == 1 and not gate.opened.is_set()
+            gate.open()
+        await first
+    assert order == ["soon", "late", "far done"]
+    assert not gate.launched_array(late[1]) and not gate.launched_array(soon[1])
+    assert_adds_up(sched.statistics())
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
 async def test_request_launched_before_its_deadline_completes(device):
     rng = np.random.default_rng(7)
     g, x = small_glu(rng)
