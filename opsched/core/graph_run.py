@@ -14,6 +14,7 @@ through their descriptions.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import itertools
@@ -27,12 +28,14 @@ import numpy as np
 
 from opsched._errors import (
     GraphExecutionError,
+    InnerError,
     ParamInvalidError,
     ParamNullptrError,
     UpstreamFailedError,
 )
 from opsched.core.checks import deadline_of, priority_of
 from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
+from opsched.core.here import run_on_loop, runs_on_loop
 from opsched.core.requests import Request, RequestState, finish
 from opsched.devices import Device, Event, meta_of
 
@@ -124,6 +127,9 @@ class GraphRun:
     #: Whether some node launched on a stream (with an event its consumers wait on): only
     #: then can a node have producers to wait for (inline launches record none).
     events: bool = False
+    #: Node requests to run where they were submitted, in order (an idle scheduler:
+    #: :func:`~opsched.core.here.runs_on_loop`); :func:`_run_here` runs them.
+    here: collections.deque[Request] = attrs.field(factory=collections.deque)
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
     def start(self, inputs: Mapping[Node | Placeholder, np.ndarray], plan: RunPlan) -> None:
@@ -407,7 +413,39 @@ def _start(
     )
     sched._counters.graph_runs += 1
     run.start(given, plan)
+    if run.here:
+        _run_here(sched, run)
     return run
+
+
+def _run_here(sched: Scheduler, run: GraphRun) -> None:
+    """Run the nodes an idle scheduler gave to ``run`` (:attr:`GraphRun.here`) one after
+    another, each as its solo launch, in the loop thread: a node's consumers join the list
+    when it is launched, behind it. A node whose producer failed meanwhile fails without a
+    launch."""
+    here, counters = run.here, sched._counters
+    try:
+        while here:
+            request = here.popleft()
+            node_run = request.graph[1]
+            if run.failed:
+                runs = run.runs
+                upstream = next(
+                    (runs[p] for p in node_run.producers if runs[p].state is NodeState.FAILED),
+                    None,
+                )
+                if upstream is not None:
+                    error = _upstream_error(node_run.node, upstream)
+                    finish(request, RequestState.FAILED, counters, error)
+                    continue
+            run.launched(node_run, None)
+            run_on_loop(sched, request)
+    except Exception as exc:  # a bug here fails the run's nodes still to run, never hangs it
+        while here:
+            error = InnerError(f"graph run: running a node failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            finish(here.popleft(), RequestState.FAILED, counters, error)
+        raise
 
 
 def _submit_node(
@@ -440,6 +478,10 @@ def _submit_node(
     if not request.nbytes:  # an empty tensor: done at once, without a launch
         run.launched(node_run, None)
         sched._finish_empty(request)
+        return request
+    if not waits and runs_on_loop(sched, request):  # alone on an idle scheduler
+        request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
+        run.here.append(request)
         return request
     sched._queue.push(request)
     sched._dispatcher.schedule()

@@ -1,11 +1,14 @@
-"""A thread's lone blocking call, run in that thread (:meth:`Scheduler.call_threadsafe`).
+"""A lone request run where it was made, as the solo launch it would have been.
 
-When the scheduler has nothing queued or running, a blocking call from a thread gains
-nothing from the loop thread: no other request can join its launch. It then runs where it
-was made, as the solo launch it would have been (the device's :meth:`Device.run_here`: the
-same plan and kernel, so the same bits), and ends through the one
-:func:`~opsched.core.requests.finish`, counted in the admission's thread-side counters under
-its lock. Part of the core: it knows the device only through its interface.
+When the scheduler has nothing queued or running, a lone request gains nothing from the
+dispatcher: no other request can join its launch. A thread's blocking call
+(:meth:`Scheduler.call_threadsafe`) then runs in that thread (:func:`run_here`), and a
+coroutine's request on an idle loop runs at submit, in the loop thread
+(:func:`runs_on_loop`, :func:`run_on_loop`), instead of going through the queue, batch
+formation and a launch of one. Either way it is the device's :meth:`Device.run_here`: the
+same plan and kernel as the solo launch, so the same bits. It ends through the one
+:func:`~opsched.core.requests.finish`, counted as submitted and launched. Part of the core: it
+knows the device only through its interface.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from opsched._errors import DeadlineExceededError
+from opsched._log import enabled
+from opsched.core.batching import Batch
 from opsched.core.dispatch import launch_error
-from opsched.core.requests import RequestState, finish
+from opsched.core.requests import Request, RequestState, finish
+from opsched.core.trace import log_launch
 from opsched.ops import Operator
 
 if TYPE_CHECKING:
     from opsched.core.scheduler import Scheduler
 
-__all__ = ["run_here", "runs_here"]
+__all__ = ["run_here", "run_on_loop", "runs_here", "runs_on_loop"]
 
 
 def runs_here(sched: Scheduler) -> bool:
@@ -50,6 +56,8 @@ def run_here(
     deadline: float | None,
     timeout: float | None,
 ) -> Any:
+    """A thread's lone blocking call (:func:`runs_here` said so), checked, run and
+    finished in that thread; returns its result or raises its error."""
     admission = sched._admission
     try:
         checked = sched._checked_call(op, args, out, priority, deadline, timeout)
@@ -58,21 +66,7 @@ def run_here(
         raise
     request = sched._record(*checked)
     counts = admission.thread_counts
-    state: RequestState = RequestState.DONE
-    error: BaseException | None = None
-    if request.deadline is not None and request.deadline <= time.monotonic():
-        state, error = (
-            RequestState.EXPIRED,
-            DeadlineExceededError(
-                f"{op.name}: the deadline had passed when the request was submitted; it was "
-                "not launched"
-            ),
-        )
-    elif request.nbytes:
-        try:
-            sched.device.run_here(request)
-        except Exception as exc:
-            state, error = RequestState.FAILED, launch_error(request, exc)
+    state, error = _launch_here(sched, request)
     with admission.lock:  # submitted, launched and finished at once: one lock round
         counts.submitted += 1
         if request.nbytes and state is not RequestState.EXPIRED:
@@ -81,3 +75,56 @@ def run_here(
     if error is not None:
         raise error
     return request.outcome()
+
+
+def runs_on_loop(sched: Scheduler, request: Request) -> bool:
+    """Whether a coroutine's new ``request`` may run at submit, in the loop thread: the
+    loop has nothing else ready to run (no other request can join it), the scheduler
+    nothing queued or running, and the request is one the dispatcher would launch alone
+    and inline (at most ``inline_max_bytes``, not split across streams)."""
+    config = sched.config
+    nbytes = request.nbytes
+    return (
+        0 < nbytes <= config.inline_max_bytes
+        and nbytes < config.split_min_bytes
+        and sched.device.runs_in_caller
+        and sched._tracer is None
+        and not config.max_delay_us
+        and not len(sched._queue)
+        and not sched._dispatcher.inflight
+        and sched._loop.idle()
+    )
+
+
+def run_on_loop(sched: Scheduler, request: Request) -> None:
+    """Run a recorded, not yet queued ``request`` now (:func:`runs_on_loop` said so) and
+    finish it: its waiter finds it finished."""
+    request.launched_at = time.monotonic()
+    start = time.perf_counter()
+    state, error = _launch_here(sched, request)
+    end = time.perf_counter()
+    counters = sched._counters  # (it was counted as submitted when it was recorded)
+    launched = state is not RequestState.EXPIRED
+    if launched:  # a launch of stream 0, which is idle
+        counters.launched(1)
+        sched.device.streams[0].ran(end - start)
+    finish(request, state, counters, error)
+    if launched and enabled():  # the dispatcher's launch event, as for any launch
+        batch = Batch([request], 0, request.key, fused=False)
+        log_launch(request.op, batch, (None, start, end) if error is None else None)
+
+
+def _launch_here(sched: Scheduler, request: Request) -> tuple[RequestState, BaseException | None]:
+    """The solo launch of ``request`` in this thread: how it ended, and its error."""
+    if request.deadline is not None and request.deadline <= time.monotonic():
+        error = DeadlineExceededError(
+            f"{request.op.name}: the deadline had passed when the request was submitted; "
+            "it was not launched"
+        )
+        return RequestState.EXPIRED, error
+    if request.nbytes:
+        try:
+            sched.device.run_here(request)
+        except Exception as exc:
+            return RequestState.FAILED, launch_error(request, exc)
+    return RequestState.DONE, None

@@ -42,7 +42,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.dispatch import Dispatcher
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
-from opsched.core.here import run_here, runs_here
+from opsched.core.here import run_here, run_on_loop, runs_here, runs_on_loop
 from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
 from opsched.core.requests import Pending, Request, RequestFuture, RequestState, finish
 from opsched.core.stats import Counters, SchedulerStatistics
@@ -465,11 +465,11 @@ class Scheduler:
         )  # fmt: skip
 
     def _admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
-        """Queue a checked request (or finish it at once if it has nothing to compute).
+        """Queue a checked request (or finish it at once: it has nothing to compute, or it
+        runs at submit, alone on an idle scheduler: :func:`runs_on_loop`).
 
-        ``future``: the request came from a thread, which holds that future; it gets a
-        deadline timer of its own (no coroutine waits for it) and the dispatch is deferred
-        to after the whole drained burst.
+        ``future``: the request came from a thread, which holds that future; its dispatch
+        is deferred to after the whole drained burst.
         """
         request = self._record(*checked)
         request.future = future
@@ -477,18 +477,19 @@ class Scheduler:
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self._finish_empty(request)
             return request
+        if future is None and runs_on_loop(self, request):
+            run_on_loop(self, request)  # alone on an idle scheduler: its solo launch, now
+            return request
         self._queue.push(request)
+        if request.deadline is not None:  # (one timer for all: the earliest deadline's)
+            self._arm_timer(request.deadline)
         if future is not None:
             future._request, future._withdraw = request, self._withdraw_hook
             if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
                 self._abandon(request)
                 return request
-            if request.deadline is not None:
-                self._arm_timer(request.deadline)
             self._dispatcher.schedule()
             return request
-        if request.deadline is not None:  # (one timer for all: the earliest deadline's)
-            self._arm_timer(request.deadline)
         dispatcher = self._dispatcher
         if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
             return request

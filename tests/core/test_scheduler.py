@@ -696,7 +696,9 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
         for _ in range(4):
             await gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
         for args in pool_args:  # bursts of one take the solo path: see each shape alone
-            await sched.glu_backward(*args)
+            # (beside a task that keeps the loop busy: alone on an idle loop, a request
+            # runs at submit, without the dispatcher's executors)
+            await gather(sched.glu_backward(*args), anyio.lowlevel.checkpoint())
         before = sched.statistics()
         for _ in range(200):
             await burst(sched, int(rng.integers(1, 64)))
@@ -705,6 +707,84 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
     misses = after.executor_cache.misses - before.executor_cache.misses
     assert hits / (hits + misses) >= 0.99, (hits, misses)
     assert after.pool.allocated == before.pool.allocated  # no new workspace allocations
+
+
+# ---------------------------------------------------------- a lone request at submit
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_a_lone_request_on_an_idle_scheduler_runs_at_submit(device):
+    # Nothing else to run: the request is its solo launch at once, never queued; the
+    # launch is counted (stream 0, which was idle) and logged like any other.
+    rng = np.random.default_rng(30)
+    g, x = small_glu(rng)
+    with structlog.testing.capture_logs() as logs:
+        async with opsched.open_scheduler(device=device) as sched:
+            await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+            out = await sched.glu_backward(g, x)
+            stats = sched.statistics()
+    assert_result(device, out, solo_glu(g, x, -1))
+    assert stats.queued_peak == 0 and stats.launches == 1 and stats.streams[0].launches == 1
+    assert stats.completed == 1 and stats.streams[0].busy_seconds > 0
+    (launch,) = [e for e in logs if e["event"] == "launch"]
+    assert launch["requests"] == 1 and launch["stream"] == 0 and launch["run_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "setting", ["busy loop", "max_delay_us", "inline_max_bytes", "trace", "in flight"]
+)
+async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting, tmp_path):
+    rng = np.random.default_rng(31)
+    g, x = small_glu(rng)
+    config = {
+        "max_delay_us": {"max_delay_us": 100},
+        "inline_max_bytes": {"inline_max_bytes": 0},
+        "trace": {"trace": tmp_path / "trace.json"},
+        "in flight": {"inline_max_bytes": 4096, "streams": 1},
+    }.get(setting, {})
+    async with opsched.open_scheduler(**config) as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        if setting == "busy loop":  # another task is ready to run: it may submit too
+            go = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(go.wait)
+                await settle(lambda: go.statistics().tasks_waiting == 1)
+                go.set()  # its task is ready to run now (on either backend)
+                out = await sched.glu_backward(g, x)
+        elif setting == "in flight":  # a launch runs on the stream: this one must queue
+            blocker = small_glu(rng, rows=64, cols=64)  # over inline_max_bytes: threaded
+            gate = Gate(hold=blocker[1])
+            sched.device.inject_faults(gate)
+            held = sched.glu_backward_nowait(*blocker)
+            await settle(lambda: sched.statistics().running == 1)
+            pending = sched.glu_backward_nowait(g, x)
+            assert sched.statistics().queued == 1
+            gate.open()
+            out = await pending
+            assert_same_bits(await held, solo_glu(*blocker, -1))
+        else:
+            out = await sched.glu_backward(g, x)
+        stats = sched.statistics()
+    assert_same_bits(out, solo_glu(g, x, -1))
+    assert stats.queued_peak >= 1  # it went through the queue
+
+
+async def test_a_request_run_at_submit_fails_alone_and_expires_without_a_launch():
+    rng = np.random.default_rng(32)
+    bad, good = small_glu(rng), small_glu(rng)
+    async with opsched.open_scheduler() as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        sched.device.inject_faults(FailWhen(bad[1]))
+        with pytest.raises(RuntimeLaunchError) as raised:
+            await sched.glu_backward(*bad)
+        assert isinstance(raised.value.__cause__, InjectedFault)
+        assert_same_bits(await sched.glu_backward(*good), solo_glu(*good, -1))
+        with pytest.raises(DeadlineExceededError, match="had passed when the request"):
+            await sched.glu_backward(*good, deadline=time.monotonic() - 1)
+        stats = sched.statistics()
+    assert stats.queued_peak == 0 and stats.launches == 2  # the expired one never launched
+    assert (stats.failed, stats.completed, stats.expired) == (1, 1, 1)
+    assert_adds_up(stats)
 
 
 # ------------------------------------------------------------------------- observability
@@ -724,7 +804,9 @@ async def test_statistics_and_launch_log_events():
     assert first["log_level"] == "debug" and first["op"] == "GluBackward"
     assert {"dtype", "requests", "bytes", "stream", "queue_wait_s", "run_s"} <= set(first)
     assert sum(e["requests"] for e in launches) == 10
-    assert not [e for e in logs if e["event"] not in {"launch", "workspace pool grew"}]
+    # (the process's malloc setting is logged by the first scheduler a process opens)
+    expected = {"launch", "workspace pool grew", "malloc keeps freed memory"}
+    assert not [e for e in logs if e["event"] not in expected]
     stats = sched.statistics()
     assert stats.streams[0].launches == stats.launches
     # the stream was busy at least while each launch's kernel ran, and within the block
