@@ -162,6 +162,20 @@ async def settle(condition, tries: int = 1000) -> None:
     raise AssertionError(msg)
 
 
+async def beside_a_ready_task(awaitable):
+    """Await ``awaitable`` while another task is ready to run (on either backend), so that
+    a request it submits goes through the queue: alone on an idle loop it would run at
+    submit."""
+    import anyio
+
+    go = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(go.wait)
+        await settle(lambda: go.statistics().tasks_waiting == 1)
+        go.set()  # its task is ready to run now
+        return await awaitable
+
+
 @contextlib.asynccontextmanager
 async def held_stream(device: str, blocker, **config):
     """A scheduler whose one stream is busy: GluBackward on ``blocker`` (``(grad_out,

@@ -26,9 +26,7 @@ MAX_LINES = 600
 def _modules(folder: pathlib.Path) -> list[pathlib.Path]:
     """Python files of a room (the link opsched/kernels is kernels/, checked as itself)."""
     linked = PACKAGE / "kernels"
-    return sorted(
-        p for p in folder.rglob("*.py") if linked not in p.parents or folder == KERNELS
-    )
+    return sorted(p for p in folder.rglob("*.py") if linked not in p.parents or folder == KERNELS)
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -35,6 +35,7 @@ from tests.sched_helpers import (
     FailWhen,
     Gate,
     assert_result,
+    beside_a_ready_task,
     gather,
     held_stream,
     random_glu,
@@ -696,9 +697,9 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
         for _ in range(4):
             await gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
         for args in pool_args:  # bursts of one take the solo path: see each shape alone
-            # (beside a task that keeps the loop busy: alone on an idle loop, a request
-            # runs at submit, without the dispatcher's executors)
-            await gather(sched.glu_backward(*args), anyio.lowlevel.checkpoint())
+            # (alone on an idle loop, a request runs at submit, without the dispatcher's
+            # executors)
+            await beside_a_ready_task(sched.glu_backward(*args))
         before = sched.statistics()
         for _ in range(200):
             await burst(sched, int(rng.integers(1, 64)))
@@ -745,12 +746,7 @@ async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting,
     async with opsched.open_scheduler(**config) as sched:
         await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
         if setting == "busy loop":  # another task is ready to run: it may submit too
-            go = anyio.Event()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(go.wait)
-                await settle(lambda: go.statistics().tasks_waiting == 1)
-                go.set()  # its task is ready to run now (on either backend)
-                out = await sched.glu_backward(g, x)
+            out = await beside_a_ready_task(sched.glu_backward(g, x))
         elif setting == "in flight":  # a launch runs on the stream: this one must queue
             blocker = small_glu(rng, rows=64, cols=64)  # over inline_max_bytes: threaded
             gate = Gate(hold=blocker[1])
