@@ -84,15 +84,15 @@ def runs_on_loop(sched: Scheduler, request: Request) -> bool:
     and inline (at most ``inline_max_bytes``, not split across streams)."""
     config = sched.config
     nbytes = request.nbytes
-    return (
-        0 < nbytes <= config.inline_max_bytes
+    return (  # (what a busy scheduler fails first)
+        not sched._queue.live
+        and not sched._dispatcher.inflight
+        and sched._loop.idle()
+        and 0 < nbytes <= config.inline_max_bytes
         and nbytes < config.split_min_bytes
         and sched.device.runs_in_caller
         and sched._tracer is None
         and not config.max_delay_us
-        and not len(sched._queue)
-        and not sched._dispatcher.inflight
-        and sched._loop.idle()
     )
 
 

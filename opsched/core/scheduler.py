@@ -477,7 +477,7 @@ class Scheduler:
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self._finish_empty(request)
             return request
-        if future is None and runs_on_loop(self, request):
+        if future is None and not self._queue.live and runs_on_loop(self, request):
             run_on_loop(self, request)  # alone on an idle scheduler: its solo launch, now
             return request
         self._queue.push(request)
