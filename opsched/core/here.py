@@ -78,10 +78,10 @@ def run_here(
 
 
 def runs_on_loop(sched: Scheduler, request: Request) -> bool:
-    """Whether a coroutine's new ``request`` may run at submit, in the loop thread: the
-    loop has nothing else ready to run (no other request can join it), the scheduler
-    nothing queued or running, and the request is one the dispatcher would launch alone
-    and inline (at most ``inline_max_bytes``, not split across streams)."""
+    """Whether a coroutine's (or a graph node's) new ``request`` may run at submit, in the
+    loop thread: the loop has nothing else ready to run (no other request can join it),
+    the scheduler nothing queued or running, and the request is one the dispatcher would
+    launch alone and inline (at most ``inline_max_bytes``, not split across streams)."""
     config = sched.config
     nbytes = request.nbytes
     return (  # (what a busy scheduler fails first)
