@@ -235,7 +235,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
 
     def negated_runner(self, plan, tensors):  # the usual launch of blocking / two-phase calls
         launch = real_runner(self, plan, tensors)
-        if launch is None or graphs_only:  # (no graph node launches through a runner)
+        if launch is None or graphs_only:  # (graph nodes: in run_here, below)
             return launch
 
         def wrong(t, workspace):
@@ -244,6 +244,14 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
 
         return wrong
 
+    real_here = HostDevice.run_here
+
+    def here(self, request):  # a lone request run where it was made: graph nodes too
+        real_here(self, request)
+        if graphs_only and request.graph is not None and request.op.name == "GluBackward":
+            np.negative(request.tensors["out"], out=request.tensors["out"])
+
+    monkeypatch.setattr(HostDevice, "run_here", here)
     monkeypatch.setattr(GluBackward, "run", negated)
     monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
     monkeypatch.setattr(GluBackward, "runner", negated_runner)
