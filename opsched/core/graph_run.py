@@ -4,9 +4,10 @@ A :class:`GraphRun` submits a node as soon as every node it depends on is launch
 node's launch waits on its producers' stream events on the device, and its intermediate
 output comes from the device (:meth:`Device.intermediate`) and goes back once its last
 consumer has finished. :func:`run_graph` is :meth:`Scheduler.run`: it checks the run's
-inputs, starts the run, applies its deadline and cancellation, and converts its results
-for the caller (:meth:`Device.graph_converter`). The node requests it queues end through
-the scheduler's one :func:`~opsched.core.requests.finish`.
+inputs, starts the run (its deadline is each node's: the scheduler expires a node still
+queued then), applies its cancellation, and converts its results for the caller
+(:meth:`Device.graph_converter`). The node requests it queues end through the scheduler's
+one :func:`~opsched.core.requests.finish`.
 
 Like the rest of the core, it knows devices only through their interface and operators only
 through their descriptions.
@@ -18,11 +19,9 @@ import collections
 import enum
 import functools
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import attrs
 import numpy as np
 
@@ -222,14 +221,6 @@ class GraphRun:
             self._fail_downstream(nr)
         self._settle(nr)
 
-    def queued(self) -> list[Request]:
-        """Requests of this run still in the scheduler's queue."""
-        return [
-            nr.request
-            for nr in self.runs.values()
-            if nr.state is NodeState.QUEUED and nr.request is not None
-        ]
-
     def cancel(self) -> list[Request]:
         """Stop the run: nodes not yet launched will not be; returns queued requests."""
         self.cancelled = True
@@ -332,14 +323,8 @@ async def run_graph(
     done = sched._loop.new_event()
     run = _start(sched, graph, outputs, inputs, priority, deadline, timeout, done.set)
     try:
-        if run.deadline is not None and not done.is_set():
-            # The run's own timer: nodes still queued at the deadline expire (and fail
-            # what depends on them); launched ones finish.
-            with anyio.move_on_after(run.deadline - time.monotonic()):
-                await done.wait()
-            for request in run.queued():
-                if request.state is RequestState.QUEUED:
-                    sched._expire(request)
+        # Its deadline is each node's: the scheduler expires a node still queued then
+        # (which fails what depends on it); launched ones finish.
         await done.wait()
         loop = sched._loop
         if loop.cancelled is not None and loop.cancelled():
@@ -483,7 +468,7 @@ def _submit_node(
         request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
         run.here.append(request)
         return request
-    sched._queue.push(request)
+    sched._enqueue(request)  # (a node still queued at the run's deadline expires)
     sched._dispatcher.schedule()
     return request
 

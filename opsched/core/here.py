@@ -32,16 +32,25 @@ if TYPE_CHECKING:
 __all__ = ["run_here", "run_on_loop", "runs_here", "runs_on_loop"]
 
 
+def _alone(sched: Scheduler) -> bool:
+    """Nothing could join a new request's launch: nothing is queued or running (what a
+    busy scheduler fails first), and no trace or ``max_delay_us`` asks for the dispatcher;
+    the device can run a request in the calling thread."""
+    return (
+        not sched._queue.live
+        and not sched._dispatcher.inflight
+        and sched.device.runs_in_caller
+        and sched._tracer is None
+        and not sched.config.max_delay_us
+    )
+
+
 def runs_here(sched: Scheduler) -> bool:
     """Whether a thread's lone request may run in that thread now (racy reads, as
     hints: at worst a request that could have fused runs alone, with the same bits)."""
     return (
-        sched.device.runs_in_caller
+        _alone(sched)
         and sched._admission.open  # False once closing, closed or orphaned by a fork
-        and sched._tracer is None
-        and not sched.config.max_delay_us
-        and not len(sched._queue)
-        and not sched._dispatcher.inflight
         and sched._admission.inbox_empty()
         and threading.get_ident() != sched._loop_thread
     )
@@ -84,15 +93,11 @@ def runs_on_loop(sched: Scheduler, request: Request) -> bool:
     launch alone and inline (at most ``inline_max_bytes``, not split across streams)."""
     config = sched.config
     nbytes = request.nbytes
-    return (  # (what a busy scheduler fails first)
-        not sched._queue.live
-        and not sched._dispatcher.inflight
+    return (
+        _alone(sched)
         and sched._loop.idle()
         and 0 < nbytes <= config.inline_max_bytes
         and nbytes < config.split_min_bytes
-        and sched.device.runs_in_caller
-        and sched._tracer is None
-        and not config.max_delay_us
     )
 
 

@@ -480,9 +480,7 @@ class Scheduler:
         if future is None and not self._queue.live and runs_on_loop(self, request):
             run_on_loop(self, request)  # alone on an idle scheduler: its solo launch, now
             return request
-        self._queue.push(request)
-        if request.deadline is not None:  # (one timer for all: the earliest deadline's)
-            self._arm_timer(request.deadline)
+        self._enqueue(request)
         if future is not None:
             future._request, future._withdraw = request, self._withdraw_hook
             if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
@@ -572,10 +570,11 @@ class Scheduler:
         if upcoming is not None:
             self._arm_timer(upcoming)
 
-    def _expire(self, request: Request) -> None:
-        """A queued request's deadline passed: out of the queue, expired."""
-        self._queue.discard(request, RequestState.EXPIRED)
-        self._expired(request)
+    def _enqueue(self, request: Request) -> None:
+        """Queue ``request``; its deadline sets the one timer if it is the earliest."""
+        self._queue.push(request)
+        if request.deadline is not None:
+            self._arm_timer(request.deadline)
 
     def _expired(self, request: Request) -> None:
         late = time.monotonic() - (request.deadline or 0.0)
