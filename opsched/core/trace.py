@@ -53,6 +53,10 @@ _PID = 1
 #: Counter and scheduler-wide events sit on this thread id; streams are 1..n.
 _SCHEDULER_TID = 0
 
+#: A launch's ``executor cache`` argument: served by a cached executor, planned now, or its
+#: requests ran on their solo plans one after another (None: no executor of the cache).
+_CACHE_WORDS = {True: "hit", False: "miss", None: "solo plans"}
+
 
 class Tracer:
     """Writes trace events to a file as they happen, in bounded memory.
@@ -189,7 +193,9 @@ class Tracer:
             self._file.close()
 
 
-def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: Any | None) -> None:
+def trace_launch(
+    tracer: Tracer, op: Any, batch: Any, cache_hit: bool | None, result: Any | None
+) -> None:
     """Record one finished launch of ``batch`` (``result``: its work's ``(errors, start,
     end)``, None when the launch itself failed)."""
     requests = batch.requests
@@ -202,7 +208,7 @@ def trace_launch(tracer: Tracer, op: Any, batch: Any, cache_hit: bool, result: A
         "requests": len(requests),
         "fused": batch.fused,
         "bytes": batch.nbytes,
-        "executor cache": "hit" if cache_hit else "miss",
+        "executor cache": _CACHE_WORDS[cache_hit],
         "queue wait us": round(min(r.launched_at - r.enqueued_at for r in requests) * 1e6, 1),
         "failed": sum(1 for r in requests if r.error is not None),
     }

@@ -89,12 +89,13 @@ class Prepared:
         work: runs in the stream: returns ``(errors by request id, start, end)``
             (``time.perf_counter`` seconds).
         token: what :meth:`Device.release` takes back when the launch has finished.
-        cache_hit: whether a cached executor served it.
+        cache_hit: whether a cached executor served it; None: its requests ran on their
+            solo plans, one after another (no executor of the cache).
     """
 
     work: Callable[[], tuple[dict[int, BaseException], float, float]]
     token: Any = None
-    cache_hit: bool = False
+    cache_hit: bool | None = False
 
 
 _NUMPY_OF = {  # a tensor dtype's name -> numpy dtype

@@ -10,7 +10,9 @@ repeatable executor keyed by its geometry; a fused batch gathers its requests in
 arrays of a bucketed capacity carved from one pooled workspace block (:class:`FusedLayout`),
 runs the operator's own kernel on the used prefix, and scatters each request's slice back,
 so every element is computed by the same operations as when launched alone (bit-identical
-results). A failing fused launch is re-run in halves to isolate the culprits.
+results). A failing fused launch is re-run in halves to isolate the culprits. A batch of at
+most :data:`SOLO_BATCH_MAX` requests, and a request of at least :data:`LONE_BYTES` in any
+batch, is not gathered: it runs on its own arrays with its solo plan inside the launch.
 
 This module knows operators only through their descriptions, and nothing of the scheduler.
 """
@@ -64,6 +66,16 @@ POOLED_INTERMEDIATE_BYTES = 64 << 10
 #: saves (measured on 32 coroutines of GluBackward requests against torch's call per
 #: request, cpu device: 64 KiB ``self`` 0.42x gathered, 0.61x alone; 256 KiB 0.50x, 0.80x).
 LONE_BYTES = 128 << 10
+
+#: A batch of at most this many requests runs each on its own arrays with its solo plan
+#: (:meth:`HostDevice.run_here`: the same bits), one after another inside the launch: a
+#: fused launch's gather, scatter, workspace block and executor cost a few dozen numpy and
+#: Python calls whatever the batch's size, more than a dozen solo launches (measured,
+#: coroutines of tiny requests, solo batches against fused, requests a second: GluBackward
+#: 1.5x / 1.8x / 1.35x / 1.3x at 2 / 4 / 8 / 12 clients, GroupNormBackward 2.5x / 1.9x /
+#: 1.6x / 1.2x, GroupNormalizationGrad 1.9x / 1.3x / 1.2x / 1.1x; at 16 clients and above
+#: no better, or worse).
+SOLO_BATCH_MAX = 12
 
 
 def bucket(units: int) -> int:
@@ -345,15 +357,17 @@ class HostDevice(Device):
         requests = batch.requests
         op: Operator = requests[0].op
         units = batch.units
+        if len(requests) <= SOLO_BATCH_MAX:
+            return Prepared(self._fused_work(list(requests), None), cache_hit=None)
         lone = [r for r in requests if r.nbytes >= LONE_BYTES]
         if lone:
             requests = [r for r in requests if r.nbytes < LONE_BYTES]
             units = sum([r.units for r in requests])
             if not requests:  # nothing to gather: no fused block
-                return Prepared(self._fused_work(lone, None))
+                return Prepared(self._fused_work(lone, None), cache_hit=None)
         found = self._fused_executor(op, batch.key, units, batch.stream, requests)
         if found is None:  # gathered, they could never fit the cap: each on its own arrays
-            return Prepared(self._fused_work([*lone, *requests], None))
+            return Prepared(self._fused_work([*lone, *requests], None), cache_hit=None)
         executor, cache_key, hit, capacity = found
         layout: FusedLayout = executor.layout
         block = self._pool.allocate(layout.nbytes, batch.stream, overflow=overflow)

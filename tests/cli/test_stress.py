@@ -15,6 +15,7 @@ from opsched.cli.stress import StressOptions, run_stress
 from opsched.cli.stress.driver import _replay_command
 from opsched.core import dispatch
 from opsched.core.scheduler import Scheduler
+from opsched.devices.host import HostDevice
 from opsched.devices.pool import WorkspacePool
 from opsched.devices.streams import ThreadStream
 from opsched.ops.glu_backward import GluBackward
@@ -46,6 +47,7 @@ def test_reference_device_run_passes():
     assert status == 0, text
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
 def test_small_workspace_cap_passes(device):
     # seed 5 draws templates whose padded fused block is over a 2 MB cap, though alone
@@ -92,16 +94,26 @@ def broken(monkeypatch, what: str) -> None:
 
         monkeypatch.setattr(dispatch, "finish", twice)
     elif what == "corrupts":
-        real = GluBackward.scatter
+        # one wrong element in some GluBackward results, gathered or run on their own arrays
+        real_scatter, real_here = GluBackward.scatter, HostDevice.run_here
 
-        def corrupt(self, requests, fused, offsets):
-            real(self, requests, fused, offsets)
+        def spoil(request):
+            if request.op.name == "GluBackward" and request.id % 13 == 3:
+                out = request.tensors["out"]
+                if out.size:
+                    out.reshape(-1)[0] += 1
+
+        def scatter(self, requests, fused, offsets):
+            real_scatter(self, requests, fused, offsets)
             for r in requests:
-                out = r.tensors["out"]
-                if r.id % 13 == 3 and out.size:
-                    out.reshape(-1)[0] += 1  # one wrong element
+                spoil(r)
 
-        monkeypatch.setattr(GluBackward, "scatter", corrupt)
+        def run_here(self, request):
+            real_here(self, request)
+            spoil(request)
+
+        monkeypatch.setattr(GluBackward, "scatter", scatter)
+        monkeypatch.setattr(HostDevice, "run_here", run_here)
     elif what == "counts a refusal twice":
         real_checked = Scheduler._checked_counted
 

@@ -26,7 +26,7 @@ from opsched import (
 )
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
-from opsched.devices.host import LONE_BYTES
+from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
@@ -101,6 +101,7 @@ def stream_threads(before=frozenset()):
 # -------------------------------------------------------------------- results and fusion
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
 async def test_random_batches_bit_identical_to_solo(device, seed):
@@ -133,6 +134,7 @@ async def test_concurrent_requests_fuse(device):
     assert stats.requests_per_launch_mean == pytest.approx(100 / stats.launches)
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", DEVICES)
 async def test_out_is_written_in_place_and_results_belong_to_the_caller(device):
     rng = np.random.default_rng(1)
@@ -212,6 +214,7 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
         assert_result(device, r, solo_glu(g, x, -1))
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", ["cpu", "reference"])
 async def test_large_requests_of_a_fused_batch_run_on_their_own_arrays(device, monkeypatch):
     # A request of at least LONE_BYTES in a fused batch is not gathered: it runs with its
@@ -230,6 +233,30 @@ async def test_large_requests_of_a_fused_batch_run_on_their_own_arrays(device, m
         assert sched.statistics().launches == 2 and gathered == [len(small)]
     for (g, x), r in zip([*calls, large[0], large[2]], results + alone, strict=True):
         if x is large[1][1]:
+            assert isinstance(r, RuntimeLaunchError) and isinstance(r.__cause__, InjectedFault)
+        else:
+            assert_result(device, r, solo_glu(g, x, -1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+async def test_a_small_batch_runs_its_requests_on_their_own_arrays(device, monkeypatch):
+    # A batch of up to SOLO_BATCH_MAX requests is one launch whose requests run on their
+    # solo plans one after another: nothing gathered, the executor cache not asked, the
+    # same bits, a failure its request's own. One request more is gathered.
+    gathered = spy_glu_gathers(monkeypatch)
+    rng = np.random.default_rng(6)
+    calls = [small_glu(rng) for _ in range(SOLO_BATCH_MAX)]
+    more = [small_glu(rng) for _ in range(SOLO_BATCH_MAX + 1)]
+    async with opsched.open_scheduler(device=device, streams=1) as sched:
+        sched.device.inject_faults(FailWhen(calls[3][1]))
+        results = await together(sched, calls, errors=True)
+        stats = sched.statistics()
+        assert stats.launches == 1 and stats.failed == 1 and gathered == []
+        assert stats.executor_cache.hits == stats.executor_cache.misses == 0
+        results += await together(sched, more)
+        assert sched.statistics().launches == 2 and gathered == [SOLO_BATCH_MAX + 1]
+    for i, ((g, x), r) in enumerate(zip([*calls, *more], results, strict=True)):
+        if i == 3:
             assert isinstance(r, RuntimeLaunchError) and isinstance(r.__cause__, InjectedFault)
         else:
             assert_result(device, r, solo_glu(g, x, -1))
@@ -470,6 +497,7 @@ async def test_failing_request_is_isolated_in_its_fused_batch(device):
     assert_adds_up(stats)
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", ["cpu", "reference"])
 async def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(device):
     # A fault of the fused launch itself (every request runs fine alone): isolation re-runs
@@ -846,6 +874,7 @@ def test_an_idle_scheduler_holds_no_finished_request(device, requests):
         assert len(results) == requests and results[0].shape == (8, 64)
 
 
+@pytest.mark.usefixtures("fused_batches")
 async def test_empty_cache_returns_a_fused_launch_s_workspace_memory():
     """After ``empty_cache()`` nothing keeps a released block's memory: not the pool, and
     not the executor cache that planned the launch which used it (it keeps plans and

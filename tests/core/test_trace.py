@@ -12,6 +12,7 @@ import pytest
 import opsched
 import opsched.sync
 from opsched.core.trace import load_trace, summarize
+from opsched.devices.host import SOLO_BATCH_MAX
 from tests.helpers import gn_inputs, rand
 
 F32 = np.dtype(np.float32)
@@ -56,7 +57,10 @@ def test_one_track_per_stream_and_one_slice_per_launch(tmp_path, device):
     assert ops == {"GluBackward", "GroupNormalizationGrad"}
     for e in slices:
         assert e["dur"] > 0 and e["args"]["dtype"] == "FLOAT"
-        assert e["args"]["executor cache"] in ("hit", "miss")
+        # a batch of up to SOLO_BATCH_MAX requests runs on their solo plans, not an executor
+        solo = 1 < e["args"]["requests"] <= SOLO_BATCH_MAX
+        assert (e["args"]["executor cache"] == "solo plans") is solo
+        assert solo or e["args"]["executor cache"] in ("hit", "miss")
         assert e["args"]["bytes"] > 0 and e["args"]["queue wait us"] >= 0
     misses = sum(1 for e in slices if e["args"]["executor cache"] == "miss")
     assert misses == stats.executor_cache.misses

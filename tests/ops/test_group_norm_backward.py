@@ -345,6 +345,7 @@ def _mixed(rng, count, dtype=F32):
     return [case(rng, *geometries[i % len(geometries)], dtype=dtype) for i in range(count)]
 
 
+@pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("dtype", GN_DTYPES, ids=str)
 def test_fused_results_are_bit_identical_to_solo_launches(dtype):
     rng = np.random.default_rng(10)
@@ -402,6 +403,7 @@ def test_rows_of_every_length_match_the_reference_bit_for_bit(dtype, hxw, layout
         assert_same_bits(got, want.reshape(got.shape))
 
 
+@pytest.mark.usefixtures("fused_batches")
 def test_reference_device_fuses_to_the_reference_kernel_bit_for_bit():
     rng = np.random.default_rng(11)
     requests = _mixed(rng, 12)
@@ -438,6 +440,7 @@ def test_out_arrays_are_written_in_place_and_errors_reach_the_caller():
         assert_same_bits(a, b)
 
 
+@pytest.mark.usefixtures("fused_batches")
 def test_module_function_sync_facade_and_graph():
     rng = np.random.default_rng(13)
     args = case(rng, 2, 4, 8, 2)

@@ -162,6 +162,7 @@ def test_scheduler_checks_every_surface_against_its_product():
         sched.submit_glu_backward(g, x)
 
 
+@pytest.mark.usefixtures("fused_batches")
 def test_scheduler_fuses_float_statistics_bit_identically():
     rng = np.random.default_rng(3)
     requests = []
