@@ -19,6 +19,7 @@ import collections
 import enum
 import functools
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -423,6 +424,11 @@ def _run_here(sched: Scheduler, run: GraphRun) -> None:
                     error = _upstream_error(node_run.node, upstream)
                     finish(request, RequestState.FAILED, counters, error)
                     continue
+            if request.deadline is not None and request.deadline <= time.monotonic():
+                # expired before its launch, as in the queue: never launched, so its
+                # consumers are never submitted (they fail with the run, not as requests)
+                sched._expired(request)
+                continue
             run.launched(node_run, None)
             run_on_loop(sched, request)
     except Exception as exc:  # a bug here fails the run's nodes still to run, never hangs it

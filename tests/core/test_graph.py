@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import anyio
@@ -436,6 +437,26 @@ async def test_a_run_on_an_idle_scheduler_runs_its_nodes_at_submit_in_order(devi
     assert stats.queued_peak == 0 and stats.launches - clean.launches == 4  # not after_bad
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.pool.in_use == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_a_node_run_at_submit_past_the_deadline_expires_before_its_consumers_exist(device):
+    # A node that would run at submit expires unlaunched once the run's deadline has
+    # passed, as in the queue: its consumer is never submitted, so it fails with the run
+    # (UpstreamFailedError) and the scheduler counts no failed request.
+    rng = np.random.default_rng(13)
+    graph, nodes, _ = chain(rng, length=2)
+    async with opsched.open_scheduler(device=device) as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(graph, outputs=nodes, deadline=time.monotonic() - 1.0)
+        stats = sched.statistics()
+    failed = info.value.failed
+    assert isinstance(failed["gn0"], DeadlineExceededError)
+    assert isinstance(failed["glu1"], UpstreamFailedError)
+    assert stats.graph_nodes == stats.submitted == stats.expired == 1
+    assert stats.failed == stats.launches == stats.queued_peak == 0
 
 
 @pytest.mark.anyio
