@@ -163,17 +163,27 @@ async def settle(condition, tries: int = 1000) -> None:
 
 
 async def beside_a_ready_task(awaitable):
-    """Await ``awaitable`` while another task is ready to run (on either backend), so that
-    a request it submits goes through the queue: alone on an idle loop it would run at
-    submit."""
+    """Await ``awaitable`` while more than ``FEW_READY`` other tasks are ready to run (on
+    either backend), so that a request it submits goes through the queue: with fewer it
+    would run at submit."""
     import anyio
 
+    from opsched.core.here import FEW_READY
+
     go = anyio.Event()
+    error: Exception | None = None
     async with anyio.create_task_group() as tg:
-        tg.start_soon(go.wait)
-        await settle(lambda: go.statistics().tasks_waiting == 1)
-        go.set()  # its task is ready to run now
-        return await awaitable
+        for _ in range(FEW_READY + 1):
+            tg.start_soon(go.wait)
+        await settle(lambda: go.statistics().tasks_waiting == FEW_READY + 1)
+        go.set()  # their tasks are ready to run now
+        try:
+            result = await awaitable
+        except Exception as exc:  # raised as it is, not in the task group's ExceptionGroup
+            error = exc
+    if error is not None:
+        raise error
+    return result
 
 
 @contextlib.asynccontextmanager

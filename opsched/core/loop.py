@@ -24,6 +24,9 @@ __all__ = ["FUTURE", "LoopEvent", "LoopHandle", "ThreadEvent", "current_loop", "
 FUTURE = asyncio.Future
 _BASE_CREATE_FUTURE = asyncio.BaseEventLoop.create_future
 
+#: What :attr:`LoopHandle.ready` says where the loop does not tell: "many".
+UNKNOWN_READY = 1 << 30
+
 
 class LoopEvent(Protocol):
     """What the scheduler needs of an event: ``asyncio.Event`` and ``trio.Event`` both fit.
@@ -131,6 +134,11 @@ class LoopHandle:
     #: its ready queue is empty (a private attribute, read defensively: without it this
     #: says False); trio: ``tasks_runnable == 0``.
     idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
+    #: How many callbacks (asyncio: its ready queue's length) are ready to run on the loop
+    #: right now: how many could still submit before the loop's next step.
+    #: :data:`UNKNOWN_READY` where the loop does not say, and on trio where any task is
+    #: runnable (its statistics count the next batch's tasks, not the rest of this one).
+    ready: Callable[[], int] = lambda: UNKNOWN_READY  # always given
     _checkpoint: Callable[[], Any] | None = None
     #: A bare future of the loop (asyncio), for the one task awaiting a request without a
     #: deadline: half the cost of an event and its future (made, awaited, woken: 0.5 us a
@@ -185,6 +193,11 @@ def current_loop() -> LoopHandle:
             def trio_idle() -> bool:
                 return bool(trio.lowlevel.current_statistics().tasks_runnable == 0)
 
+            def trio_ready() -> int:  # trio counts the next batch's tasks only, not the
+                # rest of the batch running now: past none, how many is unknown
+                runnable = trio.lowlevel.current_statistics().tasks_runnable
+                return 0 if runnable == 0 else UNKNOWN_READY
+
             return LoopHandle(
                 token,
                 token.run_sync_soon,
@@ -193,6 +206,7 @@ def current_loop() -> LoopHandle:
                 None,
                 trio.Event,
                 trio_idle,
+                trio_ready,
                 trio.lowlevel.checkpoint,
             )
     try:
@@ -205,6 +219,9 @@ def current_loop() -> LoopHandle:
     def asyncio_idle() -> bool:
         return ready is not None and not ready
 
+    # the ready queue's own __len__: no Python frame a call
+    ready_count = ready.__len__ if ready is not None else (lambda: UNKNOWN_READY)
+
     return LoopHandle(
         loop,
         loop.call_soon,
@@ -213,6 +230,7 @@ def current_loop() -> LoopHandle:
         loop.call_later,
         functools.partial(_AsyncioEvent, loop),
         asyncio_idle,
+        ready_count,
         _asyncio_checkpoint,
         # asyncio's own futures only (FUTURE: what finish() wakes with set_result)
         loop.create_future if type(loop).create_future is _BASE_CREATE_FUTURE else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import weakref
@@ -26,6 +27,7 @@ from opsched import (
 )
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
+from opsched.core.here import FEW_READY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
@@ -64,7 +66,8 @@ async def together(sched, calls, *, errors=False):
     """GluBackward on each ``(grad_out, self)`` of ``calls``, all queued before one dispatch
     (the loop is kept busy meanwhile); with ``errors``, an exception is returned in place."""
     async with anyio.create_task_group() as tg:
-        tg.start_soon(anyio.lowlevel.checkpoint)  # a busy loop: one dispatch takes all
+        for _ in range(FEW_READY + 1):  # a busy loop: nothing runs at submit, one dispatch
+            tg.start_soon(anyio.lowlevel.checkpoint)  # takes all
         pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
     results = []
     for p in pending:
@@ -550,7 +553,7 @@ async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeyp
     monkeypatch.setattr(sched_mod, "form_batches", flaky)
     async with opsched.open_scheduler(streams=1) as sched:
         with pytest.raises(InnerError, match="batch formation failed: KeyError") as info:
-            await sched.glu_backward(*small_glu(rng))
+            await beside_a_ready_task(sched.glu_backward(*small_glu(rng)))  # (queued)
         assert isinstance(info.value.__cause__, KeyError)
         after = small_glu(rng)
         assert_same_bits(await sched.glu_backward(*after), solo_glu(*after, -1))
@@ -793,6 +796,27 @@ async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting,
     assert stats.queued_peak >= 1  # it went through the queue
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (trio says only "none" or "many")
+async def test_a_request_runs_at_submit_while_at_most_few_others_are_ready(anyio_backend):
+    # With FEW_READY callbacks ready on the loop the request still runs at submit (it is
+    # finished when the call returns); with one more it is queued for the dispatcher.
+    rng = np.random.default_rng(33)
+    calls = [small_glu(rng) for _ in range(2)]
+    loop = asyncio.get_running_loop()
+    finished_at_submit = []
+    async with opsched.open_scheduler() as sched:
+        for ready, (g, x) in zip((FEW_READY, FEW_READY + 1), calls, strict=True):
+            await settle(lambda: sched._loop.ready() == 0)  # nothing else ready
+            for _ in range(ready):
+                loop.call_soon(int)
+            pending = sched.glu_backward_nowait(g, x)
+            finished_at_submit.append(pending._request.finished)
+            assert_same_bits(await pending, solo_glu(g, x, -1))
+        stats = sched.statistics()
+    assert finished_at_submit == [True, False]
+    assert stats.queued_peak == 1 and stats.launches == 2
+
+
 async def test_a_request_run_at_submit_fails_alone_and_expires_without_a_launch():
     rng = np.random.default_rng(32)
     bad, good = small_glu(rng), small_glu(rng)
@@ -845,7 +869,7 @@ async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
     g, x = rand(rng, (64, 128), F64), rand(rng, (64, 256), F64)  # DOUBLE carves workspace
     async with opsched.open_scheduler(streams=1, workspace_limit_bytes=1 << 20) as sched:
         held = sched.device._pool.allocate(1 << 20, 0)  # the whole pool, held
-        out = await sched.glu_backward(g, x)
+        out = await beside_a_ready_task(sched.glu_backward(g, x))  # (launched from the queue)
         other = small_glu(rng)
         assert_same_bits(await sched.glu_backward(*other), solo_glu(*other, -1))
         sched.device._pool.release(held)

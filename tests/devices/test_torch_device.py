@@ -19,7 +19,7 @@ import pytest
 import opsched
 from opsched import InnerError, ParamInvalidError
 from tests.helpers import gn_inputs, rand
-from tests.sched_helpers import assert_result, solo_glu
+from tests.sched_helpers import assert_result, beside_a_ready_task, solo_glu
 
 torch = pytest.importorskip("torch")
 
@@ -174,8 +174,11 @@ def test_group_norm_backward_fuses_into_one_aten_launch():
         requests.append((dy, x, mean, rstd, torch.from_numpy(rand(rng, (4,), F32)), n, 4, 5, 2))
 
     async def main():
+        async def all_of(sched):
+            return await asyncio.gather(*(sched.group_norm_backward(*r) for r in requests))
+
         async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
-            outs = await asyncio.gather(*(sched.group_norm_backward(*r) for r in requests))
+            outs = await beside_a_ready_task(all_of(sched))  # (queued: none runs at submit)
             return outs, sched.statistics()
 
     outs, stats = asyncio.run(main())
