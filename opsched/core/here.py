@@ -86,11 +86,11 @@ def run_here(
     return request.outcome()
 
 
-#: A coroutine's request runs at submit while at most this many other callbacks or tasks
-#: are ready on the loop: at most a handful of requests could join its launch, whose batch
-#: would gain nothing from them (the host devices run so small a batch's requests one
-#: after another on their own arrays anyway; torch:cpu stacks them no faster), while the
-#: dispatcher's round and each waiter's wake-up cost more than the launch. Measured,
+#: A coroutine's request runs at submit while at most this many other callbacks are ready
+#: on the loop (:attr:`LoopHandle.ready`): at most a handful of requests could join its
+#: launch, whose batch would gain nothing from them (a device runs so small a batch's
+#: requests one after another on their own arrays anyway, or stacks them no faster), while
+#: the dispatcher's round and each waiter's wake-up cost more than the launch. Measured,
 #: coroutines of tiny requests on the cpu device, this against 0 (the loop idle), median
 #: of five interleaved rounds, requests a second of the two operators measured: 2 clients
 #: 2.1x and 2.0x, 4 clients 1.15x and 1.27x, 256 clients unchanged (0.98x, 1.07x).

@@ -129,15 +129,12 @@ class LoopHandle:
     #: A new event of the loop's own kind (set and awaited on the loop thread). Plain
     #: callables, not methods: these run for every request.
     new_event: Callable[[], LoopEvent] = ThreadEvent  # always given: the loop's own class
-    #: True when nothing else is ready to run on the loop right now: then deferring work
-    #: to the next loop step gains nothing, no other task can add to it first. asyncio:
-    #: its ready queue is empty (a private attribute, read defensively: without it this
-    #: says False); trio: ``tasks_runnable == 0``.
-    idle: Callable[[], bool] = bool  # always given; bool() is False: "never idle"
-    #: How many callbacks (asyncio: its ready queue's length) are ready to run on the loop
-    #: right now: how many could still submit before the loop's next step.
-    #: :data:`UNKNOWN_READY` where the loop does not say, and on trio where any task is
-    #: runnable (its statistics count the next batch's tasks, not the rest of this one).
+    #: How many callbacks are ready to run on the loop right now: how many could still
+    #: submit before the loop's next step (0: deferring work to that step gains nothing,
+    #: no other task can add to it first). asyncio: its ready queue's length (a private
+    #: attribute, read defensively: without it, :data:`UNKNOWN_READY`); trio: 0 when no
+    #: task is runnable, else :data:`UNKNOWN_READY` (its statistics count the next batch's
+    #: tasks, not the rest of the batch running now).
     ready: Callable[[], int] = lambda: UNKNOWN_READY  # always given
     _checkpoint: Callable[[], Any] | None = None
     #: A bare future of the loop (asyncio), for the one task awaiting a request without a
@@ -190,11 +187,7 @@ def current_loop() -> LoopHandle:
             pass
         else:
 
-            def trio_idle() -> bool:
-                return bool(trio.lowlevel.current_statistics().tasks_runnable == 0)
-
-            def trio_ready() -> int:  # trio counts the next batch's tasks only, not the
-                # rest of the batch running now: past none, how many is unknown
+            def trio_ready() -> int:
                 runnable = trio.lowlevel.current_statistics().tasks_runnable
                 return 0 if runnable == 0 else UNKNOWN_READY
 
@@ -205,7 +198,6 @@ def current_loop() -> LoopHandle:
                 "trio",
                 None,
                 trio.Event,
-                trio_idle,
                 trio_ready,
                 trio.lowlevel.checkpoint,
             )
@@ -215,9 +207,6 @@ def current_loop() -> LoopHandle:
         msg = "opsched's async API must be called from a running asyncio or trio event loop"
         raise RuntimeError(msg) from None
     ready = getattr(loop, "_ready", None)
-
-    def asyncio_idle() -> bool:
-        return ready is not None and not ready
 
     # the ready queue's own __len__: no Python frame a call
     ready_count = ready.__len__ if ready is not None else (lambda: UNKNOWN_READY)
@@ -229,7 +218,6 @@ def current_loop() -> LoopHandle:
         "asyncio",
         loop.call_later,
         functools.partial(_AsyncioEvent, loop),
-        asyncio_idle,
         ready_count,
         _asyncio_checkpoint,
         # asyncio's own futures only (FUTURE: what finish() wakes with set_result)

@@ -491,7 +491,7 @@ class Scheduler:
         dispatcher = self._dispatcher
         if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
             return request
-        if self._loop.idle():
+        if not self._loop.ready():
             dispatcher.dispatch()  # nobody else can join this batch: launch now, no loop hop
         else:
             dispatcher.schedule()  # others are about to submit: let them, then fuse
