@@ -138,13 +138,17 @@ class Checks:
         deadline: float | None,
         timeout: float | None,
     ) -> tuple[Any, ...]:
-        """A public call checked: by one lookup (:meth:`known`) when the same call without
-        outputs passed before (its deadline is not part of the checks: added to the
-        result), else in full (:meth:`check`), and then remembered for the lookup. Raises
-        as :meth:`check`."""
-        cacheable = out is None and type(priority) is int
+        """A public call checked: by one lookup (:meth:`known`, :meth:`known_out`) when
+        the same call passed before (its deadline is not part of the checks: added to the
+        result; outputs given as numpy arrays of the same shapes and dtypes, each checked
+        writeable), else in full (:meth:`check`), and then remembered for the lookup.
+        Raises as :meth:`check`."""
+        cacheable = type(priority) is int
         if cacheable:
-            known = self.known(op, args, priority)
+            if out is None:
+                known = self.known(op, args, priority)
+            else:
+                known = self.known_out(op, args, out, priority)
             if known is not None:
                 if deadline is None and timeout is None:
                     return known
@@ -155,13 +159,18 @@ class Checks:
             op, tensors, scalars, priority_of(priority), deadline_of(deadline, timeout)
         )
         if cacheable:
-            self.remember_call(op, args, checked)
+            self.remember_call(op, args, checked, out)
         return checked
 
-    def remember_call(self, op: Operator, args: Sequence[Any], checked: Checked) -> None:
-        """After ``checked`` passed for a call of ``args`` without outputs: let
-        :meth:`known` find it by the call itself."""
+    def remember_call(
+        self, op: Operator, args: Sequence[Any], checked: Checked, out: Any = None
+    ) -> None:
+        """After ``checked`` passed for a call of ``args`` (and ``out``): let :meth:`known`
+        (:meth:`known_out`) find it by the call itself."""
         call = op.call_signature(args)
+        if out is not None:
+            given = _out_signature(out)
+            call = None if call is None or given is None else (call, given)
         if call is not None and checked.signature is not None:
             spec = self._known.get(checked.signature)
             if spec is not None:
@@ -182,6 +191,46 @@ class Checks:
         tensors = op.arguments(args, None)[0]
         tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
         return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
+
+    def known_out(
+        self, op: Operator, args: Sequence[Any], out: Any, priority: int
+    ) -> tuple[Any, ...] | None:
+        """:meth:`known` for a call given its outputs ``out``: by the call and the outputs'
+        shapes and dtypes; each output is checked writeable (not part of the checks'
+        signature: as :meth:`check` does for a signature seen before).
+
+        Raises:
+            ParamInvalidError: a read-only output.
+            TypeError: ``out`` is not one entry per output (:meth:`Operator.arguments`).
+        """
+        call, given = op.call_signature(args), _out_signature(out)
+        hit = self._calls.get((call, given)) if call is not None and given is not None else None
+        if hit is None or hit[0] is not op:
+            return None
+        _, scalars, spec, key, units, nbytes, signature = hit
+        tensors = op.arguments(args, out)[0]
+        check_writable(op.name, op.outputs, tensors)
+        tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
+        return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
+
+
+def _out_signature(out: Any) -> Hashable | None:
+    """What the checks of a call depend on of its outputs ``out`` (a numpy array, or a
+    tuple of them and None): their shapes and dtypes; None for anything else (then nothing
+    is cached, as :meth:`Operator.signature` caches nothing for such outputs)."""
+    if type(out) is np.ndarray:
+        return out.shape, out.dtype
+    if type(out) is tuple:
+        parts: list[Any] = []
+        for value in out:
+            if value is None:
+                parts.append(None)
+            elif type(value) is np.ndarray:
+                parts.append((value.shape, value.dtype))
+            else:
+                return None
+        return tuple(parts)
+    return None
 
 
 def _nbytes(op: Operator, tensors: Mapping[str, Any], spec: OutputSpec) -> int:

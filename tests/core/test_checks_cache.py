@@ -7,6 +7,7 @@ import pytest
 
 import opsched
 from opsched import ParamInvalidError
+from opsched.cli.bench_paths import gnb_inputs
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import solo_glu
@@ -42,7 +43,7 @@ async def test_a_known_shape_with_another_value_or_kind_is_checked_again():
         assert sched.statistics().rejected == 3
 
 
-async def test_calls_with_outputs_or_arrays_of_other_kinds_are_not_cached():
+async def test_calls_with_arrays_of_other_kinds_are_not_cached():
     rng = np.random.default_rng(3)
     g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
     masked = np.ma.masked_array(x)
@@ -51,8 +52,46 @@ async def test_calls_with_outputs_or_arrays_of_other_kinds_are_not_cached():
     out = np.empty_like(x)
     async with opsched.open_scheduler(streams=1) as sched:
         assert await sched.glu_backward(g, x, out=out) is out
+        assert sched._checks.known_out(GLU_BACKWARD, (g, x), np.ma.masked_array(out), 0) is None
+        with pytest.raises(TypeError, match="masked"):  # checked in full: refused
+            await sched.glu_backward(g, x, out=np.ma.masked_array(out))
     sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
     assert sig is not None and sig[-1] == (True, False, True)  # the mask is part of the key
+
+
+async def test_a_repeated_call_with_outputs_is_served_by_one_lookup_each_checked_writeable():
+    # Outputs of the shapes and dtypes seen before: one lookup, and each output is still
+    # checked writeable; outputs of another dtype, or one entry too few, are checked in
+    # full and refused as before.
+    rng = np.random.default_rng(4)
+    g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    g2, x2 = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    out, other = np.empty_like(x), np.empty_like(x)
+    gnb = gnb_inputs(rng, 1)[0]
+    dx, dx2 = np.empty_like(gnb[1]), np.empty_like(gnb[1])
+    async with opsched.open_scheduler(streams=1) as sched:
+        checks = sched._checks
+        assert checks.known_out(GLU_BACKWARD, (g, x), out, 0) is None
+        assert await sched.glu_backward(g, x, out=out) is out
+        assert checks.known_out(GLU_BACKWARD, (g2, x2), other, 0) is not None
+        assert await sched.glu_backward(g2, x2, out=other) is other
+        read_only = np.empty_like(x)
+        read_only.flags.writeable = False
+        with pytest.raises(ParamInvalidError, match="read-only"):
+            await sched.glu_backward(g, x, out=read_only)
+        with pytest.raises(ParamInvalidError, match="dtype"):
+            await sched.glu_backward(g, x, out=np.empty(x.shape, np.float16))
+        first = await sched.group_norm_backward(*gnb, out=(dx, None, None))
+        assert checks.known_out(GROUP_NORM_BACKWARD, gnb, (dx2, None, None), 0) is not None
+        again = await sched.group_norm_backward(*gnb, out=(dx2, None, None))
+        with pytest.raises(TypeError, match="out"):
+            await sched.group_norm_backward(*gnb, out=(dx2, None))
+        assert sched.statistics().rejected == 3
+    assert_same_bits(out, solo_glu(g, x, -1))
+    assert_same_bits(other, solo_glu(g2, x2, -1))
+    assert first[0] is dx and again[0] is dx2
+    for a, b in zip(first, again, strict=True):
+        assert_same_bits(a, b)
 
 
 def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
