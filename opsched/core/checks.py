@@ -23,7 +23,7 @@ import numpy as np
 from opsched.devices import Device
 from opsched.devices.base import Converter
 from opsched.ops import Operator
-from opsched.ops._base import check_writable
+from opsched.ops._base import check_writable, shapes_and_dtypes
 from opsched.ops.products import Product
 
 __all__ = ["Checked", "Checks", "canonical_signature", "deadline_of", "priority_of"]
@@ -220,17 +220,8 @@ def _out_signature(out: Any) -> Hashable | None:
     is cached, as :meth:`Operator.signature` caches nothing for such outputs)."""
     if type(out) is np.ndarray:
         return out.shape, out.dtype
-    if type(out) is tuple:
-        parts: list[Any] = []
-        for value in out:
-            if value is None:
-                parts.append(None)
-            elif type(value) is np.ndarray:
-                parts.append((value.shape, value.dtype))
-            else:
-                return None
-        return tuple(parts)
-    return None
+    parts = shapes_and_dtypes(out) if type(out) is tuple else None
+    return None if parts is None else tuple(parts)
 
 
 def _nbytes(op: Operator, tensors: Mapping[str, Any], spec: OutputSpec) -> int:

@@ -45,6 +45,7 @@ __all__ = [
     "index_value",
     "may_overlap",
     "register_array_type",
+    "shapes_and_dtypes",
 ]
 
 #: aclnn dtype names of the numpy dtypes opsched computes in (SPEC, common rules).
@@ -108,6 +109,20 @@ def check_types(op: str, **tensors: object) -> None:
     for name, value in tensors.items():
         if value is not None:
             check_array_kind(op, name, value)
+
+
+def shapes_and_dtypes(values: Sequence[Any]) -> list[Any] | None:
+    """Each of ``values`` as what the checks depend on of it: ``(shape, dtype)`` of a numpy
+    array (exactly ``np.ndarray``), None for None; None when any is something else."""
+    parts: list[Any] = []
+    for value in values:
+        if value is None:
+            parts.append(None)
+        elif type(value) is np.ndarray:
+            parts.append((value.shape, value.dtype))
+        else:
+            return None
+    return parts
 
 
 def check_writable(op: str, outputs: Sequence[str], tensors: Mapping[str, Any]) -> None:
@@ -500,15 +515,10 @@ class Operator(abc.ABC):
         """What the checks depend on: each tensor's shape and dtype (None when absent) and
         each scalar's type and value; None when an argument is not exactly an ndarray or a
         scalar cannot be hashed (a list, or a tuple holding one)."""
-        parts: list[Any] = [self.name]
-        for name in self.tensor_names:
-            t = tensors[name]
-            if t is None:
-                parts.append(None)
-            elif type(t) is np.ndarray:
-                parts.append((t.shape, t.dtype))
-            else:
-                return None
+        arrays = shapes_and_dtypes([tensors[name] for name in self.tensor_names])
+        if arrays is None:
+            return None
+        parts: list[Any] = [self.name, *arrays]
         for value in scalars.values():
             parts.append((type(value), value))
         key = tuple(parts)
