@@ -138,17 +138,14 @@ class Checks:
         deadline: float | None,
         timeout: float | None,
     ) -> tuple[Any, ...]:
-        """A public call checked: by one lookup (:meth:`known`, :meth:`known_out`) when
-        the same call passed before (its deadline is not part of the checks: added to the
-        result; outputs given as numpy arrays of the same shapes and dtypes, each checked
-        writeable), else in full (:meth:`check`), and then remembered for the lookup.
-        Raises as :meth:`check`."""
+        """A public call checked: by one lookup (:meth:`known`) when the same call passed
+        before (its deadline is not part of the checks: added to the result; outputs given
+        as numpy arrays of the same shapes and dtypes, each checked writeable), else in
+        full (:meth:`check`), and then remembered for the lookup. Raises as
+        :meth:`check`."""
         cacheable = type(priority) is int
         if cacheable:
-            if out is None:
-                known = self.known(op, args, priority)
-            else:
-                known = self.known_out(op, args, out, priority)
+            known = self.known(op, args, priority, out)
             if known is not None:
                 if deadline is None and timeout is None:
                     return known
@@ -166,11 +163,10 @@ class Checks:
         self, op: Operator, args: Sequence[Any], checked: Checked, out: Any = None
     ) -> None:
         """After ``checked`` passed for a call of ``args`` (and ``out``): let :meth:`known`
-        (:meth:`known_out`) find it by the call itself."""
+        find it by the call itself."""
         call = op.call_signature(args)
         if out is not None:
-            given = _out_signature(out)
-            call = None if call is None or given is None else (call, given)
+            call = _with_outputs(call, out)
         if call is not None and checked.signature is not None:
             spec = self._known.get(checked.signature)
             if spec is not None:
@@ -178,40 +174,39 @@ class Checks:
                     self._calls.clear()
                 self._calls[call] = (op, *spec, checked.signature)
 
-    def known(self, op: Operator, args: Sequence[Any], priority: int) -> tuple[Any, ...] | None:
-        """A call without outputs whose checks passed before, checked by one lookup: the
-        fields of its :class:`Checked`, as a plain tuple (the hot path builds no named
-        tuple), without a deadline; None when it is not known (the caller then checks it
-        in full)."""
-        call = op.call_signature(args)
-        hit = self._calls.get(call) if call is not None else None
-        if hit is None or hit[0] is not op:
-            return None
-        _, scalars, spec, key, units, nbytes, signature = hit
-        tensors = op.arguments(args, None)[0]
-        tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
-        return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
-
-    def known_out(
-        self, op: Operator, args: Sequence[Any], out: Any, priority: int
+    def known(
+        self, op: Operator, args: Sequence[Any], priority: int, out: Any = None
     ) -> tuple[Any, ...] | None:
-        """:meth:`known` for a call given its outputs ``out``: by the call and the outputs'
-        shapes and dtypes; each output is checked writeable (not part of the checks'
-        signature: as :meth:`check` does for a signature seen before).
+        """A call whose checks passed before, checked by one lookup: the fields of its
+        :class:`Checked`, as a plain tuple (the hot path builds no named tuple), without a
+        deadline; None when it is not known (the caller then checks it in full). With
+        outputs ``out``, the lookup is by the call and the outputs' shapes and dtypes, and
+        each output is checked writeable (not part of the checks' signature: as
+        :meth:`check` does for a signature seen before).
 
         Raises:
             ParamInvalidError: a read-only output.
             TypeError: ``out`` is not one entry per output (:meth:`Operator.arguments`).
         """
-        call, given = op.call_signature(args), _out_signature(out)
-        hit = self._calls.get((call, given)) if call is not None and given is not None else None
+        call = op.call_signature(args)
+        if out is not None:
+            call = _with_outputs(call, out)
+        hit = self._calls.get(call) if call is not None else None
         if hit is None or hit[0] is not op:
             return None
         _, scalars, spec, key, units, nbytes, signature = hit
         tensors = op.arguments(args, out)[0]
-        check_writable(op.name, op.outputs, tensors)
+        if out is not None:
+            check_writable(op.name, op.outputs, tensors)
         tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
         return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
+
+
+def _with_outputs(call: Hashable | None, out: Any) -> Hashable | None:
+    """The call cache's key of a call (``call``: its :meth:`Operator.call_signature`) given
+    its outputs ``out``; None when either cannot be cached."""
+    given = _out_signature(out)
+    return None if call is None or given is None else (call, given)
 
 
 def _out_signature(out: Any) -> Hashable | None:

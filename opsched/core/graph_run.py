@@ -19,7 +19,6 @@ import collections
 import enum
 import functools
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from opsched._errors import (
 )
 from opsched.core.checks import deadline_of, priority_of
 from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
-from opsched.core.here import run_on_loop, runs_on_loop
+from opsched.core.here import past_deadline, run_on_loop, runs_on_loop
 from opsched.core.requests import Request, RequestState, finish
 from opsched.devices import Device, Event, meta_of
 
@@ -127,8 +126,8 @@ class GraphRun:
     #: Whether some node launched on a stream (with an event its consumers wait on): only
     #: then can a node have producers to wait for (inline launches record none).
     events: bool = False
-    #: Node requests to run where they were submitted, in order (an idle scheduler:
-    #: :func:`~opsched.core.here.runs_on_loop`); :func:`_run_here` runs them.
+    #: Node requests to run where they were submitted, in order (nothing queued or
+    #: running: :func:`~opsched.core.here.runs_on_loop`); :func:`_run_here` runs them.
     here: collections.deque[Request] = attrs.field(factory=collections.deque)
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
@@ -405,7 +404,7 @@ def _start(
 
 
 def _run_here(sched: Scheduler, run: GraphRun) -> None:
-    """Run the nodes an idle scheduler gave to ``run`` (:attr:`GraphRun.here`) one after
+    """Run the nodes :func:`_submit_node` gave to ``run`` (:attr:`GraphRun.here`) one after
     another, each as its solo launch, in the loop thread: a node's consumers join the list
     when it is launched, behind it. A node whose producer failed meanwhile fails without a
     launch."""
@@ -424,10 +423,10 @@ def _run_here(sched: Scheduler, run: GraphRun) -> None:
                     error = _upstream_error(node_run.node, upstream)
                     finish(request, RequestState.FAILED, counters, error)
                     continue
-            if request.deadline is not None and request.deadline <= time.monotonic():
-                # expired before its launch, as in the queue: never launched, so its
-                # consumers are never submitted (they fail with the run, not as requests)
-                sched._expired(request)
+            if past_deadline(request):
+                # expired before its launch, as in the queue: never declared launched, so
+                # its consumers are never submitted (they fail with the run, not as requests)
+                run_on_loop(sched, request)  # (expires it)
                 continue
             run.launched(node_run, None)
             run_on_loop(sched, request)
@@ -470,7 +469,7 @@ def _submit_node(
         run.launched(node_run, None)
         sched._finish_empty(request)
         return request
-    if not waits and runs_on_loop(sched, request):  # alone on an idle scheduler
+    if not waits and runs_on_loop(sched, request):  # nothing queued or running
         request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
         run.here.append(request)
         return request

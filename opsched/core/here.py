@@ -29,7 +29,7 @@ from opsched.ops import Operator
 if TYPE_CHECKING:
     from opsched.core.scheduler import Scheduler
 
-__all__ = ["FEW_READY", "run_here", "run_on_loop", "runs_here", "runs_on_loop"]
+__all__ = ["FEW_READY", "past_deadline", "run_here", "run_on_loop", "runs_here", "runs_on_loop"]
 
 
 def _alone(sched: Scheduler) -> bool:
@@ -132,9 +132,14 @@ def run_on_loop(sched: Scheduler, request: Request) -> None:
         log_launch(request.op, batch, (None, start, end) if error is None else None)
 
 
+def past_deadline(request: Request) -> bool:
+    """Whether ``request``'s deadline has passed (then it is never launched)."""
+    return request.deadline is not None and request.deadline <= time.monotonic()
+
+
 def _launch_here(sched: Scheduler, request: Request) -> tuple[RequestState, BaseException | None]:
     """The solo launch of ``request`` in this thread: how it ended, and its error."""
-    if request.deadline is not None and request.deadline <= time.monotonic():
+    if past_deadline(request):
         error = DeadlineExceededError(
             f"{request.op.name}: the deadline had passed when the request was submitted; "
             "it was not launched"

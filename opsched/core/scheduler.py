@@ -466,7 +466,7 @@ class Scheduler:
 
     def _admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
         """Queue a checked request (or finish it at once: it has nothing to compute, or it
-        runs at submit, alone on an idle scheduler: :func:`runs_on_loop`).
+        runs at submit, nothing queued or running and few others ready: :func:`runs_on_loop`).
 
         ``future``: the request came from a thread, which holds that future; its dispatch
         is deferred to after the whole drained burst.
@@ -477,8 +477,9 @@ class Scheduler:
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self._finish_empty(request)
             return request
+        # (queue.live first: a busy scheduler skips the call)
         if future is None and not self._queue.live and runs_on_loop(self, request):
-            run_on_loop(self, request)  # alone on an idle scheduler: its solo launch, now
+            run_on_loop(self, request)  # nothing could join it: its solo launch, now
             return request
         self._enqueue(request)
         if future is not None:

@@ -52,7 +52,7 @@ async def test_calls_with_arrays_of_other_kinds_are_not_cached():
     out = np.empty_like(x)
     async with opsched.open_scheduler(streams=1) as sched:
         assert await sched.glu_backward(g, x, out=out) is out
-        assert sched._checks.known_out(GLU_BACKWARD, (g, x), np.ma.masked_array(out), 0) is None
+        assert sched._checks.known(GLU_BACKWARD, (g, x), 0, np.ma.masked_array(out)) is None
         with pytest.raises(TypeError, match="masked"):  # checked in full: refused
             await sched.glu_backward(g, x, out=np.ma.masked_array(out))
     sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
@@ -71,9 +71,9 @@ async def test_a_repeated_call_with_outputs_is_served_by_one_lookup_each_checked
     dx, dx2 = np.empty_like(gnb[1]), np.empty_like(gnb[1])
     async with opsched.open_scheduler(streams=1) as sched:
         checks = sched._checks
-        assert checks.known_out(GLU_BACKWARD, (g, x), out, 0) is None
+        assert checks.known(GLU_BACKWARD, (g, x), 0, out) is None
         assert await sched.glu_backward(g, x, out=out) is out
-        assert checks.known_out(GLU_BACKWARD, (g2, x2), other, 0) is not None
+        assert checks.known(GLU_BACKWARD, (g2, x2), 0, other) is not None
         assert await sched.glu_backward(g2, x2, out=other) is other
         read_only = np.empty_like(x)
         read_only.flags.writeable = False
@@ -82,7 +82,7 @@ async def test_a_repeated_call_with_outputs_is_served_by_one_lookup_each_checked
         with pytest.raises(ParamInvalidError, match="dtype"):
             await sched.glu_backward(g, x, out=np.empty(x.shape, np.float16))
         first = await sched.group_norm_backward(*gnb, out=(dx, None, None))
-        assert checks.known_out(GROUP_NORM_BACKWARD, gnb, (dx2, None, None), 0) is not None
+        assert checks.known(GROUP_NORM_BACKWARD, gnb, 0, (dx2, None, None)) is not None
         again = await sched.group_norm_backward(*gnb, out=(dx2, None, None))
         with pytest.raises(TypeError, match="out"):
             await sched.group_norm_backward(*gnb, out=(dx2, None))
