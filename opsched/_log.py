@@ -7,14 +7,53 @@ event, debug ones included, to stdout; so opsched emits its events only once the
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import structlog
 
-__all__ = ["enabled", "get_logger"]
+__all__ = ["Logger", "enabled", "get_logger"]
 
 
-def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+class Logger:
+    """An opsched module's structlog logger that never raises into the library.
+
+    An event runs the application's processors, in the middle of the scheduler's own
+    bookkeeping (finishing a launch's requests, say), where an exception would leave the
+    rest undone and callers waiting. One a processor raises is logged instead to the
+    standard library's ``logging`` (logger ``opsched``; printed to stderr when nothing is
+    configured), not to structlog, which is what failed.
+    """
+
+    __slots__ = ("_logger",)
+
+    def __init__(self, name: str) -> None:
+        self._logger = structlog.get_logger(name)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._emit("debug", event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._emit("info", event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._emit("warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._emit("error", event, fields)
+
+    def _emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        try:
+            getattr(self._logger, level)(event, **fields)
+        except Exception:  # the application's processors: reported, never raised here
+            logging.getLogger("opsched").exception(
+                "structlog raised on opsched's event %r (%s)", event, level
+            )
+
+
+def get_logger(name: str) -> Logger:
     """The logger of an opsched module."""
-    return structlog.get_logger(name)
+    return Logger(name)
 
 
 def enabled() -> bool:

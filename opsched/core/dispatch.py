@@ -243,11 +243,19 @@ class Dispatcher:
         return False
 
     def complete(self, launch: _Launch, result: Any, error: BaseException | None) -> None:
-        """One launch finished (called on the loop thread): finish its requests."""
+        """One launch finished (called on the loop thread): return its workspace, finish
+        its requests, then report it. The device's release and the report (the launch's
+        log line, through the application's structlog processors; the trace) may raise
+        without stranding anything: such an error goes to the loop
+        (:meth:`LoopHandle.report`), never into the dispatch round that ran the launch
+        inline, and the requests get their outcomes and the next dispatch is scheduled."""
         self.inflight -= 1
         batch = launch.batch
         self._launching.pop(batch.stream, None)
-        self.device.release(launch.prepared.token)
+        try:
+            self.device.release(launch.prepared.token)
+        except Exception as exc:  # boundary: the device's bookkeeping; the results stand
+            self.loop.report(exc, "opsched: releasing a finished launch's workspace failed")
         self._memory_wait = False
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
@@ -265,16 +273,19 @@ class Dispatcher:
                     self._resolve(request)
                 else:  # the common case, without the call to _resolve
                     finish(request, done, counters)
-        op = batch.requests[0].op
-        outcome = result if error is None else None
-        log_launch(op, batch, outcome)
-        if self.tracer is not None:
-            trace_launch(self.tracer, op, batch, launch.prepared.cache_hit, outcome)
-            self.tracer.counters(len(self.queue), *self.device.memory_usage())
         if len(self.queue):
             self.schedule()  # a stream and workspace came free for what waits
         else:
             self._check_quiet()
+        try:
+            op = batch.requests[0].op
+            outcome = result if error is None else None
+            log_launch(op, batch, outcome)
+            if self.tracer is not None:
+                trace_launch(self.tracer, op, batch, launch.prepared.cache_hit, outcome)
+                self.tracer.counters(len(self.queue), *self.device.memory_usage())
+        except Exception as exc:  # boundary: the launch's requests are settled already
+            self.loop.report(exc, "opsched: reporting a finished launch failed")
 
     def _resolve(self, request: Request) -> None:
         """A launched request's launch is over: its outcome."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sys
 import threading
 import weakref
@@ -145,6 +146,8 @@ class LoopHandle:
     #: meanwhile, so that it must pass a :meth:`checkpoint` (None where waits are
     #: cancellation points already, as on trio).
     cancelled: Callable[[], bool] | None = None
+    #: The loop's exception handler (asyncio's ``call_exception_handler``); None on trio.
+    _handler: Callable[[dict[str, Any]], Any] | None = None
 
     async def checkpoint(self) -> None:
         """Yield to the loop once (and deliver a pending cancellation)."""
@@ -163,6 +166,18 @@ class LoopHandle:
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop after the current step (call from the loop)."""
         self._soon(fn, *args)
+
+    def report(self, exc: Exception, message: str) -> None:
+        """Report ``exc``, raised by the scheduler's own bookkeeping on the loop thread,
+        instead of raising it into the code that was running: to asyncio's exception
+        handler (which logs it to the standard library's ``logging`` by default); on trio,
+        which has none (a callback that raises ends the run as an internal error of
+        trio's), to ``logging`` directly, logger ``opsched`` (printed to stderr when
+        nothing is configured). Not structlog: that may be what raised."""
+        if self._handler is not None:
+            self._handler({"message": message, "exception": exc})
+        else:
+            logging.getLogger("opsched").error(message, exc_info=exc)
 
     def post(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` on the loop, from any thread; False once the loop has ended."""
@@ -223,6 +238,7 @@ def current_loop() -> LoopHandle:
         # asyncio's own futures only (FUTURE: what finish() wakes with set_result)
         loop.create_future if type(loop).create_future is _BASE_CREATE_FUTURE else None,
         _anyio_cancel_check(loop),
+        loop.call_exception_handler,
     )
 
 

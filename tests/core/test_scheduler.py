@@ -560,6 +560,83 @@ async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeyp
     assert_adds_up(sched.statistics())
 
 
+@pytest.mark.parametrize("raising", ["log", "release"])
+async def test_a_raising_launch_report_strands_no_request(
+    monkeypatch, caplog, anyio_backend, raising
+):
+    # The launch's log line runs the application's structlog processors, which may raise;
+    # so may a device's release of the workspace. Every request of the round still gets
+    # its result (two keys, two inline launches in one dispatch: the first one's report
+    # raises), later dispatches still run, and the error is reported: to asyncio's
+    # exception handler, on trio to the standard library's logging.
+    import opsched.core.dispatch as dispatch_mod
+    from opsched.devices.host import HostDevice
+
+    rng = np.random.default_rng(31)
+    reported: list[BaseException] = []
+
+    def broken(*args):
+        raise RuntimeError(f"{raising} bug")
+
+    if anyio_backend == "asyncio":
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: reported.append(context["exception"]))
+    if raising == "log":
+        monkeypatch.setattr(dispatch_mod, "log_launch", broken)
+    else:
+        monkeypatch.setattr(HostDevice, "release", broken)
+    glu_calls = [small_glu(rng) for _ in range(3)]
+    gn_calls = [random_gn(rng, F32) for _ in range(3)]
+    with caplog.at_level("ERROR", logger="opsched"):
+        async with opsched.open_scheduler(streams=2) as sched:
+            async with anyio.create_task_group() as tg:
+                for _ in range(FEW_READY + 1):  # a busy loop: everything queues, one dispatch
+                    tg.start_soon(anyio.lowlevel.checkpoint)
+                glu = [sched.glu_backward_nowait(g, x) for g, x in glu_calls]
+                gn = [sched.group_norm_grad_nowait(*a) for a in gn_calls]
+            for p, (g, x) in zip(glu, glu_calls, strict=True):
+                assert_same_bits(await p, solo_glu(g, x, -1))
+            for p, a in zip(gn, gn_calls, strict=True):
+                assert_same_bits(await p, solo_gn(*a))
+            after = small_glu(rng)
+            for result in await together(sched, [after] * 2):  # dispatches still run
+                assert_same_bits(result, solo_glu(*after, -1))
+    if anyio_backend == "asyncio":
+        loop.set_exception_handler(None)
+    else:
+        reported = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert reported and all(str(e) == f"{raising} bug" for e in reported)
+    assert_adds_up(sched.statistics())
+
+
+async def test_a_raising_structlog_processor_strands_no_request(caplog):
+    # The application's structlog processors run inside the scheduler's bookkeeping (a
+    # failed request's event is logged while its launch's requests are being finished):
+    # one that raises is reported to the standard library's logging, never raised there.
+    rng = np.random.default_rng(32)
+    calls = [small_glu(rng) for _ in range(6)]
+
+    def processor_bug(logger, method, event_dict):
+        raise RuntimeError("processor bug")
+
+    structlog.configure(processors=[processor_bug])
+    try:
+        with caplog.at_level("ERROR", logger="opsched"):
+            async with opsched.open_scheduler(streams=1) as sched:
+                sched.device.inject_faults(FailWhen(calls[1][1]))
+                results = await together(sched, calls, errors=True)
+                again = await together(sched, calls[2:])
+    finally:
+        structlog.reset_defaults()
+    assert isinstance(results[1], RuntimeLaunchError)
+    done = [*calls[:1], *calls[2:], *calls[2:]]
+    for (g, x), r in zip(done, [results[0], *results[2:], *again], strict=True):
+        assert_same_bits(r, solo_glu(g, x, -1))
+    bugs = [r for r in caplog.records if r.exc_info and str(r.exc_info[1]) == "processor bug"]
+    assert any("'request failed'" in r.getMessage() for r in bugs)
+    assert_adds_up(sched.statistics())
+
+
 # ----------------------------------------------------------- invalid requests, lifecycle
 
 
