@@ -189,36 +189,46 @@ class Dispatcher:
         self._launching[batch.stream] = launch
         self.counters.launched(len(batch.requests))
         stream = self.device.streams[batch.stream]
-        # Graph nodes: wait on the device for producers still running (no Python wait), and
-        # tell each run when its node is launched, so its consumers can be queued at once.
-        waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
         nodes = [r for r in batch.requests if r.graph is not None]
-        # Inline: up to inline_max_bytes on an idle stream, except a lone request of at
-        # least MIN_SPREAD_BYTES that is not the round's last launch: one long kernel call
-        # that computes on its stream's thread, without the GIL, while the loop runs the
-        # rest. (A fused launch holds the GIL between its many calls: on a thread it
-        # would queue for the GIL behind the loop thread.)
-        inline = (
-            self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
-            and (may_inline or batch.fused or batch.nbytes < MIN_SPREAD_BYTES) and not waits
-        )  # fmt: skip
-        if inline:
-            # Consumers queued by launched() are dispatched only after this returns, when
-            # the inline run is over: they need no event to wait on.
-            for r in nodes:
-                r.graph[0].launched(r.graph[1], None)
-            self._inline_runs += 1
-            stream.run_inline(
-                prepared.work, lambda result, error: self.complete(launch, result, error)
-            )
-            return
-        self.device.wait_events(stream, waits)
         post = self.loop.post
 
         def done(result: Any, error: BaseException | None) -> None:
             post(self.complete, launch, result, error)  # False: the loop ended, drop it
 
-        stream.enqueue(prepared.work, done)
+        try:
+            # Graph nodes: wait on the device for producers still running (no Python
+            # wait), and tell each run when its node is launched, so its consumers can be
+            # queued at once.
+            waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
+            # Inline: up to inline_max_bytes on an idle stream, except a lone request of
+            # at least MIN_SPREAD_BYTES that is not the round's last launch: one long
+            # kernel call that computes on its stream's thread, without the GIL, while the
+            # loop runs the rest. (A fused launch holds the GIL between its many calls: on
+            # a thread it would queue for the GIL behind the loop thread.)
+            inline = (
+                self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
+                and (may_inline or batch.fused or batch.nbytes < MIN_SPREAD_BYTES)
+                and not waits
+            )  # fmt: skip
+            if inline:
+                # Consumers queued by launched() are dispatched only after this returns,
+                # when the inline run is over: they need no event to wait on.
+                for r in nodes:
+                    r.graph[0].launched(r.graph[1], None)
+            else:
+                self.device.wait_events(stream, waits)
+                stream.enqueue(prepared.work, done)
+        except Exception as exc:  # boundary: the launch never started (a device error
+            # surfacing in an event's query or the hand-off, say): it fails as a launch,
+            # its requests get their errors, its stream and workspace come back
+            self.complete(launch, None, exc)
+            return
+        if inline:
+            self._inline_runs += 1
+            stream.run_inline(
+                prepared.work, lambda result, error: self.complete(launch, result, error)
+            )
+            return
         if nodes:
             event = stream.record_event()
             for r in nodes:

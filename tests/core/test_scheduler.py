@@ -637,6 +637,37 @@ async def test_a_raising_structlog_processor_strands_no_request(caplog):
     assert_adds_up(sched.statistics())
 
 
+async def test_a_launch_that_cannot_be_handed_to_its_stream_fails_as_a_launch(monkeypatch):
+    # The hand-off to a stream can raise (on an accelerator, a device error surfaces in
+    # whatever framework call comes next): that launch's requests fail with
+    # RuntimeLaunchError, its stream and workspace come back, later requests run, and the
+    # scheduler closes (nothing counted in flight forever).
+    rng = np.random.default_rng(33)
+    enqueue = ThreadStream.enqueue
+    refused: list[int] = []
+
+    def refuse_once(self, work, on_done):
+        if not refused:
+            refused.append(self.index)
+            raise RuntimeError("device lost")
+        enqueue(self, work, on_done)
+
+    monkeypatch.setattr(ThreadStream, "enqueue", refuse_once)
+    calls = [small_glu(rng) for _ in range(3)]
+    async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+        results = await together(sched, calls, errors=True)
+        later = await together(sched, calls)
+    assert refused == [0]
+    for r in results:  # one launch: all three
+        assert isinstance(r, RuntimeLaunchError) and "device lost" in str(r)
+        assert isinstance(r.__cause__, RuntimeError)
+    for (g, x), r in zip(calls, later, strict=True):
+        assert_same_bits(r, solo_glu(g, x, -1))
+    stats = sched.statistics()
+    assert stats.failed == 3 and stats.completed == 3
+    assert_adds_up(stats)
+
+
 # ----------------------------------------------------------- invalid requests, lifecycle
 
 
