@@ -230,7 +230,12 @@ class Dispatcher:
             )
             return
         if nodes:
-            event = stream.record_event()
+            try:
+                event = stream.record_event()
+            except Exception as exc:  # boundary: the launch runs; nothing on the device
+                # can wait for it, so its consumers are queued when it has finished
+                self.loop.report(exc, "opsched: recording a graph launch's event failed")
+                return
             for r in nodes:
                 r.graph[0].launched(r.graph[1], event)
 

@@ -213,6 +213,8 @@ class GraphRun:
             if upstream is not None:
                 error = _upstream_error(nr.node, upstream)
         if error is None:
+            if nr.state is NodeState.QUEUED:  # never declared launched (no event of its
+                self.launched(nr, None)  # launch to wait on): its consumers go now
             nr.state = NodeState.DONE
         else:
             nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -336,6 +337,47 @@ async def test_dependent_launches_on_another_stream_while_its_producer_runs():
             gate.open()
     for got, want in zip(results[0], oracle(), strict=True):
         assert_same_bits(got, want)
+
+
+@pytest.mark.anyio
+async def test_a_producer_whose_event_cannot_be_recorded_still_feeds_its_consumers(
+    monkeypatch, caplog, anyio_backend
+):
+    # Recording the event a consumer's launch would wait on can raise (a device error
+    # surfacing there): the producer still runs, its consumers are queued once it has
+    # finished (nothing on the device could order them after it), the run completes with
+    # the same bits, and the error is reported (asyncio: its exception handler; trio:
+    # the standard library's logging).
+    from opsched.devices.streams import ThreadStream
+
+    rng = np.random.default_rng(40)
+    graph, nodes, oracle = chain(rng, length=4)
+    record = ThreadStream.record_event
+    refused: list[int] = []
+
+    def refuse_once(self):
+        if not refused:
+            refused.append(self.index)
+            raise RuntimeError("event lost")
+        return record(self)
+
+    monkeypatch.setattr(ThreadStream, "record_event", refuse_once)
+    reported: list[BaseException] = []
+    if anyio_backend == "asyncio":
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: reported.append(context["exception"]))
+    with caplog.at_level("ERROR", logger="opsched"):
+        async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+            got = await sched.run(graph, outputs=nodes)
+    if anyio_backend == "asyncio":
+        loop.set_exception_handler(None)
+    else:
+        reported = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert refused and [str(e) for e in reported] == ["event lost"]
+    for result, want in zip(got, oracle(), strict=True):
+        assert_same_bits(result, want)
+    stats = sched.statistics()
+    assert stats.completed == len(nodes) and stats.failed == 0
 
 
 @pytest.mark.anyio
