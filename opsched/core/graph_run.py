@@ -189,7 +189,18 @@ class GraphRun:
             consumer = runs[index]
             consumer.waiting -= 1
             if consumer.waiting == 0 and consumer.state is NodeState.WAITING and not self.cancelled:
-                self._submit(consumer)
+                try:
+                    self._submit(consumer)
+                except Exception as exc:  # boundary: from the dispatcher (no memory for
+                    # its output, a device error taking its arrays): the consumer fails,
+                    # with what depends on it, never the dispatch that launched ``nr``
+                    error = InnerError(
+                        f"graph run: submitting node {consumer.node.name!r} failed: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                    error.__cause__ = exc
+                    consumer.request = None
+                    self.finished(consumer, error)
 
     def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
         """``nr``'s request reached a final state (``error`` None: success)."""

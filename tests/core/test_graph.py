@@ -20,6 +20,7 @@ from opsched import (
     Graph,
     GraphExecutionError,
     InjectedFault,
+    InnerError,
     ParamInvalidError,
     ParamNullptrError,
     RuntimeLaunchError,
@@ -378,6 +379,46 @@ async def test_a_producer_whose_event_cannot_be_recorded_still_feeds_its_consume
         assert_same_bits(result, want)
     stats = sched.statistics()
     assert stats.completed == len(nodes) and stats.failed == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("inline_max_bytes", [0, 4 << 20])  # on a stream, inline
+async def test_a_consumer_that_cannot_be_submitted_fails_with_its_downstream(
+    monkeypatch, inline_max_bytes
+):
+    # A consumer is submitted when its producer is launched, from the dispatcher: when
+    # that raises (no memory for its output, say), the consumer fails with InnerError and
+    # what depends on it as upstream-failed; the run ends, the scheduler goes on.
+    from opsched.devices.host import HostDevice
+
+    rng = np.random.default_rng(41)
+    graph, nodes, oracle = chain(rng, length=4)
+    intermediate = HostDevice.intermediate
+    calls: list[tuple[int, ...]] = []
+
+    def no_memory_the_second_time(self, shape, dtype):
+        calls.append(shape)
+        if len(calls) == 2:  # the first consumer's output (the first is the head's)
+            raise MemoryError("no memory for an intermediate")
+        return intermediate(self, shape, dtype)
+
+    monkeypatch.setattr(HostDevice, "intermediate", no_memory_the_second_time)
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=inline_max_bytes) as sched:
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(graph, outputs=[nodes[-1]])
+        monkeypatch.undo()
+        got = await sched.run(graph, outputs=nodes)
+    failed = info.value.failed
+    assert list(failed) == ["glu1", "gn2", "glu3"]
+    assert isinstance(failed["glu1"], InnerError) and "submitting node 'glu1'" in str(
+        failed["glu1"]
+    )
+    assert isinstance(failed["glu1"].__cause__, MemoryError)
+    assert all(isinstance(failed[n], UpstreamFailedError) for n in ("gn2", "glu3"))
+    for result, want in zip(got, oracle(), strict=True):
+        assert_same_bits(result, want)
+    stats = sched.statistics()
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
 
 
 @pytest.mark.anyio
