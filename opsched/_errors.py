@@ -95,6 +95,14 @@ class InnerError(AclnnError):
 
     status = Status.ERR_INNER
 
+    @classmethod
+    def caused_by(cls, what: str, exc: BaseException) -> InnerError:
+        """``what`` went wrong because ``exc`` was raised: the error naming both, ``exc``
+        chained (as ``raise ... from exc`` would)."""
+        error = cls(f"{what}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
 
 class QueueFullError(anyio.WouldBlock):
     """A ``*_nowait`` submission found ``max_queued_requests`` requests already queued

@@ -190,11 +190,6 @@ class Dispatcher:
         self.counters.launched(len(batch.requests))
         stream = self.device.streams[batch.stream]
         nodes = [r for r in batch.requests if r.graph is not None]
-        post = self.loop.post
-
-        def done(result: Any, error: BaseException | None) -> None:
-            post(self.complete, launch, result, error)  # False: the loop ended, drop it
-
         try:
             # Graph nodes: wait on the device for producers still running (no Python
             # wait), and tell each run when its node is launched, so its consumers can be
@@ -217,6 +212,11 @@ class Dispatcher:
                     r.graph[0].launched(r.graph[1], None)
             else:
                 self.device.wait_events(stream, waits)
+                post = self.loop.post
+
+                def done(result: Any, error: BaseException | None) -> None:
+                    post(self.complete, launch, result, error)  # False: the loop ended
+
                 stream.enqueue(prepared.work, done)
         except Exception as exc:  # boundary: the launch never started (a device error
             # surfacing in an event's query or the hand-off, say): it fails as a launch,
@@ -318,9 +318,7 @@ class Dispatcher:
                 continue
             if request.state is RequestState.RUNNING:
                 self.running -= 1
-            error = InnerError(f"{request.op.name}: {what}: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            request.error = error
+            request.error = InnerError.caused_by(f"{request.op.name}: {what}", exc)
             self._resolve(request)
         log_failure(what, exc, len(requests))
 

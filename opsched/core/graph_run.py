@@ -194,13 +194,8 @@ class GraphRun:
                 except Exception as exc:  # boundary: from the dispatcher (no memory for
                     # its output, a device error taking its arrays): the consumer fails,
                     # with what depends on it, never the dispatch that launched ``nr``
-                    error = InnerError(
-                        f"graph run: submitting node {consumer.node.name!r} failed: "
-                        f"{type(exc).__name__}: {exc}"
-                    )
-                    error.__cause__ = exc
-                    consumer.request = None
-                    self.finished(consumer, error)
+                    what = f"graph run: submitting node {consumer.node.name!r} failed"
+                    self.finished(consumer, InnerError.caused_by(what, exc))
 
     def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
         """``nr``'s request reached a final state (``error`` None: success)."""
@@ -445,8 +440,7 @@ def _run_here(sched: Scheduler, run: GraphRun) -> None:
             run_on_loop(sched, request)
     except Exception as exc:  # a bug here fails the run's nodes still to run, never hangs it
         while here:
-            error = InnerError(f"graph run: running a node failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
+            error = InnerError.caused_by("graph run: running a node failed", exc)
             finish(here.popleft(), RequestState.FAILED, counters, error)
         raise
 
