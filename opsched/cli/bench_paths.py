@@ -371,6 +371,7 @@ def bench_paths(
             if ratios:
                 row["peer_us"] = statistics.median(peers) * 1e6
                 row["speedup_vs_peer"] = statistics.median(ratios)
+                row["speedup_rounds"] = ratios  # the spread a noisy machine puts on it
             rows.append(row)
     return {"repeats": repeats, "device": target.device, "rows": rows}
 
@@ -389,9 +390,13 @@ def print_paths(result: dict[str, Any], out: TextIO) -> None:
             print(f"{label:<46}{row['us']:>11.1f}  (no torch: no peer)", file=out)
             continue
         figures = f"{label:<46}{row['us']:>11.1f}{row['peer_us']:>9.1f}"
-        speed = row["speedup_vs_peer"]
+        speed, rounds = row["speedup_vs_peer"], row.get("speedup_rounds", ())
+        spread = f"  (rounds {min(rounds):.2f}-{max(rounds):.2f}x)" if len(rounds) > 1 else ""
         if target is None:  # the reference row
-            print(f"{figures}{speed:>8.2f}x{'':>9}  (reference: the floor)", file=out)
+            print(f"{figures}{speed:>8.2f}x{'':>9}  (reference: the floor){spread}", file=out)
         else:
             verdict = "reached" if speed >= target else "NOT reached"
-            print(f"{figures}{speed:>8.2f}x{'>= ' + str(target) + 'x':>9}  {verdict}", file=out)
+            print(
+                f"{figures}{speed:>8.2f}x{'>= ' + str(target) + 'x':>9}  {verdict}{spread}",
+                file=out,
+            )

@@ -105,7 +105,7 @@ def test_scheduler_benchmark_small():
 
 
 def test_paths_benchmark_reports_every_operator_and_path():
-    result = bench_scheduler(repeats=1, parts=("paths",), clients=16, per_client=16)
+    result = bench_scheduler(repeats=2, parts=("paths",), clients=16, per_client=16)
     rows = result["paths"]["rows"]
     assert [(r["op"], r["path"]) for r in rows] == [
         *[("glu", path) for path in (*PATHS, FLOOR)],
@@ -120,6 +120,13 @@ def test_paths_benchmark_reports_every_operator_and_path():
     assert "8. the per-request cost of every path" in out.getvalue()
     assert "GroupNormBackward 4x8x64, two-phase" in out.getvalue()
     assert "GroupNormalizationGrad 4x8x64, sync" in out.getvalue()
+    # each ratio is the median of its rounds, printed with their spread
+    for row in rows[-3:]:
+        low, high = min(row["speedup_rounds"]), max(row["speedup_rounds"])
+        assert len(row["speedup_rounds"]) == 2 and low <= row["speedup_vs_peer"] <= high
+        label = f"GroupNormalizationGrad 4x8x64, {row['path']}"
+        line = next(x for x in out.getvalue().splitlines() if x.startswith(label))
+        assert line.endswith(f"(rounds {low:.2f}-{high:.2f}x)")
 
 
 def test_the_direct_baseline_computes_each_operator_alone():
