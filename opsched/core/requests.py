@@ -326,7 +326,12 @@ def finish(
         if future.withdrawn:  # cancelled by its owner: no outcome to build (a lock-free
             return  # hint; settle() checks again under the future's lock)
         if state is RequestState.DONE:
-            future.settle(request.outcome(), None)
+            try:
+                outcome = request.outcome()
+            except Exception as exc:  # the device's conversion of its result (a copy off
+                future.settle(None, exc)  # an accelerator, say): its caller's error alone,
+            else:  # as a coroutine's caller gets it; the launch's other requests go on
+                future.settle(outcome, None)
         elif request.error is not None:
             future.settle(None, request.error)
         else:

@@ -28,7 +28,7 @@ from opsched import (
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
 from opsched.core.here import FEW_READY
-from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX
+from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
@@ -666,6 +666,48 @@ async def test_a_launch_that_cannot_be_handed_to_its_stream_fails_as_a_launch(mo
     stats = sched.statistics()
     assert stats.failed == 3 and stats.completed == 3
     assert_adds_up(stats)
+
+
+async def test_a_result_that_cannot_be_converted_fails_its_thread_future_only(monkeypatch):
+    # A device may convert a result for its caller (a torch device: a tensor back to numpy;
+    # on an accelerator a copy off the device, where a device error surfaces). For a
+    # thread's future that runs in the launch's completion, on the loop: raising there left
+    # the rest of the launch's requests without an outcome. The future of the one whose
+    # conversion failed gets that error; the others their results.
+    rng = np.random.default_rng(34)
+    calls = [small_glu(rng) for _ in range(3)]
+    bad = calls[1][0]
+    bind = HostDevice.bind
+
+    def converting_bind(self, op, tensors, scalars, spec, nbytes):
+        tensors, convert = bind(self, op, tensors, scalars, spec, nbytes)
+        if tensors["grad_out"] is bad:
+
+            def convert(result):
+                raise RuntimeError("copying the result off the device failed")
+
+        return tensors, convert
+
+    monkeypatch.setattr(HostDevice, "bind", converting_bind)
+    async with opsched.open_scheduler(streams=1) as sched:
+
+        def burst():  # one burst from a thread: one drain, one launch
+            futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, call) for call in calls]
+            outcomes = []
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except Exception as exc:
+                    outcomes.append(exc)
+            return outcomes
+
+        outcomes = await anyio.to_thread.run_sync(burst)
+        later = await sched.glu_backward(*calls[2])
+    assert isinstance(outcomes[1], RuntimeError) and "off the device" in str(outcomes[1])
+    for i in (0, 2):
+        assert_same_bits(outcomes[i], solo_glu(*calls[i], -1))
+    assert_same_bits(later, solo_glu(*calls[2], -1))
+    assert_adds_up(sched.statistics())
 
 
 # ----------------------------------------------------------- invalid requests, lifecycle
