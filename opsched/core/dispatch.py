@@ -98,7 +98,7 @@ class Dispatcher:
             return
         queue, tracer = self.queue, self.tracer
         if tracer is not None:
-            tracer.counters(len(queue), *self.device.memory_usage())
+            self._trace_counters()
         while self._idle and len(queue) and not self._memory_wait:
             taken: list[Request] = []
             queue.taken = taken
@@ -135,8 +135,18 @@ class Dispatcher:
                 break
         self.room()  # launched requests left the queue: backpressured callers go on
         if tracer is not None:
-            tracer.counters(len(queue), *self.device.memory_usage())
+            self._trace_counters()
         self._check_quiet()
+
+    def _trace_counters(self) -> None:
+        """Put the queue's depth and the device's memory on the trace (tracing on). The
+        device's figures come from its allocator (an accelerator's: a device error can
+        surface there): an error is reported, never raised into the dispatch."""
+        assert self.tracer is not None
+        try:
+            self.tracer.counters(len(self.queue), *self.device.memory_usage())
+        except Exception as exc:  # boundary: the trace's, not the requests'
+            self.loop.report(exc, "opsched: reading the device's memory for the trace failed")
 
     def _requeue(self, group: list[Batch]) -> None:
         """Put a group's requests back in the queue and its streams back to idle."""
@@ -298,7 +308,7 @@ class Dispatcher:
             log_launch(op, batch, outcome)
             if self.tracer is not None:
                 trace_launch(self.tracer, op, batch, launch.prepared.cache_hit, outcome)
-                self.tracer.counters(len(self.queue), *self.device.memory_usage())
+                self._trace_counters()
         except Exception as exc:  # boundary: the launch's requests are settled already
             self.loop.report(exc, "opsched: reporting a finished launch failed")
 

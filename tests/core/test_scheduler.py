@@ -560,15 +560,17 @@ async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeyp
     assert_adds_up(sched.statistics())
 
 
-@pytest.mark.parametrize("raising", ["log", "release"])
+@pytest.mark.parametrize("raising", ["log", "release", "memory"])
 async def test_a_raising_launch_report_strands_no_request(
-    monkeypatch, caplog, anyio_backend, raising
+    monkeypatch, caplog, anyio_backend, tmp_path, raising
 ):
     # The launch's log line runs the application's structlog processors, which may raise;
-    # so may a device's release of the workspace. Every request of the round still gets
-    # its result (two keys, two inline launches in one dispatch: the first one's report
-    # raises), later dispatches still run, and the error is reported: to asyncio's
-    # exception handler, on trio to the standard library's logging.
+    # so may a device's release of the workspace, and (tracing on) its memory counters,
+    # read at every dispatch (an accelerator's allocator statistics: a device error
+    # surfaces there). Every request of the round still gets its result (two keys, two
+    # inline launches in one dispatch: the first one's report raises), later dispatches
+    # still run, and the error is reported: to asyncio's exception handler, on trio to the
+    # standard library's logging.
     import opsched.core.dispatch as dispatch_mod
     from opsched.devices.host import HostDevice
 
@@ -581,14 +583,18 @@ async def test_a_raising_launch_report_strands_no_request(
     if anyio_backend == "asyncio":
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _, context: reported.append(context["exception"]))
+    trace = None
     if raising == "log":
         monkeypatch.setattr(dispatch_mod, "log_launch", broken)
-    else:
+    elif raising == "release":
         monkeypatch.setattr(HostDevice, "release", broken)
+    else:
+        monkeypatch.setattr(HostDevice, "memory_usage", broken)
+        trace = tmp_path / "trace.json"
     glu_calls = [small_glu(rng) for _ in range(3)]
     gn_calls = [random_gn(rng, F32) for _ in range(3)]
     with caplog.at_level("ERROR", logger="opsched"):
-        async with opsched.open_scheduler(streams=2) as sched:
+        async with opsched.open_scheduler(streams=2, trace=trace) as sched:
             async with anyio.create_task_group() as tg:
                 for _ in range(FEW_READY + 1):  # a busy loop: everything queues, one dispatch
                     tg.start_soon(anyio.lowlevel.checkpoint)
