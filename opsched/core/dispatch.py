@@ -169,10 +169,8 @@ class Dispatcher:
         try:
             for batch in group:
                 ready = device.prepare(batch, overflow=overflow)
-                if ready is None:
-                    for _, p in prepared:
-                        device.release(p.token)
-                    return self._out_of_memory(group, last)
+                if ready is None:  # out of workspace
+                    break
                 prepared.append((batch, ready))
         except Exception as exc:  # boundary: fail this group's requests, keep dispatching
             for _, p in prepared:
@@ -181,6 +179,10 @@ class Dispatcher:
             self._idle.sort()
             self.fail_requests(group[0].requests, exc, "starting the launch failed")
             return True
+        if len(prepared) < len(group):  # (outside the boundary: released once, here)
+            for _, p in prepared:
+                device.release(p.token)
+            return self._out_of_memory(group, last)
         now = time.monotonic()
         requests = group[0].requests
         for request in requests:
