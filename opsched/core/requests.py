@@ -326,11 +326,14 @@ def finish(
         if future.withdrawn:  # cancelled by its owner: no outcome to build (a lock-free
             return  # hint; settle() checks again under the future's lock)
         if state is RequestState.DONE:
+            # The device's conversion of its result can fail (a copy off an accelerator,
+            # say): that is its caller's error alone, as a coroutine's caller gets it at
+            # its await, never an exception into the launch's completion.
             try:
                 outcome = request.outcome()
-            except Exception as exc:  # the device's conversion of its result (a copy off
-                future.settle(None, exc)  # an accelerator, say): its caller's error alone,
-            else:  # as a coroutine's caller gets it; the launch's other requests go on
+            except Exception as exc:
+                future.settle(None, exc)
+            else:
                 future.settle(outcome, None)
         elif request.error is not None:
             future.settle(None, request.error)
