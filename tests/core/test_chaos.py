@@ -1,0 +1,205 @@
+"""Nothing a caller waits on is stranded, whatever the device raises and wherever.
+
+Every call the scheduler makes into a device or a stream from its own bookkeeping can
+raise (on an accelerator, a device error surfaces in whichever framework call comes next):
+preparing a launch, handing it to its stream, recording its event, releasing its
+workspace, allocating a graph intermediate, reading the memory figures for a trace,
+converting a result for its caller. Here each of them raises now and then (seeded), under a
+mixed load of coroutines, thread futures and graph runs with every launch on a stream
+thread. Each request must end: its result, bit-identical to its solo launch, or an error;
+the counters add up, the scheduler closes, and a clean round afterwards is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import anyio
+import numpy as np
+import pytest
+
+import opsched
+from opsched import ops
+from opsched.devices.host import HostDevice
+from opsched.devices.streams import ThreadStream
+from tests.helpers import assert_same_bits, rand
+from tests.sched_helpers import solo_glu
+
+pytestmark = pytest.mark.anyio  # on asyncio and on trio (conftest)
+
+F32 = np.dtype(np.float32)
+
+#: Where the device is made to raise: (class, method, before the real call or after it).
+#: After: the call's work is done (a release returns its block), then it raises.
+HOOKS = [
+    (HostDevice, "prepare", "before"),
+    (HostDevice, "release", "after"),
+    (HostDevice, "intermediate", "before"),
+    (HostDevice, "memory_usage", "before"),
+    (ThreadStream, "enqueue", "before"),
+    (ThreadStream, "record_event", "before"),
+]
+
+
+class Chaos:
+    """Raises ``RuntimeError("chaos in NAME")`` at each hook with probability ``p`` while
+    on, from a seeded generator; counts what it raised."""
+
+    def __init__(self, seed: int, p: float) -> None:
+        self._random = random.Random(seed)
+        self._p = p
+        self.on = True
+        self.raised: dict[str, int] = {}
+
+    def maybe(self, name: str) -> None:
+        if self.on and self._random.random() < self._p:
+            self.raised[name] = self.raised.get(name, 0) + 1
+            raise RuntimeError(f"chaos in {name}")
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for cls, method, when in HOOKS:
+            real = getattr(cls, method)
+
+            def hooked(*args, _real=real, _name=method, _when=when, **kwargs):
+                if _when == "before":
+                    self.maybe(_name)
+                    return _real(*args, **kwargs)
+                result = _real(*args, **kwargs)
+                self.maybe(_name)
+                return result
+
+            monkeypatch.setattr(cls, method, hooked)
+        bind = HostDevice.bind
+
+        def converting_bind(device, op, tensors, scalars, spec, nbytes):
+            tensors, convert = bind(device, op, tensors, scalars, spec, nbytes)
+            if convert is None:
+
+                def convert(result):
+                    self.maybe("convert")
+                    return result
+
+            return tensors, convert
+
+        monkeypatch.setattr(HostDevice, "bind", converting_bind)
+
+
+def _glu(rng: np.random.Generator, rows: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    return rand(rng, (rows, half), F32), rand(rng, (rows, 2 * half), F32)
+
+
+class _Work:
+    """One round of mixed requests and what each must return when it succeeds."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.awaited = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(24)]
+        self.threaded = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(12)]
+        self.chains = []
+        for _ in range(6):  # GLU -> GLU: the first's result is the second's grad_out
+            g, x = _glu(rng, 2, 8)
+            x2 = rand(rng, (2, 32), F32)
+            graph = opsched.Graph()
+            last = graph.glu_backward(graph.glu_backward(g, x, dim=-1), x2, dim=-1)
+            self.chains.append((graph, last, solo_glu(solo_glu(g, x, -1), x2, -1)))
+
+    async def run(self, sched: opsched.Scheduler) -> list[object]:
+        """Everything at once; each request's outcome (a result or an exception)."""
+        outcomes: list[object] = []
+
+        async def awaited(g: np.ndarray, x: np.ndarray) -> None:
+            try:
+                got = await sched.glu_backward(g, x)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                assert_same_bits(got, solo_glu(g, x, -1))
+                outcomes.append(got)
+
+        async def chain(graph: opsched.Graph, last: object, want: np.ndarray) -> None:
+            try:
+                (got,) = await sched.run(graph, outputs=[last])
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                assert_same_bits(got, want)
+                outcomes.append(got)
+
+        def burst() -> list[object]:  # one burst from a thread, then its outcomes
+            futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, c) for c in self.threaded]
+            got: list[object] = []
+            for future, (g, x) in zip(futures, self.threaded, strict=True):
+                try:
+                    result = future.result()
+                except Exception as exc:
+                    got.append(exc)
+                else:
+                    assert_same_bits(result, solo_glu(g, x, -1))
+                    got.append(result)
+            return got
+
+        async def threaded() -> None:
+            outcomes.extend(await anyio.to_thread.run_sync(burst))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(threaded)
+            for g, x in self.awaited:
+                tg.start_soon(awaited, g, x)
+            for graph, last, want in self.chains:
+                tg.start_soon(chain, graph, last, want)
+        return outcomes
+
+    @property
+    def requests(self) -> int:
+        return len(self.awaited) + len(self.threaded) + len(self.chains)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_a_device_raising_anywhere_strands_nothing(
+    monkeypatch, caplog, anyio_backend, tmp_path, seed
+):
+    rng = np.random.default_rng(seed)
+    chaos = Chaos(seed, p=0.2)
+    chaos.install(monkeypatch)
+    hooks = {name for _, name, _ in HOOKS} | {"convert"}
+    reported: list[tuple[str, BaseException]] = []
+    if anyio_backend == "asyncio":  # what the scheduler reports goes to the loop's handler
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _, context: reported.append((context["message"], context["exception"]))
+        )
+    config = {"streams": 2, "inline_max_bytes": 0, "trace": tmp_path / "trace.json"}
+    with caplog.at_level("ERROR", logger="opsched"):
+        async with opsched.open_scheduler(**config) as sched:
+            for _ in range(100):  # rounds until every hook has raised at least once
+                work = _Work(rng)
+                outcomes = await work.run(sched)
+                assert len(outcomes) == work.requests  # every request ended
+                if set(chaos.raised) == hooks:
+                    break
+            chaos.on = False
+            clean = _Work(rng)  # the scheduler still computes exactly
+            outcomes = await clean.run(sched)
+            assert not [o for o in outcomes if isinstance(o, Exception)]
+    if anyio_backend == "asyncio":
+        asyncio.get_running_loop().set_exception_handler(None)
+    else:  # trio has no handler: the standard library's logging
+        reported = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.exc_info]
+    assert set(chaos.raised) == hooks
+    stats = sched.statistics()
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
+    assert stats.queued == 0 and stats.running == 0
+    assert stats.failed > 0  # the chaos reached requests
+    # Only the chaos was reported, only where no request could be given it, and always by
+    # the scheduler itself: never an exception escaping into the loop (on asyncio its
+    # "Exception in callback ...", on trio the end of the run).
+    assert reported and all(str(e).startswith("chaos in ") for _, e in reported)
+    assert {str(e) for _, e in reported} <= {
+        "chaos in release",
+        "chaos in memory_usage",
+        "chaos in record_event",
+    }, reported
+    assert {message for message, _ in reported} <= {
+        "opsched: releasing a finished launch's workspace failed",
+        "opsched: reading the device's memory for the trace failed",
+        "opsched: recording a graph launch's event failed",
+    }, reported
