@@ -338,9 +338,7 @@ async def run_graph(
         if loop.cancelled is not None and loop.cancelled():
             await loop.checkpoint()
     except BaseException:
-        for request in run.cancel():
-            if request.state is RequestState.QUEUED:
-                sched._abandon(request)
+        _withdraw(sched, run)
         raise
     given = itertools.chain(  # read only by a device that converts results (torch)
         (inputs or {}).values(), (v for node in graph.nodes for v in node.args.values())
@@ -405,10 +403,25 @@ def _start(
         fresh=device.empty,
     )
     sched._counters.graph_runs += 1
-    run.start(given, plan)
+    try:
+        run.start(given, plan)
+    except BaseException:  # a node could not be submitted (no memory for its output, say):
+        _withdraw(sched, run)  # the caller gets the error; what was queued is withdrawn
+        raise
     if run.here:
         _run_here(sched, run)
     return run
+
+
+def _withdraw(sched: Scheduler, run: GraphRun) -> None:
+    """Stop ``run``: its nodes not yet launched never will be, its queued requests leave
+    the queue, those it was to run at submit end unrun (their nodes end cancelled,
+    releasing what they held)."""
+    for request in run.cancel():
+        if request.state is RequestState.QUEUED:
+            sched._abandon(request)
+    while run.here:
+        finish(run.here.popleft(), RequestState.CANCELLED, sched._counters)
 
 
 def _run_here(sched: Scheduler, run: GraphRun) -> None:

@@ -422,6 +422,50 @@ async def test_a_consumer_that_cannot_be_submitted_fails_with_its_downstream(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("here", [False, True], ids=["queued", "here"])
+async def test_a_run_whose_start_fails_leaves_nothing_queued_or_held(monkeypatch, here):
+    # A run submits its ready nodes when it starts; when a later one cannot be submitted
+    # (no memory for its output), the run raises that to its caller. The nodes it already
+    # queued are withdrawn, and no pooled intermediate stays held for a consumer that will
+    # never run. ``here``: on an idle scheduler the ready nodes are to run at submit, in
+    # the loop thread, once the run has started.
+    from opsched.devices.host import POOLED_INTERMEDIATE_BYTES, HostDevice
+
+    rng = np.random.default_rng(43)
+    rows, half = 64, 256  # intermediates of 128 and 256 KiB: pooled blocks
+    assert rows * 2 * half * 4 >= POOLED_INTERMEDIATE_BYTES
+    graph = opsched.Graph()
+    g_a, x_a = rand(rng, (rows, half), F32), rand(rng, (rows, 2 * half), F32)
+    g_b, x_b = rand(rng, (rows, 2 * half), F32), rand(rng, (rows, 4 * half), F32)
+    a = graph.glu_backward(g_a, x_a, dim=-1)
+    b = graph.glu_backward(g_b, x_b, dim=-1)
+    c = graph.glu_backward(a, b, dim=-1)  # waits for both roots
+    intermediate = HostDevice.intermediate
+    calls: list[tuple[int, ...]] = []
+
+    def no_memory_the_second_time(self, shape, dtype):
+        calls.append(shape)
+        if len(calls) == 2:  # the second root's output, at the run's start
+            raise MemoryError("no memory for an intermediate")
+        return intermediate(self, shape, dtype)
+
+    monkeypatch.setattr(HostDevice, "intermediate", no_memory_the_second_time)
+    inline = 1 << 20 if here else 0
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=inline) as sched:
+        with pytest.raises(MemoryError):
+            await sched.run(graph, outputs=[c])
+        monkeypatch.undo()
+        stats = sched.statistics()  # at once: nothing of the run is left to finish
+        assert stats.queued == 0 and stats.running == 0 and stats.pool.in_use == 0
+        assert stats.submitted == stats.cancelled == 1  # its first root, withdrawn
+        (got,) = await sched.run(graph, outputs=[c])
+    want = solo_glu(solo_glu(g_a, x_a, -1), solo_glu(g_b, x_b, -1), -1)
+    assert_same_bits(got, want)
+    stats = sched.statistics()
+    assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
+
+
+@pytest.mark.anyio
 async def test_a_consumer_launched_before_its_producer_failed_fails_with_it():
     # The consumer is already launched (on the other stream, waiting on the producer's
     # event) when the producer's launch fails: the consumer's launch then runs on the
