@@ -397,7 +397,7 @@ def _start(
         deadline_of(deadline, timeout),
         functools.partial(_submit_node, sched),
         device.intermediate,
-        device.release,
+        functools.partial(_release_intermediate, sched),
         done,
         drop,
         fresh=device.empty,
@@ -411,6 +411,17 @@ def _start(
     if run.here:
         _run_here(sched, run)
     return run
+
+
+def _release_intermediate(sched: Scheduler, token: Any) -> None:
+    """Give a graph intermediate's block back to the device (its node and every consumer
+    are final). This runs inside a request's :func:`finish`, in the middle of a launch's
+    completion: an error is reported, never raised there, where it would leave the rest
+    of the launch's requests without an outcome."""
+    try:
+        sched.device.release(token)
+    except Exception as exc:  # boundary: the device's bookkeeping; the results stand
+        sched._loop.report(exc, "opsched: releasing a graph intermediate failed")
 
 
 def _withdraw(sched: Scheduler, run: GraphRun) -> None:

@@ -97,8 +97,9 @@ class _Work:
         self.threaded = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(12)]
         self.chains = []
         for _ in range(6):  # GLU -> GLU: the first's result is the second's grad_out
-            g, x = _glu(rng, 2, 8)
-            x2 = rand(rng, (2, 32), F32)
+            # (a 128 KiB intermediate: a block of the pool, which must come back)
+            g, x = _glu(rng, 64, 256)
+            x2 = rand(rng, (64, 1024), F32)
             graph = opsched.Graph()
             last = graph.glu_backward(graph.glu_backward(g, x, dim=-1), x2, dim=-1)
             self.chains.append((graph, last, solo_glu(solo_glu(g, x, -1), x2, -1)))
@@ -180,6 +181,7 @@ async def test_a_device_raising_anywhere_strands_nothing(
             clean = _Work(rng)  # the scheduler still computes exactly
             outcomes = await clean.run(sched)
             assert not [o for o in outcomes if isinstance(o, Exception)]
+            assert sched.statistics().pool.in_use == 0  # nothing held: every block back
     if anyio_backend == "asyncio":
         asyncio.get_running_loop().set_exception_handler(None)
     else:  # trio has no handler: the standard library's logging
@@ -202,4 +204,5 @@ async def test_a_device_raising_anywhere_strands_nothing(
         "opsched: releasing a finished launch's workspace failed",
         "opsched: reading the device's memory for the trace failed",
         "opsched: recording a graph launch's event failed",
+        "opsched: releasing a graph intermediate failed",
     }, reported

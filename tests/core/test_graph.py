@@ -422,6 +422,52 @@ async def test_a_consumer_that_cannot_be_submitted_fails_with_its_downstream(
 
 
 @pytest.mark.anyio
+async def test_an_intermediate_that_cannot_be_released_strands_no_request(
+    monkeypatch, caplog, anyio_backend
+):
+    # A pooled intermediate goes back to the device when its last consumer finishes:
+    # inside that request's finish, in the middle of its launch's completion. A device
+    # whose release raises (after taking the block back) must not leave the launch's other
+    # requests without an outcome: two chains whose consumers share one launch, and the
+    # error is reported (asyncio: its exception handler; trio: the standard logging).
+    from opsched.devices.host import HostDevice
+
+    rng = np.random.default_rng(44)
+    release = HostDevice.release
+    reported: list[tuple[str, BaseException]] = []
+
+    def release_then_raise(self, token):
+        release(self, token)
+        raise RuntimeError("release failed")
+
+    chains = []
+    for _ in range(2):  # 128 KiB intermediates: pooled blocks
+        g, x, x2 = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32), rand(rng, (64, 1024), F32)
+        graph = opsched.Graph()
+        last = graph.glu_backward(graph.glu_backward(g, x, dim=-1), x2, dim=-1)
+        chains.append((graph, last, solo_glu(solo_glu(g, x, -1), x2, -1)))
+    if anyio_backend == "asyncio":
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(
+            lambda _, context: reported.append((context["message"], context["exception"]))
+        )
+    monkeypatch.setattr(HostDevice, "release", release_then_raise)
+    with caplog.at_level("ERROR", logger="opsched"):
+        async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
+            got = await gather(*(sched.run(graph, outputs=[last]) for graph, last, _ in chains))
+            stats = sched.statistics()
+            assert stats.running == 0 and stats.pool.in_use == 0
+    if anyio_backend == "asyncio":
+        loop.set_exception_handler(None)
+    else:
+        reported = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.exc_info]
+    for (result,), (_, _, want) in zip(got, chains, strict=True):
+        assert_same_bits(result, want)
+    assert reported and all(str(e) == "release failed" for _, e in reported)
+    assert "opsched: releasing a graph intermediate failed" in {m for m, _ in reported}
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("here", [False, True], ids=["queued", "here"])
 async def test_a_run_whose_start_fails_leaves_nothing_queued_or_held(monkeypatch, here):
     # A run submits its ready nodes when it starts; when a later one cannot be submitted
