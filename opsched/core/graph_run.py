@@ -496,6 +496,11 @@ def _submit_node(
     except ParamInvalidError as exc:
         finish(request, RequestState.FAILED, counters, exc)
         return request
+    except Exception as exc:  # boundary: the device failed to say (recorded and counted
+        # already, the request must end: its node fails, with what depends on it)
+        what = f"graph run: checking node {node.name!r} against the workspace cap failed"
+        finish(request, RequestState.FAILED, counters, InnerError.caused_by(what, exc))
+        return request
     if not request.nbytes:  # an empty tensor: done at once, without a launch
         run.launched(node_run, None)
         sched._finish_empty(request)

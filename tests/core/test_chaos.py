@@ -22,7 +22,7 @@ import pytest
 import opsched
 from opsched import ops
 from opsched.devices.host import HostDevice
-from opsched.devices.streams import ThreadStream
+from opsched.devices.streams import Event, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import solo_glu
 
@@ -33,13 +33,24 @@ F32 = np.dtype(np.float32)
 #: Where the device is made to raise: (class, method, before the real call or after it).
 #: After: the call's work is done (a release returns its block), then it raises.
 HOOKS = [
+    (HostDevice, "check_fits", "before"),
     (HostDevice, "prepare", "before"),
     (HostDevice, "release", "after"),
     (HostDevice, "intermediate", "before"),
+    (HostDevice, "empty", "before"),
     (HostDevice, "memory_usage", "before"),
     (ThreadStream, "enqueue", "before"),
     (ThreadStream, "record_event", "before"),
+    (ThreadStream, "wait_event", "before"),
+    (Event, "query", "before"),
 ]
+
+#: Two ways to run: every launch on a stream thread, traced (no request runs at submit);
+#: and as configured by default, small launches inline and lone requests at submit.
+CONFIGS = {
+    "threads-traced": {"streams": 2, "inline_max_bytes": 0, "trace": True},
+    "inline": {"streams": 2},
+}
 
 
 class Chaos:
@@ -50,12 +61,20 @@ class Chaos:
         self._random = random.Random(seed)
         self._p = p
         self.on = True
+        self.called: dict[str, int] = {}
         self.raised: dict[str, int] = {}
 
     def maybe(self, name: str) -> None:
-        if self.on and self._random.random() < self._p:
+        if not self.on:
+            return
+        self.called[name] = self.called.get(name, 0) + 1
+        if self._random.random() < self._p:
             self.raised[name] = self.raised.get(name, 0) + 1
             raise RuntimeError(f"chaos in {name}")
+
+    def covered(self) -> bool:
+        """Whether every hook called often (10 times or more) has raised at least once."""
+        return all(name in self.raised for name, n in self.called.items() if n >= 10)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for cls, method, when in HOOKS:
@@ -155,27 +174,29 @@ class _Work:
         return len(self.awaited) + len(self.threaded) + len(self.chains)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_a_device_raising_anywhere_strands_nothing(
-    monkeypatch, caplog, anyio_backend, tmp_path, seed
+    monkeypatch, caplog, anyio_backend, tmp_path, seed, config
 ):
     rng = np.random.default_rng(seed)
     chaos = Chaos(seed, p=0.2)
     chaos.install(monkeypatch)
-    hooks = {name for _, name, _ in HOOKS} | {"convert"}
     reported: list[tuple[str, BaseException]] = []
     if anyio_backend == "asyncio":  # what the scheduler reports goes to the loop's handler
         asyncio.get_running_loop().set_exception_handler(
             lambda _, context: reported.append((context["message"], context["exception"]))
         )
-    config = {"streams": 2, "inline_max_bytes": 0, "trace": tmp_path / "trace.json"}
+    options = dict(CONFIGS[config])
+    if options.pop("trace", False):
+        options["trace"] = tmp_path / "trace.json"
     with caplog.at_level("ERROR", logger="opsched"):
-        async with opsched.open_scheduler(**config) as sched:
-            for _ in range(100):  # rounds until every hook has raised at least once
+        async with opsched.open_scheduler(**options) as sched:
+            for rounds in range(1, 101):  # until every hook called often has raised
                 work = _Work(rng)
                 outcomes = await work.run(sched)
                 assert len(outcomes) == work.requests  # every request ended
-                if set(chaos.raised) == hooks:
+                if rounds >= 5 and chaos.covered():
                     break
             chaos.on = False
             clean = _Work(rng)  # the scheduler still computes exactly
@@ -186,7 +207,7 @@ async def test_a_device_raising_anywhere_strands_nothing(
         asyncio.get_running_loop().set_exception_handler(None)
     else:  # trio has no handler: the standard library's logging
         reported = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.exc_info]
-    assert set(chaos.raised) == hooks
+    assert chaos.covered() and len(chaos.raised) >= 5, (chaos.called, chaos.raised)
     stats = sched.statistics()
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.queued == 0 and stats.running == 0
@@ -194,7 +215,8 @@ async def test_a_device_raising_anywhere_strands_nothing(
     # Only the chaos was reported, only where no request could be given it, and always by
     # the scheduler itself: never an exception escaping into the loop (on asyncio its
     # "Exception in callback ...", on trio the end of the run).
-    assert reported and all(str(e).startswith("chaos in ") for _, e in reported)
+    assert reported or "release" not in chaos.raised
+    assert all(str(e).startswith("chaos in ") for _, e in reported)
     assert {str(e) for _, e in reported} <= {
         "chaos in release",
         "chaos in memory_usage",

@@ -468,6 +468,41 @@ async def test_an_intermediate_that_cannot_be_released_strands_no_request(
 
 
 @pytest.mark.anyio
+async def test_a_node_the_device_cannot_check_fails_and_ends(monkeypatch):
+    # A node is checked against the workspace cap as it is submitted (recorded and counted
+    # already): when the device raises there instead of answering, the node fails with
+    # InnerError and its downstream as upstream-failed; the request ends, and the block of
+    # its producer's output comes back.
+    from opsched.devices.host import HostDevice
+
+    rng = np.random.default_rng(45)
+    g, x, x2 = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32), rand(rng, (64, 1024), F32)
+    graph = opsched.Graph()
+    first = graph.glu_backward(g, x, dim=-1, name="first")
+    last = graph.glu_backward(first, x2, dim=-1, name="last")
+    check_fits = HostDevice.check_fits
+    calls: list[int] = []
+
+    def refuse_the_second(self, *args):
+        calls.append(1)
+        if len(calls) == 2:  # the consumer's, when its producer is launched
+            raise RuntimeError("device lost")
+        return check_fits(self, *args)
+
+    monkeypatch.setattr(HostDevice, "check_fits", refuse_the_second)
+    async with opsched.open_scheduler(streams=2, inline_max_bytes=0) as sched:
+        with pytest.raises(GraphExecutionError) as info:
+            await sched.run(graph, outputs=[last])
+        stats = sched.statistics()
+        assert stats.running == 0 and stats.queued == 0 and stats.pool.in_use == 0
+    failed = info.value.failed
+    assert list(failed) == ["last"] and isinstance(failed["last"], InnerError)
+    assert "checking node 'last'" in str(failed["last"])
+    assert isinstance(failed["last"].__cause__, RuntimeError)
+    assert stats.submitted == stats.completed + stats.failed == 2
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("here", [False, True], ids=["queued", "here"])
 async def test_a_run_whose_start_fails_leaves_nothing_queued_or_held(monkeypatch, here):
     # A run submits its ready nodes when it starts; when a later one cannot be submitted
