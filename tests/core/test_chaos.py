@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import opsched
-from opsched import ops
+from opsched import DeadlineExceededError, ops
 from opsched.devices.host import HostDevice
 from opsched.devices.streams import Event, ThreadStream
 from tests.helpers import assert_same_bits, rand
@@ -34,6 +34,7 @@ F32 = np.dtype(np.float32)
 #: After: the call's work is done (a release returns its block), then it raises.
 HOOKS = [
     (HostDevice, "check_fits", "before"),
+    (HostDevice, "run_here", "before"),
     (HostDevice, "prepare", "before"),
     (HostDevice, "release", "after"),
     (HostDevice, "intermediate", "before"),
@@ -114,6 +115,11 @@ class _Work:
     def __init__(self, rng: np.random.Generator) -> None:
         self.awaited = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(24)]
         self.threaded = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(12)]
+        # blocking calls from a thread (alone on an idle scheduler: run in that thread),
+        # callers that give up (cancelled at once; a deadline passed)
+        self.blocking = [_glu(rng, 2, 8) for _ in range(2)]
+        self.cancelled = [_glu(rng, 2, 8) for _ in range(4)]
+        self.late = [_glu(rng, 2, 8) for _ in range(4)]
         self.chains = []
         for _ in range(6):  # GLU -> GLU: the first's result is the second's grad_out
             # (a 128 KiB intermediate: a block of the pool, which must come back)
@@ -146,8 +152,16 @@ class _Work:
                 outcomes.append(got)
 
         def burst() -> list[object]:  # one burst from a thread, then its outcomes
-            futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, c) for c in self.threaded]
             got: list[object] = []
+            for g, x in self.blocking:
+                try:
+                    result = sched.call_threadsafe(ops.GLU_BACKWARD, (g, x))
+                except Exception as exc:
+                    got.append(exc)
+                else:
+                    assert_same_bits(result, solo_glu(g, x, -1))
+                    got.append(result)
+            futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, c) for c in self.threaded]
             for future, (g, x) in zip(futures, self.threaded, strict=True):
                 try:
                     result = future.result()
@@ -161,17 +175,37 @@ class _Work:
         async def threaded() -> None:
             outcomes.extend(await anyio.to_thread.run_sync(burst))
 
+        async def cancelled(g: np.ndarray, x: np.ndarray) -> None:
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # delivered at the request's wait (or it ran at submit)
+                await awaited(g, x)
+            outcomes.append("cancelled" if scope.cancelled_caught else outcomes.pop())
+
+        async def late(g: np.ndarray, x: np.ndarray) -> None:
+            try:
+                got = await sched.glu_backward(g, x, timeout=0.0)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                assert_same_bits(got, solo_glu(g, x, -1))
+                outcomes.append(got)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(threaded)
             for g, x in self.awaited:
                 tg.start_soon(awaited, g, x)
             for graph, last, want in self.chains:
                 tg.start_soon(chain, graph, last, want)
+            for g, x in self.cancelled:
+                tg.start_soon(cancelled, g, x)
+            for g, x in self.late:
+                tg.start_soon(late, g, x)
         return outcomes
 
     @property
     def requests(self) -> int:
-        return len(self.awaited) + len(self.threaded) + len(self.chains)
+        calls = (self.awaited, self.threaded, self.blocking, self.cancelled, self.late)
+        return sum(map(len, calls)) + len(self.chains)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -201,7 +235,9 @@ async def test_a_device_raising_anywhere_strands_nothing(
             chaos.on = False
             clean = _Work(rng)  # the scheduler still computes exactly
             outcomes = await clean.run(sched)
-            assert not [o for o in outcomes if isinstance(o, Exception)]
+            errors = [o for o in outcomes if isinstance(o, Exception)]  # the late ones only
+            assert len(errors) <= len(clean.late), errors
+            assert all(isinstance(e, DeadlineExceededError) for e in errors), errors
             assert sched.statistics().pool.in_use == 0  # nothing held: every block back
     if anyio_backend == "asyncio":
         asyncio.get_running_loop().set_exception_handler(None)
