@@ -5,14 +5,18 @@ raise (on an accelerator, a device error surfaces in whichever framework call co
 preparing a launch, handing it to its stream, recording its event, releasing its
 workspace, allocating a graph intermediate, reading the memory figures for a trace,
 converting a result for its caller. Here each of them raises now and then (seeded), under a
-mixed load of coroutines, thread futures and graph runs with every launch on a stream
-thread. Each request must end: its result, bit-identical to its solo launch, or an error;
-the counters add up, the scheduler closes, and a clean round afterwards is exact.
+mixed load (coroutines, thread futures, blocking calls, graph runs, callers that cancel or
+whose deadline passed), on the numpy device and on torch's CPU device, every launch on a
+stream thread or as configured by default. Each request must end: its result (the solo
+launch's bits; a torch device's within SPEC's tolerance) or an error; only what no request
+could be given is reported, by the scheduler; the counters add up, no pool block stays
+held, the scheduler closes, and a clean round afterwards is exact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 
 import anyio
@@ -21,10 +25,9 @@ import pytest
 
 import opsched
 from opsched import DeadlineExceededError, ops
-from opsched.devices.host import HostDevice
 from opsched.devices.streams import Event, ThreadStream
-from tests.helpers import assert_same_bits, rand
-from tests.sched_helpers import solo_glu
+from tests.helpers import rand
+from tests.sched_helpers import assert_result, solo_glu
 
 pytestmark = pytest.mark.anyio  # on asyncio and on trio (conftest)
 
@@ -32,19 +35,24 @@ F32 = np.dtype(np.float32)
 
 #: Where the device is made to raise: (class, method, before the real call or after it).
 #: After: the call's work is done (a release returns its block), then it raises.
+#: ``None`` stands for the device's class.
 HOOKS = [
-    (HostDevice, "check_fits", "before"),
-    (HostDevice, "run_here", "before"),
-    (HostDevice, "prepare", "before"),
-    (HostDevice, "release", "after"),
-    (HostDevice, "intermediate", "before"),
-    (HostDevice, "empty", "before"),
-    (HostDevice, "memory_usage", "before"),
+    (None, "check_fits", "before"),
+    (None, "run_here", "before"),
+    (None, "prepare", "before"),
+    (None, "release", "after"),
+    (None, "intermediate", "before"),
+    (None, "empty", "before"),
+    (None, "memory_usage", "before"),
     (ThreadStream, "enqueue", "before"),
     (ThreadStream, "record_event", "before"),
     (ThreadStream, "wait_event", "before"),
     (Event, "query", "before"),
 ]
+
+#: The numpy device, and torch's CPU device where torch is installed (its own launches,
+#: conversions and memory figures).
+DEVICES = ["cpu", *(["torch:cpu"] if importlib.util.find_spec("torch") else [])]
 
 #: Two ways to run: every launch on a stream thread, traced (no request runs at submit);
 #: and as configured by default, small launches inline and lone requests at submit.
@@ -77,8 +85,9 @@ class Chaos:
         """Whether every hook called often (10 times or more) has raised at least once."""
         return all(name in self.raised for name, n in self.called.items() if n >= 10)
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def install(self, monkeypatch: pytest.MonkeyPatch, device: type) -> None:
         for cls, method, when in HOOKS:
+            cls = cls or device
             real = getattr(cls, method)
 
             def hooked(*args, _real=real, _name=method, _when=when, **kwargs):
@@ -90,19 +99,19 @@ class Chaos:
                 return result
 
             monkeypatch.setattr(cls, method, hooked)
-        bind = HostDevice.bind
+        bind = device.bind
 
-        def converting_bind(device, op, tensors, scalars, spec, nbytes):
-            tensors, convert = bind(device, op, tensors, scalars, spec, nbytes)
-            if convert is None:
+        def converting_bind(self_, op, tensors, scalars, spec, nbytes):
+            tensors, convert = bind(self_, op, tensors, scalars, spec, nbytes)
+            inner = convert
 
-                def convert(result):
-                    self.maybe("convert")
-                    return result
+            def convert(result):
+                self.maybe("convert")
+                return result if inner is None else inner(result)
 
             return tensors, convert
 
-        monkeypatch.setattr(HostDevice, "bind", converting_bind)
+        monkeypatch.setattr(device, "bind", converting_bind)
 
 
 def _glu(rng: np.random.Generator, rows: int, half: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +121,8 @@ def _glu(rng: np.random.Generator, rows: int, half: int) -> tuple[np.ndarray, np
 class _Work:
     """One round of mixed requests and what each must return when it succeeds."""
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, device: str) -> None:
+        self.device = device
         self.awaited = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(24)]
         self.threaded = [_glu(rng, int(rng.integers(1, 5)), 8) for _ in range(12)]
         # blocking calls from a thread (alone on an idle scheduler: run in that thread),
@@ -139,7 +149,7 @@ class _Work:
             except Exception as exc:
                 outcomes.append(exc)
             else:
-                assert_same_bits(got, solo_glu(g, x, -1))
+                assert_result(self.device, got, solo_glu(g, x, -1))
                 outcomes.append(got)
 
         async def chain(graph: opsched.Graph, last: object, want: np.ndarray) -> None:
@@ -148,7 +158,7 @@ class _Work:
             except Exception as exc:
                 outcomes.append(exc)
             else:
-                assert_same_bits(got, want)
+                assert_result(self.device, got, want)
                 outcomes.append(got)
 
         def burst() -> list[object]:  # one burst from a thread, then its outcomes
@@ -159,7 +169,7 @@ class _Work:
                 except Exception as exc:
                     got.append(exc)
                 else:
-                    assert_same_bits(result, solo_glu(g, x, -1))
+                    assert_result(self.device, result, solo_glu(g, x, -1))
                     got.append(result)
             futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, c) for c in self.threaded]
             for future, (g, x) in zip(futures, self.threaded, strict=True):
@@ -168,7 +178,7 @@ class _Work:
                 except Exception as exc:
                     got.append(exc)
                 else:
-                    assert_same_bits(result, solo_glu(g, x, -1))
+                    assert_result(self.device, result, solo_glu(g, x, -1))
                     got.append(result)
             return got
 
@@ -187,7 +197,7 @@ class _Work:
             except Exception as exc:
                 outcomes.append(exc)
             else:
-                assert_same_bits(got, solo_glu(g, x, -1))
+                assert_result(self.device, got, solo_glu(g, x, -1))
                 outcomes.append(got)
 
         async with anyio.create_task_group() as tg:
@@ -208,32 +218,35 @@ class _Work:
         return sum(map(len, calls)) + len(self.chains)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_a_device_raising_anywhere_strands_nothing(
-    monkeypatch, caplog, anyio_backend, tmp_path, seed, config
+    monkeypatch, caplog, anyio_backend, tmp_path, seed, config, device
 ):
     rng = np.random.default_rng(seed)
     chaos = Chaos(seed, p=0.2)
-    chaos.install(monkeypatch)
+    options = {"device": device, **CONFIGS[config]}
+    async with opsched.open_scheduler(device=device) as probe:  # the device's class
+        device_class = type(probe.device)
+    chaos.install(monkeypatch, device_class)
     reported: list[tuple[str, BaseException]] = []
     if anyio_backend == "asyncio":  # what the scheduler reports goes to the loop's handler
         asyncio.get_running_loop().set_exception_handler(
             lambda _, context: reported.append((context["message"], context["exception"]))
         )
-    options = dict(CONFIGS[config])
     if options.pop("trace", False):
         options["trace"] = tmp_path / "trace.json"
     with caplog.at_level("ERROR", logger="opsched"):
         async with opsched.open_scheduler(**options) as sched:
             for rounds in range(1, 101):  # until every hook called often has raised
-                work = _Work(rng)
+                work = _Work(rng, device)
                 outcomes = await work.run(sched)
                 assert len(outcomes) == work.requests  # every request ended
                 if rounds >= 5 and chaos.covered():
                     break
             chaos.on = False
-            clean = _Work(rng)  # the scheduler still computes exactly
+            clean = _Work(rng, device)  # the scheduler still computes exactly
             outcomes = await clean.run(sched)
             errors = [o for o in outcomes if isinstance(o, Exception)]  # the late ones only
             assert len(errors) <= len(clean.late), errors
