@@ -22,9 +22,10 @@ import random
 import anyio
 import numpy as np
 import pytest
+import structlog
 
 import opsched
-from opsched import DeadlineExceededError, ops
+from opsched import DeadlineExceededError, SchedulerStatistics, ops
 from opsched.devices.streams import Event, ThreadStream
 from tests.helpers import rand
 from tests.sched_helpers import assert_result, solo_glu
@@ -227,45 +228,45 @@ async def test_a_device_raising_anywhere_strands_nothing(
     rng = np.random.default_rng(seed)
     chaos = Chaos(seed, p=0.2)
     options = {"device": device, **CONFIGS[config]}
+    if options.pop("trace", False):
+        options["trace"] = tmp_path / "trace.json"
     async with opsched.open_scheduler(device=device) as probe:  # the device's class
-        device_class = type(probe.device)
-    chaos.install(monkeypatch, device_class)
+        chaos.install(monkeypatch, type(probe.device))
     reported: list[tuple[str, BaseException]] = []
     if anyio_backend == "asyncio":  # what the scheduler reports goes to the loop's handler
         asyncio.get_running_loop().set_exception_handler(
             lambda _, context: reported.append((context["message"], context["exception"]))
         )
-    if options.pop("trace", False):
-        options["trace"] = tmp_path / "trace.json"
-    with caplog.at_level("ERROR", logger="opsched"):
-        async with opsched.open_scheduler(**options) as sched:
-            for rounds in range(1, 101):  # until every hook called often has raised
-                work = _Work(rng, device)
-                outcomes = await work.run(sched)
-                assert len(outcomes) == work.requests  # every request ended
-                if rounds >= 5 and chaos.covered():
-                    break
-            chaos.on = False
-            clean = _Work(rng, device)  # the scheduler still computes exactly
-            outcomes = await clean.run(sched)
-            errors = [o for o in outcomes if isinstance(o, Exception)]  # the late ones only
-            assert len(errors) <= len(clean.late), errors
-            assert all(isinstance(e, DeadlineExceededError) for e in errors), errors
-            assert sched.statistics().pool.in_use == 0  # nothing held: every block back
-    if anyio_backend == "asyncio":
-        asyncio.get_running_loop().set_exception_handler(None)
-    else:  # trio has no handler: the standard library's logging
-        reported = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.exc_info]
+
+    def processor(logger: object, method: str, event: dict) -> dict:
+        """The application's structlog processor: it runs on every opsched event (inside
+        the scheduler's bookkeeping too) and raises now and then; it prints nothing."""
+        chaos.maybe("structlog")
+        raise structlog.DropEvent
+
+    structlog.configure(processors=[processor])  # opsched emits its events once configured
+    try:
+        with caplog.at_level("ERROR", logger="opsched"):
+            stats = await _rounds(chaos, rng, device, options)
+    finally:
+        structlog.reset_defaults()
+        if anyio_backend == "asyncio":
+            asyncio.get_running_loop().set_exception_handler(None)
     assert chaos.covered() and len(chaos.raised) >= 5, (chaos.called, chaos.raised)
-    stats = sched.statistics()
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.queued == 0 and stats.running == 0
     assert stats.failed > 0  # the chaos reached requests
+    # The standard library's logging got the processor's errors (on both loops) and, on
+    # trio, which has no exception handler, what the scheduler reports.
+    logged = [(r.getMessage(), r.exc_info[1]) for r in caplog.records if r.exc_info]
+    processors = [e for m, e in logged if m.startswith("structlog raised on opsched's event")]
+    assert processors and all(str(e) == "chaos in structlog" for e in processors)
+    if anyio_backend == "trio":
+        reported = [(m, e) for m, e in logged if not m.startswith("structlog raised")]
     # Only the chaos was reported, only where no request could be given it, and always by
     # the scheduler itself: never an exception escaping into the loop (on asyncio its
     # "Exception in callback ...", on trio the end of the run).
     assert reported or "release" not in chaos.raised
-    assert all(str(e).startswith("chaos in ") for _, e in reported)
     assert {str(e) for _, e in reported} <= {
         "chaos in release",
         "chaos in memory_usage",
@@ -277,3 +278,25 @@ async def test_a_device_raising_anywhere_strands_nothing(
         "opsched: recording a graph launch's event failed",
         "opsched: releasing a graph intermediate failed",
     }, reported
+
+
+async def _rounds(
+    chaos: Chaos, rng: np.random.Generator, device: str, options: dict
+) -> SchedulerStatistics:
+    """Rounds under chaos until every hook called often has raised, then a clean round;
+    the scheduler's statistics once closed."""
+    async with opsched.open_scheduler(**options) as sched:
+        for rounds in range(1, 101):
+            work = _Work(rng, device)
+            outcomes = await work.run(sched)
+            assert len(outcomes) == work.requests  # every request ended
+            if rounds >= 5 and chaos.covered():
+                break
+        chaos.on = False
+        clean = _Work(rng, device)  # the scheduler still computes exactly
+        outcomes = await clean.run(sched)
+        errors = [o for o in outcomes if isinstance(o, Exception)]  # the late ones only
+        assert len(errors) <= len(clean.late), errors
+        assert all(isinstance(e, DeadlineExceededError) for e in errors), errors
+        assert sched.statistics().pool.in_use == 0  # nothing held: every block back
+    return sched.statistics()
