@@ -496,8 +496,8 @@ def _submit_node(
     except ParamInvalidError as exc:
         finish(request, RequestState.FAILED, counters, exc)
         return request
-    except Exception as exc:  # boundary: the device failed to say (recorded and counted
-        # already, the request must end: its node fails, with what depends on it)
+    except Exception as exc:  # boundary: the device could not answer. The request is
+        # recorded and counted already, so it must end: its node fails, with what depends
         what = f"graph run: checking node {node.name!r} against the workspace cap failed"
         finish(request, RequestState.FAILED, counters, InnerError.caused_by(what, exc))
         return request
