@@ -5,12 +5,13 @@ raise (on an accelerator, a device error surfaces in whichever framework call co
 preparing a launch, handing it to its stream, recording its event, releasing its
 workspace, allocating a graph intermediate, reading the memory figures for a trace,
 converting a result for its caller. Here each of them raises now and then (seeded), under a
-mixed load (coroutines, thread futures, blocking calls, graph runs, callers that cancel or
-whose deadline passed), on the numpy device and on torch's CPU device, every launch on a
-stream thread or as configured by default. Each request must end: its result (the solo
-launch's bits; a torch device's within SPEC's tolerance) or an error; only what no request
-could be given is reported, by the scheduler; the counters add up, no pool block stays
-held, the scheduler closes, and a clean round afterwards is exact.
+mixed load (coroutines, requests queued without waiting, thread futures, blocking calls,
+graph runs, callers that cancel or whose deadline passed), on the numpy device and on
+torch's CPU device, every launch on a stream thread or as configured by default. Each
+request must end: its result (the solo launch's bits; a torch device's within SPEC's
+tolerance) or an error; only what no request could be given is reported, by the
+scheduler; the counters add up, no pool block stays held, the scheduler closes, and a
+clean round afterwards is exact.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class _Work:
         self.blocking = [_glu(rng, 2, 8) for _ in range(2)]
         self.cancelled = [_glu(rng, 2, 8) for _ in range(4)]
         self.late = [_glu(rng, 2, 8) for _ in range(4)]
+        self.pending = [_glu(rng, 2, 8) for _ in range(4)]  # queued, then awaited
         self.chains = []
         for _ in range(6):  # GLU -> GLU: the first's result is the second's grad_out
             # (a 128 KiB intermediate: a block of the pool, which must come back)
@@ -172,8 +174,13 @@ class _Work:
                 else:
                     assert_result(self.device, result, solo_glu(g, x, -1))
                     got.append(result)
-            futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, c) for c in self.threaded]
-            for future, (g, x) in zip(futures, self.threaded, strict=True):
+            futures = []
+            for g, x in self.threaded:
+                try:  # (the checks at submit ask the device too)
+                    futures.append((sched.submit_threadsafe(ops.GLU_BACKWARD, (g, x)), g, x))
+                except Exception as exc:
+                    got.append(exc)
+            for future, g, x in futures:
                 try:
                     result = future.result()
                 except Exception as exc:
@@ -192,6 +199,22 @@ class _Work:
                 await awaited(g, x)
             outcomes.append("cancelled" if scope.cancelled_caught else outcomes.pop())
 
+        async def pending() -> None:  # queued without waiting, then awaited
+            queued = []
+            for g, x in self.pending:
+                try:  # (the checks at submit ask the device too)
+                    queued.append((sched.glu_backward_nowait(g, x), g, x))
+                except Exception as exc:
+                    outcomes.append(exc)
+            for request, g, x in queued:
+                try:
+                    got = await request
+                except Exception as exc:
+                    outcomes.append(exc)
+                else:
+                    assert_result(self.device, got, solo_glu(g, x, -1))
+                    outcomes.append(got)
+
         async def late(g: np.ndarray, x: np.ndarray) -> None:
             try:
                 got = await sched.glu_backward(g, x, timeout=0.0)
@@ -203,6 +226,7 @@ class _Work:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(threaded)
+            tg.start_soon(pending)
             for g, x in self.awaited:
                 tg.start_soon(awaited, g, x)
             for graph, last, want in self.chains:
@@ -215,7 +239,14 @@ class _Work:
 
     @property
     def requests(self) -> int:
-        calls = (self.awaited, self.threaded, self.blocking, self.cancelled, self.late)
+        calls = (
+            self.awaited,
+            self.threaded,
+            self.blocking,
+            self.cancelled,
+            self.late,
+            self.pending,
+        )
         return sum(map(len, calls)) + len(self.chains)
 
 
