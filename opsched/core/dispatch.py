@@ -174,14 +174,14 @@ class Dispatcher:
                 prepared.append((batch, ready))
         except Exception as exc:  # boundary: fail this group's requests, keep dispatching
             for _, p in prepared:
-                device.release(p.token)
+                self.release(p.token, "an unstarted launch's workspace")
             self._idle.extend(b.stream for b in group)
             self._idle.sort()
             self.fail_requests(group[0].requests, exc, "starting the launch failed")
             return True
         if len(prepared) < len(group):  # (outside the boundary: released once, here)
             for _, p in prepared:
-                device.release(p.token)
+                self.release(p.token, "an unstarted launch's workspace")
             return self._out_of_memory(group, last)
         now = time.monotonic()
         requests = group[0].requests
@@ -279,10 +279,7 @@ class Dispatcher:
         self.inflight -= 1
         batch = launch.batch
         self._launching.pop(batch.stream, None)
-        try:
-            self.device.release(launch.prepared.token)
-        except Exception as exc:  # boundary: the device's bookkeeping; the results stand
-            self.loop.report(exc, "opsched: releasing a finished launch's workspace failed")
+        self.release(launch.prepared.token, "a finished launch's workspace")
         self._memory_wait = False
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
@@ -313,6 +310,17 @@ class Dispatcher:
                 self._trace_counters()
         except Exception as exc:  # boundary: the launch's requests are settled already
             self.loop.report(exc, "opsched: reporting a finished launch failed")
+
+    def release(self, token: Any, what: str) -> None:
+        """Give ``what`` (a launch's workspace, a graph intermediate: ``token``) back to the
+        device. This runs inside the dispatch or a launch's completion (a graph
+        intermediate's, inside its last consumer's :func:`finish`): an error is the
+        device's bookkeeping, reported, never raised there, where it would leave requests
+        without an outcome."""
+        try:
+            self.device.release(token)
+        except Exception as exc:  # boundary: the results stand
+            self.loop.report(exc, f"opsched: releasing {what} failed")
 
     def _resolve(self, request: Request) -> None:
         """A launched request's launch is over: its outcome."""

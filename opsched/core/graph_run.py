@@ -397,7 +397,7 @@ def _start(
         deadline_of(deadline, timeout),
         functools.partial(_submit_node, sched),
         device.intermediate,
-        functools.partial(_release_intermediate, sched),
+        functools.partial(sched._dispatcher.release, what="a graph intermediate"),
         done,
         drop,
         fresh=device.empty,
@@ -411,17 +411,6 @@ def _start(
     if run.here:
         _run_here(sched, run)
     return run
-
-
-def _release_intermediate(sched: Scheduler, token: Any) -> None:
-    """Give a graph intermediate's block back to the device (its node and every consumer
-    are final). This runs inside a request's :func:`finish`, in the middle of a launch's
-    completion: an error is reported, never raised there, where it would leave the rest
-    of the launch's requests without an outcome."""
-    try:
-        sched.device.release(token)
-    except Exception as exc:  # boundary: the device's bookkeeping; the results stand
-        sched._loop.report(exc, "opsched: releasing a graph intermediate failed")
 
 
 def _withdraw(sched: Scheduler, run: GraphRun) -> None:
@@ -493,13 +482,12 @@ def _submit_node(
     counters.graph_nodes += 1
     try:  # as for callers: a node alone over the workspace cap fails
         device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
-    except ParamInvalidError as exc:
+    except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
+        # could not answer: recorded and counted already, the request must end either way
+        if not isinstance(exc, ParamInvalidError):
+            what = f"graph run: checking node {node.name!r} against the workspace cap failed"
+            exc = InnerError.caused_by(what, exc)
         finish(request, RequestState.FAILED, counters, exc)
-        return request
-    except Exception as exc:  # boundary: the device could not answer. The request is
-        # recorded and counted already, so it must end: its node fails, with what depends
-        what = f"graph run: checking node {node.name!r} against the workspace cap failed"
-        finish(request, RequestState.FAILED, counters, InnerError.caused_by(what, exc))
         return request
     if not request.nbytes:  # an empty tensor: done at once, without a launch
         run.launched(node_run, None)
