@@ -108,62 +108,70 @@ def test_request_futures_set_every_field_a_future_has():
     assert all(hasattr(future, name) for name in vars(concurrent.futures.Future()))
 
 
-def test_a_request_future_is_two_tracked_objects():
+def test_a_request_future_nobody_waited_on_is_one_tracked_object():
     # A burst holds thousands of futures: each tracked object they hold makes the garbage
-    # collector's passes longer. A RequestFuture is itself and its condition, through the
-    # whole of a submission: its fields are slots (no __dict__: fields set after __init__
-    # made one, as the scheduler's handling did), no waiters' list until
-    # concurrent.futures.wait() installs a waiter (or cancel() tells the waiters), no
-    # done-callbacks' list until one is added.
+    # collector's passes longer. A RequestFuture whose outcome came before anyone waited on
+    # it is itself alone, through the whole of a submission: its fields are slots (no
+    # __dict__: fields set after __init__ made one, as the scheduler's handling did), no
+    # condition until a thread blocks on it, no waiters' list until
+    # concurrent.futures.wait() installs a waiter, no done-callbacks' list until one is
+    # added. Its result then comes without a lock, and makes no condition either.
     import gc
 
     rng = np.random.default_rng(15)
     with opsched.sync.open_scheduler(streams=1) as sched:
         futures = [sched.submit_glu_backward(*glu_args(rng)) for _ in range(64)]
         gc.collect()  # a pass over live futures, as in a burst
-        for future in futures:
-            future.result(timeout=30)
-        gc.collect()
+    # (the block waited for every request: each future has its outcome, nobody waited)
+    for future in futures:
+        assert future.done() and future.result(timeout=0).shape == (4, 8)
+    gc.collect()
     for future in futures:
         kinds = [type(r).__name__ for r in gc.get_referents(future) if gc.is_tracked(r)]
-        assert kinds == ["_FutureCondition", "type"], kinds  # the class, not an instance
+        assert kinds == ["type"], kinds  # the class, not an instance
 
 
-def test_a_gone_futures_condition_serves_a_new_future():
-    # A future's condition goes back to a list when the future is gone, and a new future
-    # takes it (a burst then promotes one new object a future to the collector's oldest
-    # generation, not two). The new future must wait and wake as with a fresh condition,
-    # with nothing left of the old one's waiters, and the list keeps a bounded number.
+def test_a_future_settled_while_a_thread_makes_its_condition_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop gives a future with no condition its outcome without one; a thread that
+    # makes the condition at that moment (to wait in result()) must be told of it. Forced:
+    # settle() has seen no condition and waits for the module's lock, which a thread holds
+    # while it makes one; a waiter blocks in result() on it; then the lock is let go.
     from opsched.core import requests
 
-    idle = requests._IDLE_CONDITIONS
-    idle.clear()
-    old = requests.RequestFuture()
-    with pytest.raises(concurrent.futures.TimeoutError):
-        old.result(timeout=0)  # a wait that timed out leaves its list of waiters made
-    condition = old._condition
-    assert condition._waiters is not None
-    del old
-    assert idle == [condition] and condition._waiters is None
-    new = requests.RequestFuture()
-    assert new._condition is condition and not idle
+    made = threading.Lock()
+    at_lock = threading.Event()
 
-    def settle() -> None:
-        with condition:  # taken once the main thread waits in result(), which lets go
-            new.settle(np.ones(2), None)
+    class Announcing:  # the module's lock, saying when settle() reaches it
+        def __enter__(self) -> None:
+            at_lock.set()
+            made.acquire()
 
-    with condition:
-        thread = threading.Thread(target=settle)
-        thread.start()
-        # as result() waits (a wait that ends by its timeout says False: settle must notify)
-        assert condition.wait(timeout=30)
-        got = new.result(timeout=0)
-    thread.join(30)
-    assert got.shape == (2,)
-    many = [requests.RequestFuture() for _ in range(requests._IDLE_CONDITIONS_KEPT + 3)]
-    del many
-    assert len(idle) == requests._IDLE_CONDITIONS_KEPT
-    idle.clear()
+        def __exit__(self, *exc: object) -> None:
+            made.release()
+
+    monkeypatch.setattr(requests, "_CONDITION_MADE", Announcing())
+    future = requests.RequestFuture()
+    got: list[Any] = []
+    with made:  # a thread making the future's condition, right now
+        settling = threading.Thread(target=future.settle, args=(np.ones(3), None))
+        settling.start()
+        assert at_lock.wait(30)  # settle() saw no condition; it waits here
+        future._cond = requests._FutureCondition()  # what _condition makes, under the lock
+        waiting = threading.Thread(target=lambda: got.append(future.result(timeout=30)))
+        waiting.start()
+    settling.join(30)
+    waiting.join(30)
+    assert got and got[0].shape == (3,)
+    assert future.result(timeout=0) is got[0]
+
+    failed = requests.RequestFuture()
+    failed.settle(None, RuntimeError("boom"))  # no condition: the error is kept
+    assert failed.done() and failed._cond is None
+    with pytest.raises(RuntimeError, match="boom"):
+        failed.result(timeout=0)
+    assert isinstance(failed.exception(timeout=0), RuntimeError)
 
 
 def test_futures_work_with_the_standard_waiting_tools():

@@ -17,7 +17,7 @@ import enum
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, FINISHED, PENDING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -83,15 +83,13 @@ class _FutureCondition(_thread.RLock):  # type: ignore[misc]
         self.notify(len(self._waiters) if self._waiters else 0)
 
 
-#: Conditions of futures that are gone, for new futures to take (at most
-#: :data:`_IDLE_CONDITIONS_KEPT`, about 110 bytes each). A burst of submissions holds
-#: thousands of futures, and each new object a burst keeps alive is promoted to the garbage
-#: collector's oldest generation, whose growth by a quarter triggers a pass over the whole
-#: heap: a condition taken from here is old already, so a burst of futures promotes one
-#: object a future instead of two (measured: eight 25,600-future bursts in a row, torch
-#: imported, 15.0 -> 13.1 us a request; full passes in 15 of 16 bursts -> 10 of 16).
-_IDLE_CONDITIONS: list[_FutureCondition] = []
-_IDLE_CONDITIONS_KEPT = 32768
+#: Guards the making of a :class:`RequestFuture`'s condition, and the outcome given to a
+#: future that has none (so a thread that makes one afterwards finds the outcome, and one
+#: that made it before is told).
+_CONDITION_MADE = threading.Lock()
+
+#: A future's states once it has an outcome (``Future.done()``).
+_DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 
 
 class RequestFuture(Future[Any]):
@@ -99,27 +97,27 @@ class RequestFuture(Future[Any]):
     ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
     per request: it would keep the request, and its arrays, as long as the future lives.
 
-    A burst of submissions holds thousands of futures at once, and the garbage collector's
-    passes walk every tracked object they hold (measured: about 3 of a tiny request's 14 us
-    in a 25,600-future burst): this one is two, itself and its
-    :class:`_FutureCondition` (a plain ``Future`` is eleven), and the condition is one a
-    future that is gone left (:data:`_IDLE_CONDITIONS`) when there is one. Its fields are
-    slots, so its ``__dict__`` is never made; the list of ``concurrent.futures.wait``
-    waiters is made by the first one to install itself, the list of done-callbacks by the
-    first callback.
+    A burst of submissions holds thousands of futures at once, and every tracked object
+    they hold makes the garbage collector's full passes, which walk the whole heap, come
+    sooner (a plain ``Future`` is eleven objects; measured: a first 25,600-future burst,
+    torch imported, paid a 157 ms pass). This one is one object until something needs its
+    condition: a thread that blocks in ``result()`` on it before its outcome,
+    ``concurrent.futures.wait`` / ``as_completed``, ``cancel()``, a done-callback. Those
+    make it (a :class:`_FutureCondition`) on first use; the loop gives a future that has
+    none its outcome without one, under :data:`_CONDITION_MADE`, and a future with an
+    outcome answers ``result()`` and ``done()`` without a lock. Its fields are slots, so
+    its ``__dict__`` is never made; the list of ``concurrent.futures.wait`` waiters is made
+    by the first one to install itself, the list of done-callbacks by the first callback.
     """
 
     __slots__ = (
-        "_condition", "_done_callbacks", "_exception", "_request", "_result", "_state",
+        "_cond", "_done_callbacks", "_exception", "_request", "_result", "_state",
         "_waiter_list", "_withdraw", "checked", "withdrawn",
     )  # fmt: skip
 
     def __init__(self) -> None:
-        # Future.__init__'s fields (the same in every supported Python), its condition lean
-        try:  # a condition of a future that is gone (see _IDLE_CONDITIONS), else a new one
-            self._condition = _IDLE_CONDITIONS.pop()  # type: ignore[assignment]  # its API
-        except IndexError:
-            self._condition = _FutureCondition()  # type: ignore[assignment]
+        # Future.__init__'s fields (the same in every supported Python), its condition lazy
+        self._cond: _FutureCondition | None = None
         self._state = PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
@@ -138,24 +136,37 @@ class RequestFuture(Future[Any]):
         #: it set ``_withdraw``, without taking the future's lock (one sees the other).
         self.withdrawn = False
 
-    def __del__(
-        self, idle: list[_FutureCondition] = _IDLE_CONDITIONS, kept: int = _IDLE_CONDITIONS_KEPT
-    ) -> None:
-        # Its condition is idle: whoever locks or waits on a future holds the future (the
-        # lists are bound as defaults: still there while the interpreter shuts down).
-        if len(idle) < kept:
-            condition = self._condition
-            condition._waiters = None  # type: ignore[attr-defined]
-            idle.append(condition)  # type: ignore[arg-type]
+    @property
+    def _condition(self) -> _FutureCondition:  # type: ignore[override]  # Future's attribute
+        """The future's condition (every ``Future`` method that locks takes it), made on
+        first use."""
+        condition = self._cond
+        if condition is None:
+            with _CONDITION_MADE:
+                condition = self._cond
+                if condition is None:
+                    condition = self._cond = _FutureCondition()
+        return condition
 
     @property
     def _waiters(self) -> list[Any]:  # type: ignore[override]  # Future's attribute
         """The waiters of ``concurrent.futures.wait`` / ``as_completed`` (which append to
-        it, under the future's lock), made on first use."""
+        it, under the future's lock), made on first use, with the condition: a future with
+        a waiter to tell is never settled without it."""
         waiters = self._waiter_list
         if waiters is None:
+            self._condition  # noqa: B018  # made, if the caller did not lock it first
             waiters = self._waiter_list = []
         return waiters
+
+    def done(self) -> bool:
+        # A state is one attribute, written once the outcome is in place: no lock to take.
+        return self._state in _DONE_STATES
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state == FINISHED and self._exception is None:  # the usual: no lock
+            return self._result
+        return super().result(timeout)  # waits, times out, raises (under the lock)
 
     def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
         with self._condition:
@@ -167,29 +178,40 @@ class RequestFuture(Future[Any]):
         """Give the future its request's outcome (loop thread): ``error`` when not None,
         else ``result``; nothing when its owner cancelled it first.
 
-        One pass under the future's lock does what ``set_result`` / ``set_exception`` do
-        (the outcome, FINISHED, the waiters of ``concurrent.futures.wait`` and
-        ``as_completed``, the threads in ``result()``), so an owner's ``cancel()`` lands
-        either before it (then nothing is set) or after it (then it says False); the
-        done-callbacks run after the lock is let go, as for any future. (Claiming the
-        future first with ``set_running_or_notify_cancel`` and then calling ``set_result``
-        took the lock three times: 1.5 us a future on the loop thread.)
+        A future nobody has waited on, cancelled or added a callback to has no condition:
+        the outcome is written under :data:`_CONDITION_MADE` alone (there is nobody to
+        tell). Otherwise one pass under the future's lock does what ``set_result`` /
+        ``set_exception`` do (the outcome, FINISHED, the waiters of
+        ``concurrent.futures.wait`` and ``as_completed``, the threads in ``result()``), so
+        an owner's ``cancel()`` lands either before it (then nothing is set) or after it
+        (then it says False); the done-callbacks run after the lock is let go, as for any
+        future. Either way the outcome is written before the state that says it is there.
+        (Claiming the future first with ``set_running_or_notify_cancel`` and then calling
+        ``set_result`` took the lock three times: 1.5 us a future on the loop thread.)
         """
-        condition = self._condition
+        if self._cond is None:
+            with _CONDITION_MADE:
+                if self._cond is None:  # (a cancel() would have made it)
+                    self._result, self._exception = result, error
+                    self._state = FINISHED
+                    return
+        condition = self._cond
+        assert condition is not None  # made once, never unmade
         with condition:
             if self._state != PENDING:
                 return  # cancelled by its owner
-            self._state = FINISHED
             waiters = self._waiter_list or ()
             if error is None:
                 self._result = result
+                self._state = FINISHED
                 for waiter in waiters:
                     waiter.add_result(self)
             else:
                 self._exception = error
+                self._state = FINISHED
                 for waiter in waiters:
                     waiter.add_exception(self)
-            if condition._waiters:  # type: ignore[attr-defined]  # threads in result()
+            if condition._waiters:  # threads in result()
                 condition.notify_all()
         if self._done_callbacks:  # an empty tuple until the first is added
             self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own
