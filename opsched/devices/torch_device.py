@@ -334,14 +334,16 @@ class TorchDevice(Device):
             # copied in): this stream starts after what is queued there now.
             framework.wait_stream(backend.default_stream(self.torch_device))
             context = backend.stream(framework)
-        live = []
-        for r in requests:
-            try:
-                self.check_fault([r])
-            except Exception as exc:  # an injected fault fails that request only
-                errors[r.id] = exc
-            else:
-                live.append(r)
+        live = list(requests)
+        if self._faulty is not None:  # (none injected: no call a request)
+            live = []
+            for r in requests:
+                try:
+                    self.check_fault([r])
+                except Exception as exc:  # an injected fault fails that request only
+                    errors[r.id] = exc
+                else:
+                    live.append(r)
         # outputs are written in place, never recorded: grad mode off for the launch (as
         # torch.no_grad(), which costs twice as much a launch: 2.4 against 1.2 us)
         torch = self._torch
