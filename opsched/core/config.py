@@ -94,7 +94,8 @@ class SchedulerConfig:
             (default 10000, the device runtime's ACLNN_CACHE_LIMIT).
         malloc_keep_bytes: freed memory glibc's malloc keeps for the next launches' outputs
             instead of giving it back to the system, process-wide (``M_TOP_PAD``; see
-            :mod:`opsched.devices.malloc`), on the host devices (default 64 MiB: results of
+            :mod:`opsched.devices.malloc`), on the host devices and ``torch:cpu`` (whose
+            tensors torch allocates with the C library's malloc) (default 64 MiB: results of
             64 KiB-1 MiB each then reuse memory instead of faulting it in afresh, up to twice
             as fast; 0 leaves the allocator alone, as does a ``MALLOC_*`` variable or
             ``glibc.malloc`` tunable set by the user).

@@ -52,8 +52,9 @@ def make_device(
         fuse_max_bytes: the solo-launch threshold (the host devices).
         split_min_bytes: the size from which the scheduler may split a request across
             streams (a torch device gives such a request its outputs before the launch).
-        malloc_keep_bytes: the host devices: freed memory glibc's malloc keeps for their
-            outputs, process-wide (:func:`~opsched.devices.malloc.keep_freed_memory`).
+        malloc_keep_bytes: the host devices and ``torch:cpu`` (whose tensors torch
+            allocates with the C library's malloc): freed memory glibc's malloc keeps for
+            their outputs, process-wide (:func:`~opsched.devices.malloc.keep_freed_memory`).
 
     Raises:
         ValueError: an unknown device name (the message lists the known ones).
@@ -77,6 +78,8 @@ def make_device(
     if name.startswith("torch:"):
         from opsched.devices.torch_device import TorchDevice
 
-        return TorchDevice.create(name, streams, split_min_bytes=split_min_bytes)
+        return TorchDevice.create(
+            name, streams, split_min_bytes=split_min_bytes, malloc_keep_bytes=malloc_keep_bytes
+        )
     msg = f"unknown device {name!r}; expected one of {list(DEVICES)}"
     raise ValueError(msg)

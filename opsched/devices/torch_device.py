@@ -65,6 +65,7 @@ from opsched.devices.base import (
     is_tensor,
     meta_of,
 )
+from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import FrameworkStream, Stream, ThreadStream
 from opsched.ops import HostOperands, Operator, register_array_type
@@ -108,8 +109,13 @@ class TorchDevice(Device):
         register_array_type(torch.Tensor)
 
     @classmethod
-    def create(cls, name: str, streams: int, *, split_min_bytes: int = 8 << 20) -> TorchDevice:
-        """Parse ``torch:cpu`` / ``torch:cuda[:i]`` / ``torch:npu[:i]`` and open it.
+    def create(
+        cls, name: str, streams: int, *, split_min_bytes: int = 8 << 20, malloc_keep_bytes: int = 0
+    ) -> TorchDevice:
+        """Parse ``torch:cpu`` / ``torch:cuda[:i]`` / ``torch:npu[:i]`` and open it. On the
+        CPU, glibc's malloc keeps ``malloc_keep_bytes`` of freed memory for the launches'
+        outputs (torch allocates CPU tensors with the C library's malloc;
+        :func:`~opsched.devices.malloc.keep_freed_memory`: process-wide).
 
         Raises:
             ImportError: torch (or torch_npu for ``npu``) is not installed.
@@ -146,6 +152,7 @@ class TorchDevice(Device):
         else:
             torch_device = torch.device("cpu")
             framework = []
+            keep_freed_memory(malloc_keep_bytes)
         reported = None
         if kind == "npu" and backend is not None:  # e.g. "Ascend910B2": the SoC names it
             reported = product_of_device(str(backend.get_device_name(torch_device.index)))

@@ -111,3 +111,18 @@ def test_the_scheduler_applies_its_config_on_host_devices(calls):
     with opsched.sync.open_scheduler(malloc_keep_bytes=0):
         pass
     assert calls == []
+
+
+def test_torch_cpu_applies_it_too(calls):
+    # torch allocates CPU tensors with the C library's malloc: a torch:cpu scheduler's
+    # launch outputs are dropped in bursts like a host device's results.
+    pytest.importorskip("torch")
+    import opsched.sync
+
+    with opsched.sync.open_scheduler(device="torch:cpu", malloc_keep_bytes=8 << 20):
+        pass
+    assert calls[-1] == (-2, 8 << 20)
+    calls.clear()
+    with opsched.sync.open_scheduler(device="torch:cpu", malloc_keep_bytes=0):
+        pass
+    assert calls == []
