@@ -341,8 +341,9 @@ class TorchDevice(Device):
             # copied in): this stream starts after what is queued there now.
             framework.wait_stream(backend.default_stream(self.torch_device))
             context = backend.stream(framework)
-        live = list(requests)
-        if self._faulty is not None:  # (none injected: no call a request)
+        if self._faulty is None:  # no fault injector: no call a request
+            live = list(requests)
+        else:
             live = []
             for r in requests:
                 try:
