@@ -313,3 +313,37 @@ def test_a_forked_child_gets_its_own_default_and_an_inherited_scheduler_raises()
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fork ok" in proc.stdout
+
+
+FORK_LOCK_CHILD = textwrap.dedent(
+    """
+    import os, select, sys
+    import numpy as np
+    from opsched.core import requests
+
+    # a thread of the parent (here, its only one) holds the futures' module lock at the fork
+    with requests._CONDITION_MADE:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: a future settled and read there must not wait for it
+            future = requests.RequestFuture()
+            future.settle(np.ones(2), None)
+            os.write(write, b"ok" if future.result(timeout=0).shape == (2,) else b"no")
+            os._exit(0)
+    ready, _, _ = select.select([read], [], [], 60)
+    if not ready:
+        os.kill(pid, 9)
+        sys.exit("the child hung on the lock held at the fork")
+    os.waitpid(pid, 0)
+    print(os.read(read, 2).decode())
+    """
+)
+
+
+def test_a_forked_child_gives_its_futures_outcomes_whatever_lock_the_parent_held():
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_LOCK_CHILD], capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr

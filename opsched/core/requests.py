@@ -14,6 +14,7 @@ import _thread
 import asyncio
 import collections
 import enum
+import os
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
@@ -87,6 +88,16 @@ class _FutureCondition(_thread.RLock):  # type: ignore[misc]
 #: future that has none (so a thread that makes one afterwards finds the outcome, and one
 #: that made it before is told).
 _CONDITION_MADE = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child's own :data:`_CONDITION_MADE`: a thread of the parent may have held
+    it at the fork, and nobody in the child would ever let it go."""
+    global _CONDITION_MADE  # the one module lock, remade once per fork
+    _CONDITION_MADE = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 #: A future's states once it has an outcome (``Future.done()``).
 _DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
