@@ -174,6 +174,74 @@ def test_a_future_settled_while_a_thread_makes_its_condition_loses_nothing(
     assert isinstance(failed.exception(timeout=0), RuntimeError)
 
 
+def test_futures_from_many_threads_end_once_however_they_are_waited_on():
+    # A future's condition is made on first need, and the loop gives a future without one
+    # its outcome under a module lock instead. Threads that wait in result() before the
+    # outcome or after it, through wait() / as_completed(), with a done-callback, or that
+    # cancel, at whatever moment the loop settles their futures: each future ends once,
+    # with its solo result (or cancelled), and no waiter is left behind (a lost wake-up
+    # fails here by its timeout, never hangs).
+    import random
+
+    rng = np.random.default_rng(21)
+    args = [glu_args(rng) for _ in range(32)]
+    want = [solo_glu(g, x, -1) for g, x in args]
+    calls: list[int] = []
+    failures: list[BaseException] = []
+
+    def check(k: int, future: concurrent.futures.Future[Any]) -> None:
+        if future.cancelled():
+            with pytest.raises(concurrent.futures.CancelledError):
+                future.result(timeout=0)
+        else:
+            assert_same_bits(future.result(timeout=30), want[k])
+
+    def worker(sched: opsched.sync.SyncScheduler, seed: int) -> None:
+        chooser = random.Random(seed)
+        mine: list[tuple[int, concurrent.futures.Future[Any]]] = []
+        try:
+            for _ in range(150):
+                k = chooser.randrange(len(args))
+                future = sched.submit_glu_backward(*args[k])
+                mine.append((k, future))
+                way = chooser.randrange(5)
+                if way == 0:  # at once: most likely before its outcome
+                    check(k, future)
+                elif way == 1:
+                    future.add_done_callback(lambda f, k=k: calls.append(k))
+                elif way == 2:
+                    future.cancel()  # queued: withdrawn; running or done: says False
+                elif way == 3 and len(mine) >= 4:  # the last few, by the standard tools
+                    recent = [f for _, f in mine[-4:]]
+                    done, _ = concurrent.futures.wait(recent, timeout=30)
+                    assert done == set(recent)
+                    assert set(concurrent.futures.as_completed(recent, timeout=30)) == done
+            for k, future in mine:  # the rest, after their outcomes (mostly)
+                check(k, future)
+                assert future.done()
+        except BaseException as exc:  # reported by the test's thread
+            failures.append(exc)
+
+    with opsched.sync.open_scheduler(streams=2) as sched:
+        threads = [threading.Thread(target=worker, args=(sched, s)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = sched.statistics()
+    assert not any(t.is_alive() for t in threads)
+    assert not failures, failures
+    expected = sum(  # the callbacks the workers added (same choices, replayed)
+        1
+        for s in range(4)
+        for c in (random.Random(s),)
+        for _ in range(150)
+        if (c.randrange(len(args)), c.randrange(5))[1] == 1
+    )
+    assert len(calls) == expected  # each ran once: the loop thread ran it, or add_done_callback
+    assert stats.submitted == 600 and stats.completed + stats.cancelled == 600
+
+
 def test_futures_work_with_the_standard_waiting_tools():
     # The futures' condition is a leaner one than concurrent.futures builds: wait(),
     # as_completed(), result(timeout), done-callbacks and cancel() must all still work.
