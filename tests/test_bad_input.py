@@ -306,13 +306,19 @@ FORK_CHILD = textwrap.dedent(
 )
 
 
-def test_a_forked_child_gets_its_own_default_and_an_inherited_scheduler_raises():
+def _run_script(script: str) -> str:
+    """``script``'s output, run by a new interpreter (a fork there forks nothing of
+    pytest's); its failure fails the test."""
     proc = subprocess.run(
-        [sys.executable, "-c", FORK_CHILD], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
         check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fork ok" in proc.stdout
+    return proc.stdout
+
+
+def test_a_forked_child_gets_its_own_default_and_an_inherited_scheduler_raises():
+    assert "fork ok" in _run_script(FORK_CHILD)
 
 
 FORK_LOCK_CHILD = textwrap.dedent(
@@ -341,9 +347,5 @@ FORK_LOCK_CHILD = textwrap.dedent(
 
 
 def test_a_forked_child_gives_its_futures_outcomes_whatever_lock_the_parent_held():
-    proc = subprocess.run(
-        [sys.executable, "-c", FORK_LOCK_CHILD], capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+    out = _run_script(FORK_LOCK_CHILD)
+    assert out.strip() == "ok", out
