@@ -93,22 +93,29 @@ class GroupNormBackward(Operator):
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
         # the hot path of every repeated call (output_mask a tuple of bools, or left to its
         # default): a flat tuple, no loop; the generic version otherwise
-        if 9 <= len(args) <= 10:
-            dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
-            mask = args[9] if len(args) == 10 else _ALL
-            kinds = ARRAY_TYPES
-            if (
-                type(dy) in kinds and type(x) in kinds and type(mean) in kinds
-                and type(rstd) in kinds and (gamma is None or type(gamma) in kinds)
-                and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
-                and type(mask) is tuple and len(mask) == 3
+        count = len(args)
+        if count == 9:  # output_mask left to its default (the usual call)
+            dy, x, mean, rstd, gamma, n, c, hxw, group = args
+            mask = _ALL
+        elif count == 10:
+            dy, x, mean, rstd, gamma, n, c, hxw, group, mask = args
+        else:
+            return super().call_signature(args)
+        kinds = ARRAY_TYPES
+        if (
+            type(dy) in kinds and type(x) in kinds and type(mean) in kinds
+            and type(rstd) in kinds and (gamma is None or type(gamma) in kinds)
+            and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
+            and (mask is _ALL or (
+                type(mask) is tuple and len(mask) == 3
                 and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
-            ):  # fmt: skip
-                stats = None if gamma is None else (gamma.shape, gamma.dtype)
-                return (
-                    dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
-                    rstd.dtype, stats, n, c, hxw, group, mask,
-                )  # fmt: skip
+            ))
+        ):  # fmt: skip
+            stats = None if gamma is None else (gamma.shape, gamma.dtype)
+            return (
+                dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
+                rstd.dtype, stats, n, c, hxw, group, mask,
+            )  # fmt: skip
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
