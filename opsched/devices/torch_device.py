@@ -261,8 +261,7 @@ class TorchDevice(Device):
         array given was numpy (into the caller's ``out=``). Outputs the caller did not
         give come from the launch (its own result, or a view of its stacked output); one
         the scheduler may split across streams gets them now, for its parts to write."""
-        tensor, where, on_cpu = self._torch.Tensor, self.torch_device, self._on_cpu
-        if on_cpu and 0 < nbytes < self.split_min_bytes:
+        if self._on_cpu and 0 < nbytes < self.split_min_bytes:
             # numpy in, numpy out, nothing to split: the arrays stay numpy until the
             # launch gathers them (ops/_framework.py, host operands)
             ndarray = np.ndarray
@@ -271,6 +270,7 @@ class TorchDevice(Device):
                     break
             else:
                 return HostOperands(tensors), None
+        tensor, where, on_cpu = self._torch.Tensor, self.torch_device, self._on_cpu
         # one pass (this runs for every request), in place (``tensors`` is the request's
         # own dict): a tensor on this device as it is, anything else through admit()
         caller_out: dict[str, np.ndarray] | None = None
