@@ -211,16 +211,12 @@ class RequestFuture(Future[Any]):
         with condition:
             if self._state != PENDING:
                 return  # cancelled by its owner
-            waiters = self._waiter_list or ()
-            if error is None:
-                self._result = result
-                self._state = FINISHED
-                for waiter in waiters:
+            self._result, self._exception = result, error
+            self._state = FINISHED
+            for waiter in self._waiter_list or ():
+                if error is None:
                     waiter.add_result(self)
-            else:
-                self._exception = error
-                self._state = FINISHED
-                for waiter in waiters:
+                else:
                     waiter.add_exception(self)
             if condition._waiters:  # threads in result()
                 condition.notify_all()
