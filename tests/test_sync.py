@@ -320,10 +320,12 @@ def test_settle_tells_the_standard_waiters_and_happens_once():
     from opsched.core.requests import RequestFuture
 
     for error in (None, RuntimeError("boom")):
-        future = RequestFuture()
-        waiter = _create_and_install_waiters([future], FIRST_EXCEPTION)
+        future, pending = RequestFuture(), RequestFuture()
+        waiter = _create_and_install_waiters([future, pending], FIRST_EXCEPTION)
         future.settle(None if error else 7, error)
-        assert waiter.event.is_set() and waiter.finished_futures == [future]
+        assert waiter.finished_futures == [future]
+        # an error ends a FIRST_EXCEPTION wait at once; a result leaves it for the other
+        assert waiter.event.is_set() is (error is not None)
         future.settle(8, None)  # too late: ignored
         if error is None:
             assert future.result(timeout=0) == 7
