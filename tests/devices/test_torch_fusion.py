@@ -211,7 +211,7 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
         for r, j, h in zip(batch, picks, host, strict=True):
             assert all_bits(op, r) == solo[j]
             assert all(isinstance(v, np.ndarray if h else torch.Tensor) for v in outputs(op, r))
-    for j, args in enumerate(pool[:4]):
+    for j, args in enumerate(pool):  # each alone again, kept numpy: the same bits
         (r,) = run(op, [args], device.execute, host=[True])
         assert all_bits(op, r) == solo[j]
     device.close()
