@@ -397,11 +397,12 @@ def _lone_host(torch: Any, request: Any) -> bool:
     x, g, out = t["self"], t["grad_out"], t["out"]
     if x.dtype.itemsize < 4 or not _plain(x) or not _plain(g):
         return False
+    dim = request.scalars["dim"] % x.ndim
     if x.size >= 2 * SERIAL_ELEMENTS and (
-        torch.get_num_threads() > 1 or _half(request) >= SERIAL_ELEMENTS
+        torch.get_num_threads() > 1 or glu_grid(x.shape, dim)[1] >= SERIAL_ELEMENTS
     ):
         return False
-    g_, x_, dim = torch.from_numpy(g), torch.from_numpy(x), request.scalars["dim"] % x.ndim
+    g_, x_ = torch.from_numpy(g), torch.from_numpy(x)
     if out is None:
         t["out"] = torch.ops.aten.glu_backward(g_, x_, dim).numpy()
     elif _plain(out):

@@ -284,10 +284,23 @@ def test_a_lone_request_over_a_serial_call_has_the_same_bits_on_one_thread_or_tw
         for rows, half in ((7, 4_999), (13, 3_001), (1, 40_001), (3, 33_333))
     ]
     device = make_device("torch:cpu", 1)
+
+    def numpy_alone() -> list[list[bytes]]:  # C-contiguous numpy: the lone numpy path
+        done = []
+        for i, args in enumerate(pool):
+            r = request(GLU_BACKWARD, args, i)
+            r.tensors = HostOperands({k: None if v is None else np.ascontiguousarray(
+                torch_ops.from_torch(v)) for k, v in r.tensors.items()})  # fmt: skip
+            assert device.execute(GLU_BACKWARD, [r], 0) == {}
+            done.append(all_bits(GLU_BACKWARD, r))
+        return done
+
     torch.set_num_threads(1)
     one = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
+    assert numpy_alone() == one
     torch.set_num_threads(2)
     two = [all_bits(GLU_BACKWARD, r) for r in alone(GLU_BACKWARD, pool, device.execute)]
+    assert numpy_alone() == two
     device.close()
     assert one == two
 
