@@ -118,6 +118,40 @@ def test_a_lone_numpy_call_writes_its_out_in_place_or_by_copy(shape):
     assert into_strided.base is wide
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 6), (4, 8, 300)], ids=["small", "large"])
+def test_a_lone_numpy_group_norm_call_writes_its_out_in_place_or_by_copy(shape):
+    # the lone numpy paths of both group-norm operators: each output as the tensor call's
+    # bits (the stacked layout either way), allocated, written in place, or copied into
+    # a strided out=
+    rng = np.random.default_rng(5)
+    n, c, hxw = shape
+    x, dy, gamma, mean, rstd = gn_inputs(rng, shape, F32)
+    calls = {
+        "group_norm_grad": (x, dy, gamma, mean, rstd),
+        "group_norm_backward": (dy, x, mean, rstd, rand(rng, (c,), F32), n, c, hxw, c),
+    }
+    for name, args in calls.items():
+        tensors = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args)
+        with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+            call = getattr(sched, name)
+            want = call(*tensors)
+            want = tuple(w.numpy() for w in (want if isinstance(want, tuple) else (want,)))
+            plain = call(*args)
+            flat = tuple(np.full(w.shape, np.nan, F32) for w in want)
+            wide = tuple(np.full((*w.shape[:-1], 2 * w.shape[-1]), np.nan, F32) for w in want)
+            strided = tuple(w[..., 1::2] for w in wide)
+            into_flat = call(*args, out=flat if len(flat) > 1 else flat[0])
+            into_strided = call(*args, out=strided if len(strided) > 1 else strided[0])
+        got = [plain, into_flat, into_strided]
+        got = [g if isinstance(g, tuple) else (g,) for g in got]
+        assert all(type(v) is np.ndarray for g in got for v in g)
+        for g in got:
+            assert [v.tobytes() for v in g] == [w.tobytes() for w in want], name
+        assert all(v is f for v, f in zip(got[1], flat, strict=True))
+        assert all(v.base is w for v, w in zip(got[2], wide, strict=True))
+        assert all(np.isnan(w[..., ::2]).all() for w in wide)
+
+
 def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     from opsched.devices import make_device
     from opsched.ops import GLU_BACKWARD, HostOperands
