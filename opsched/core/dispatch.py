@@ -107,8 +107,12 @@ class Dispatcher:
                     queue, self._idle, self.config, time.monotonic()
                 )
             except Exception as exc:  # a bug in batch formation fails its requests only
+                if not taken:  # it took none: the next one fails, or this would never end
+                    self._pop_next()
                 self.fail_requests(taken, exc, "batch formation failed")
                 self._idle = sorted(set(range(len(self.device.streams))) - set(self._launching))
+                if not taken:  # not even that: the queue itself is broken; stop the round
+                    break
                 continue
             finally:
                 queue.taken = None
@@ -137,6 +141,15 @@ class Dispatcher:
         if tracer is not None:
             self._trace_counters()
         self._check_quiet()
+
+    def _pop_next(self) -> None:
+        """Take the next queued request (into ``queue.taken``), if the queue can say which."""
+        try:
+            key = self.queue.best_key()
+            if key is not None:
+                self.queue.pop(key)
+        except Exception as exc:  # boundary: the caller stops its round instead
+            self.loop.report(exc, "opsched: the queue failed to give its next request")
 
     def _trace_counters(self) -> None:
         """Put the queue's depth and the device's memory on the trace (tracing on). The

@@ -560,6 +560,28 @@ async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeyp
     assert_adds_up(sched.statistics())
 
 
+async def test_batch_formation_that_always_fails_fails_each_request_and_ends(monkeypatch):
+    # a policy bug that raises before taking anything: each round fails the next queued
+    # request instead of trying again forever, and the scheduler stays usable
+    import opsched.core.dispatch as sched_mod
+
+    rng = np.random.default_rng(13)
+    real = sched_mod.form_batches
+
+    def broken(*args):
+        raise ValueError("policy bug")
+
+    monkeypatch.setattr(sched_mod, "form_batches", broken)
+    async with opsched.open_scheduler(streams=1) as sched:
+        for _ in range(3):
+            with pytest.raises(InnerError, match="batch formation failed: ValueError"):
+                await beside_a_ready_task(sched.glu_backward(*small_glu(rng)))  # (queued)
+        monkeypatch.setattr(sched_mod, "form_batches", real)
+        after = small_glu(rng)
+        assert_same_bits(await sched.glu_backward(*after), solo_glu(*after, -1))
+    assert_adds_up(sched.statistics())
+
+
 @pytest.mark.parametrize("raising", ["log", "release", "memory"])
 async def test_a_raising_launch_report_strands_no_request(
     monkeypatch, caplog, anyio_backend, tmp_path, raising
