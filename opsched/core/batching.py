@@ -33,12 +33,22 @@ import attrs
 from opsched.core.config import SchedulerConfig
 from opsched.core.requests import Request, RequestState
 
-__all__ = ["MIN_SPREAD_BYTES", "Batch", "RequestQueue", "form_batches"]
+__all__ = ["MIN_SPREAD_BYTES", "SMALL_FUSED_BYTES", "Batch", "RequestQueue", "form_batches"]
 
 #: A fused batch is spread over several idle streams only when each share moves at least
 #: this many bytes: below it the per-launch Python work (which holds the GIL) outweighs the
 #: parallel kernel time.
 MIN_SPREAD_BYTES = 1 << 20
+
+#: On a device that runs small launches inline, a fused batch of requests of at most this
+#: many bytes each takes at most ``inline_max_bytes``, so that it runs inline. Its work is
+#: mostly per-request gathering and handing back, which holds the GIL: on a stream thread
+#: it only contends with the loop thread admitting the next requests. Measured on the cpu
+#: device, 256 coroutines of tiny requests of 33 KiB each (4.2 MiB a batch), median of five
+#: interleaved rounds: 26.6 -> 19.4 us a request. Larger requests keep the full
+#: ``max_batch_bytes``: their kernels run without the GIL, on the streams in parallel
+#: (requests of 768 KiB, capped: 92 -> 115 us a request).
+SMALL_FUSED_BYTES = 64 << 10
 
 
 @attrs.define(eq=False, slots=True)
@@ -288,6 +298,7 @@ def form_batches(
     idle: list[int],
     config: SchedulerConfig,
     now: float,
+    inline: bool = False,
 ) -> tuple[list[Batch], list[Request], float | None]:
     """Decide the launches to start on the ``idle`` streams.
 
@@ -296,6 +307,8 @@ def form_batches(
         idle: indices of idle streams; streams given a batch are removed from it.
         config: the policy knobs.
         now: the current ``time.monotonic()``.
+        inline: the device runs launches up to ``inline_max_bytes`` inline, and a fused
+            batch of small requests is kept under it (:data:`SMALL_FUSED_BYTES`).
 
     Returns:
         ``(batches, expired, wake_at)``: launches to start, requests whose deadline passed
@@ -335,7 +348,10 @@ def form_batches(
         ways = min(len(idle), queue.queued_bytes(key) // MIN_SPREAD_BYTES)
         if ways > 1:
             limit = min(limit, math.ceil(queue.count(key) / ways))
-        batch = _take(queue, key, limit, config, now, expired)
+        budget = config.max_batch_bytes
+        if inline and head.nbytes <= min(SMALL_FUSED_BYTES, config.inline_max_bytes // 2):
+            budget = min(budget, config.inline_max_bytes)
+        batch = _take(queue, key, limit, budget, config, now, expired)
         if batch:
             # A lone request runs on its own arrays: no gather, no scatter (same bits).
             batches.append(Batch(batch, idle.pop(0), key, fused=len(batch) > 1))
@@ -360,12 +376,13 @@ def _take(
     queue: RequestQueue,
     key: Hashable,
     limit: int,
+    budget: int,
     config: SchedulerConfig,
     now: float,
     expired: list[Request],
 ) -> list[Request]:
-    """Pop up to ``limit`` fusible requests of ``key`` within the byte budget."""
-    taken, late = queue.take(key, limit, config.fuse_max_bytes, config.max_batch_bytes, now)
+    """Pop up to ``limit`` fusible requests of ``key`` within ``budget`` bytes."""
+    taken, late = queue.take(key, limit, config.fuse_max_bytes, budget, now)
     expired.extend(late)
     return taken
 

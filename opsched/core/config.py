@@ -71,7 +71,9 @@ class SchedulerConfig:
             (default 0: launch at once). Raise it to fuse more at light load, at a latency cost.
         max_batch_requests: the most requests one fused launch takes (default 1024).
         max_batch_bytes: the most bytes (inputs + outputs) one fused launch takes
-            (default 64 MiB).
+            (default 64 MiB). On a device that runs launches inline, a fused launch of
+            small requests (64 KiB each at most) takes at most ``inline_max_bytes``, so
+            that it runs inline (see ``opsched.core.batching.SMALL_FUSED_BYTES``).
         fuse_max_bytes: requests larger than this are launched alone, not gathered into a
             fused launch: the gather copy would cost more than it saves (default 1 MiB).
         split_min_bytes: a request at least this large is split across idle streams

@@ -74,9 +74,12 @@ class Dispatcher:
     _quiet: LoopEvent | None = attrs.field(default=None, init=False)
     #: Launches run inline so far.
     _inline_runs: int = attrs.field(default=0, init=False)
+    #: Whether the device runs small launches inline (batches of small requests fit them).
+    _inline: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._idle = list(range(len(self.device.streams)))
+        self._inline = self.device.inline_capable and self.config.inline_max_bytes > 0
 
     def schedule(self) -> None:
         """Dispatch at the next loop turn (once, however many ask)."""
@@ -104,7 +107,7 @@ class Dispatcher:
             queue.taken = taken
             try:
                 batches, expired, wake_at = form_batches(
-                    queue, self._idle, self.config, time.monotonic()
+                    queue, self._idle, self.config, time.monotonic(), self._inline
                 )
             except Exception as exc:  # a bug in batch formation fails its requests only
                 if not taken:  # it took none: the next one fails, or this would never end

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from opsched import SchedulerConfig
-from opsched.core.batching import RequestQueue, form_batches
+from opsched.core.batching import SMALL_FUSED_BYTES, RequestQueue, form_batches
 from opsched.core.requests import Request, RequestState
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_GRAD
 
@@ -87,6 +87,25 @@ def test_max_batch_requests_and_bytes():
     cfg = SchedulerConfig(streams=1, max_batch_bytes=3 * per)
     batches, _, _ = form_batches(queue_of(*reqs), [0], cfg, now=1.0)
     assert len(batches[0].requests) == 3
+
+
+def test_small_requests_fuse_up_to_an_inline_launch_where_the_device_runs_them_inline():
+    small = [glu_request() for _ in range(64)]
+    per = small[0].nbytes
+    cfg = SchedulerConfig(streams=1, inline_max_bytes=10 * per)
+    inline, _, _ = form_batches(queue_of(*small), [0], cfg, now=1.0, inline=True)
+    assert [len(b.requests) for b in inline] == [10]  # (the rest waits for the next round)
+    elsewhere, _, _ = form_batches(queue_of(*small), [0], cfg, now=1.0, inline=False)
+    assert [len(b.requests) for b in elsewhere] == [64]
+    # requests over SMALL_FUSED_BYTES, or too large for two to fit inline: max_batch_bytes
+    large = [glu_request(rows=32, cols=2048) for _ in range(8)]  # 640 KiB each
+    assert large[0].nbytes > SMALL_FUSED_BYTES
+    cfg = SchedulerConfig(streams=1, inline_max_bytes=4 * large[0].nbytes)
+    batches, _, _ = form_batches(queue_of(*large), [0], cfg, now=1.0, inline=True)
+    assert [len(b.requests) for b in batches] == [8]
+    cfg = SchedulerConfig(streams=1, inline_max_bytes=per)
+    batches, _, _ = form_batches(queue_of(*small), [0], cfg, now=1.0, inline=True)
+    assert [len(b.requests) for b in batches] == [64]
 
 
 def test_work_spreads_over_idle_streams_when_each_share_is_large():

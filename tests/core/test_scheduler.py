@@ -104,6 +104,25 @@ def stream_threads(before=frozenset()):
 # -------------------------------------------------------------------- results and fusion
 
 
+async def test_small_requests_fuse_up_to_an_inline_launch():
+    # on the cpu device (which runs small launches inline) a fused batch of small requests
+    # stops at inline_max_bytes; with inline runs off it takes max_batch_bytes
+    rng = np.random.default_rng(1)
+    args = [small_glu(rng) for _ in range(100)]
+    per = args[0][0].nbytes + 2 * args[0][1].nbytes  # grad_out, self, out (as self)
+    for inline_max in (10 * per, 0):
+        async with opsched.open_scheduler(streams=1, inline_max_bytes=inline_max) as sched:
+            got = await gather(*(sched.glu_backward(g, x) for g, x in args))
+        stats = sched.statistics()
+        assert stats.completed == 100
+        if inline_max:
+            assert stats.requests_per_launch_max == 10
+        else:  # (one may run at submit, before the others are queued)
+            assert stats.requests_per_launch_max >= 99
+        for (g, x), result in zip(args, got, strict=True):
+            assert_same_bits(result, solo_glu(g, x, -1))
+
+
 @pytest.mark.usefixtures("fused_batches")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
@@ -543,12 +562,12 @@ async def test_batch_formation_bug_fails_its_requests_not_the_dispatcher(monkeyp
     real = sched_mod.form_batches
     calls = {"n": 0}
 
-    def flaky(queue, idle, config, now):
+    def flaky(queue, idle, config, now, *policy):
         calls["n"] += 1
         if calls["n"] == 1:
             queue.pop(queue.best_key())  # takes a request, then breaks
             raise KeyError("policy bug")
-        return real(queue, idle, config, now)
+        return real(queue, idle, config, now, *policy)
 
     monkeypatch.setattr(sched_mod, "form_batches", flaky)
     async with opsched.open_scheduler(streams=1) as sched:
