@@ -389,8 +389,9 @@ def _lone_host(torch: Any, request: Any) -> bool:
     call on tensors made of its arrays' memory, its result handed back as numpy, without
     the stacking path's conversions and checks of tensors (measured on torch:cpu, a tiny
     FLOAT request: about 10 us of a 26 us launch). The same call on the same values as
-    :func:`_lone`: the same bits. Says whether it ran the request (not: tensors, FLOAT16
-    or BFLOAT16, C-contiguous and writeable operands only, a size :func:`_lone` cuts)."""
+    :func:`_lone`: the same bits. Says whether it ran the request: not for tensors,
+    FLOAT16 or BFLOAT16, operands that are not C-contiguous and writeable, or a size
+    :func:`_lone` would cut."""
     t = request.tensors
     if type(t) is not HostOperands:
         return False

@@ -145,10 +145,10 @@ class GroupNormalizationGrad(Operator):
     def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
         # No aten operator binds aclnnGroupNormalizationGrad: SPEC's formula in torch
         # operations, in float32, rounded once into dx's dtype (as the numpy reference).
-        # Fifteen calls on FLOAT rows (a tiny call costs 2-4 us whatever its size, and on an
-        # accelerator each is a kernel launch): no conversion or reshape a tensor does not
-        # need, temporaries reused in place. Each operation and its operands' order are
-        # SPEC's, so the bits are those of the plain expression.
+        # Thirteen arithmetic calls on FLOAT rows (a tiny call costs 2-4 us whatever its
+        # size, and on an accelerator each is a kernel launch): no conversion or reshape a
+        # tensor does not need, temporaries reused in place. Each operation and its
+        # operands' order are SPEC's, so the bits are those of the plain expression.
         x, dx = tensors["x"], tensors["dx"]
         if not x.numel():
             return
@@ -190,13 +190,20 @@ class GroupNormalizationGrad(Operator):
                 for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
             }
             stacked["dx"] = out = framework_output(torch, stack, "dx", (rows, 1, m), x0)
-            calls = framework_rows(torch, rows, m, x0.is_cpu)
-            if len(calls) == 1:  # the usual launch: whole tensors, no slice to make
-                self.framework_call(torch, stacked, {})
-                calls = []
-            for a, b in calls:
-                self.framework_call(torch, {k: v[a:b] for k, v in stacked.items()}, {})
+            self._rows_calls(torch, stacked, rows, m, x0.is_cpu)
             framework_scatter(torch, out, stack, "dx", counts, "x")
+
+    def _rows_calls(
+        self, torch: Any, stacked: dict[str, Any], rows: int, m: int, cpu: bool
+    ) -> None:
+        """The framework calls on ``stacked`` operands of ``rows`` rows of ``m``: one on the
+        whole tensors (no slice to make), or one per :func:`framework_rows` range."""
+        calls = framework_rows(torch, rows, m, cpu)
+        if len(calls) == 1:
+            self.framework_call(torch, stacked, {})
+            return
+        for a, b in calls:
+            self.framework_call(torch, {k: v[a:b] for k, v in stacked.items()}, {})
 
     def _lone_host(self, torch: Any, request: Any) -> bool:
         """A lone request of numpy arrays (a blocking call's, say) in the stacked layout,
@@ -221,12 +228,7 @@ class GroupNormalizationGrad(Operator):
         else:
             dx = torch.empty((rows, 1, m), dtype=call["x"].dtype)
         call["dx"] = dx
-        calls = framework_rows(torch, rows, m, True)
-        if len(calls) == 1:
-            self.framework_call(torch, call, {})
-        else:
-            for a, b in calls:
-                self.framework_call(torch, {k: v[a:b] for k, v in call.items()}, {})
+        self._rows_calls(torch, call, rows, m, True)
         if out is None:
             t["dx"] = framework_host(torch, dx).reshape(x.shape)
         elif not own:
