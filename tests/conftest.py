@@ -1,3 +1,4 @@
+import faulthandler
 import os
 
 import pytest
@@ -24,3 +25,27 @@ def fused_batches(monkeypatch):
     launch (by default a batch of up to ``SOLO_BATCH_MAX`` runs its requests on their own
     arrays, one after another)."""
     monkeypatch.setattr(opsched.devices.host, "SOLO_BATCH_MAX", 1)
+
+
+#: The real standard error, kept when pytest is configured (its capture is off then; while
+#: a test runs, fd 2 is pytest's capture file, which is lost when the process exits).
+_STDERR: list[int] = []
+
+
+def pytest_configure(config):
+    _STDERR.append(os.dup(2))
+
+
+@pytest.fixture(autouse=True)
+def hang_ends_the_run(request):
+    """A backstop behind pytest-timeout: its signal raises inside whatever code runs, and
+    an event loop that is spinning in a callback logs that exception and goes on (the
+    test never ends, and CI would stall until its own limit). After twice the test's
+    timeout every thread's stack is written to stderr and the process exits, failing
+    the run."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else request.config.getini("timeout"))
+    if limit > 0:
+        faulthandler.dump_traceback_later(2 * limit, exit=True, file=_STDERR[0])
+    yield
+    faulthandler.cancel_dump_traceback_later()
