@@ -60,6 +60,7 @@ __all__ = [
     "framework_host",
     "framework_output",
     "framework_own",
+    "framework_plain",
     "framework_rows",
     "framework_scatter",
     "framework_split",
@@ -246,10 +247,17 @@ def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
     contiguous (the launch then writes elsewhere and :func:`framework_deliver` copies)."""
     own = tensors[name]
     if type(own) is np.ndarray:
-        if not (own.flags.c_contiguous and own.flags.writeable):
+        if not framework_plain(own):
             return None
         own = framework_tensor(torch, own)
     return own if own is not None and own.is_contiguous() else None
+
+
+def framework_plain(array: np.ndarray) -> bool:
+    """Whether torch can take a numpy ``array``'s memory as a launch lays it out: C-contiguous
+    and writeable."""
+    flags = array.flags
+    return flags.c_contiguous and flags.writeable
 
 
 def framework_scatter(

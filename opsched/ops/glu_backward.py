@@ -40,6 +40,7 @@ from opsched.ops._framework import (
     framework_gather,
     framework_output,
     framework_own,
+    framework_plain,
     framework_rows,
     framework_scatter,
     framework_stacks,
@@ -395,28 +396,20 @@ def _lone_host(torch: Any, request: Any) -> bool:
     t = request.tensors
     if type(t) is not HostOperands:
         return False
-    x, g, out = t["self"], t["grad_out"], t["out"]
-    if x.dtype.itemsize < 4 or not _plain(x) or not _plain(g):
+    x, g = t["self"], t["grad_out"]
+    if x.dtype.itemsize < 4 or not framework_plain(x) or not framework_plain(g):
         return False
     dim = request.scalars["dim"] % x.ndim
     if x.size >= 2 * SERIAL_ELEMENTS and (
         torch.get_num_threads() > 1 or glu_grid(x.shape, dim)[1] >= SERIAL_ELEMENTS
     ):
         return False
-    g_, x_ = torch.from_numpy(g), torch.from_numpy(x)
-    if out is None:
-        t["out"] = torch.ops.aten.glu_backward(g_, x_, dim).numpy()
-    elif _plain(out):
-        torch.ops.aten.glu_backward.grad_input(g_, x_, dim, grad_input=torch.from_numpy(out))
+    g_, x_, own = torch.from_numpy(g), torch.from_numpy(x), framework_own(torch, t, "out")
+    if own is not None:
+        torch.ops.aten.glu_backward.grad_input(g_, x_, dim, grad_input=own)
     else:
-        np.copyto(out, torch.ops.aten.glu_backward(g_, x_, dim).numpy())
+        framework_deliver(torch, t, "out", torch.ops.aten.glu_backward(g_, x_, dim).numpy())
     return True
-
-
-def _plain(array: np.ndarray) -> bool:
-    """Whether torch can take ``array``'s memory as it is: C-contiguous and writeable."""
-    flags = array.flags
-    return flags.c_contiguous and flags.writeable
 
 
 def _stack_key(request: Any) -> Hashable:

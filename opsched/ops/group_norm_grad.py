@@ -34,9 +34,11 @@ from opsched.ops._base import (
 )
 from opsched.ops._framework import (
     HostOperands,
+    framework_deliver,
     framework_gather,
     framework_host,
     framework_output,
+    framework_own,
     framework_rows,
     framework_scatter,
     framework_stacks,
@@ -221,18 +223,13 @@ class GroupNormalizationGrad(Operator):
             name: framework_tensor(torch, np.ascontiguousarray(t[name]).reshape(rows, 1, size))
             for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
         }
-        out = t["dx"]
-        own = out is not None and out.flags.c_contiguous and out.flags.writeable
-        if own:
-            dx = framework_tensor(torch, out).view(rows, 1, m)
+        own = framework_own(torch, t, "dx")
+        if own is not None:
+            call["dx"] = dx = own.view(rows, 1, m)
         else:
-            dx = torch.empty((rows, 1, m), dtype=call["x"].dtype)
-        call["dx"] = dx
+            call["dx"] = dx = torch.empty((rows, 1, m), dtype=call["x"].dtype)
         self._rows_calls(torch, call, rows, m, True)
-        if out is None:
-            t["dx"] = framework_host(torch, dx).reshape(x.shape)
-        elif not own:
-            np.copyto(out, framework_host(torch, dx).reshape(x.shape))
+        framework_deliver(torch, t, "dx", framework_host(torch, dx).reshape(x.shape))
         return True
 
     def output_spec(
