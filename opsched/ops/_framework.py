@@ -58,6 +58,7 @@ __all__ = [
     "framework_deliver",
     "framework_gather",
     "framework_host",
+    "framework_laid_out",
     "framework_output",
     "framework_own",
     "framework_plain",
@@ -94,6 +95,13 @@ def framework_tensor(torch: Any, value: Any) -> Any:
     if value.dtype == _BF16:
         return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(value)
+
+
+def framework_laid_out(torch: Any, array: np.ndarray, shape: Sequence[int]) -> Any:
+    """A numpy ``array`` as a C-contiguous CPU tensor of ``shape`` (a lone host request's
+    operand in a launch's layout): a view of its memory where it is C-contiguous already,
+    else of a C-ordered copy."""
+    return framework_tensor(torch, np.ascontiguousarray(array).reshape(shape))
 
 
 def framework_host(torch: Any, tensor: Any) -> Any:

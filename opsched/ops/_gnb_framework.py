@@ -19,10 +19,10 @@ from opsched.ops._framework import (
     framework_deliver,
     framework_gather,
     framework_host,
+    framework_laid_out,
     framework_split_deliver,
     framework_stack,
     framework_stacks,
-    framework_tensor,
 )
 
 __all__ = ["gnb_framework_batch"]
@@ -157,7 +157,7 @@ def _lone_host(torch: Any, request: Any) -> bool:
 
     def tensor(name: str, shape: tuple[int, ...], dtype: Any = None) -> Any:
         array = t[name] if dtype is None else t[name].astype(dtype, copy=False)
-        return framework_tensor(torch, np.ascontiguousarray(array).reshape(shape))
+        return framework_laid_out(torch, array, shape)
 
     rows, stats = (1, total, hxw), (1, groups)
     gamma = t["gamma"]

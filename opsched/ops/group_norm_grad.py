@@ -37,12 +37,12 @@ from opsched.ops._framework import (
     framework_deliver,
     framework_gather,
     framework_host,
+    framework_laid_out,
     framework_output,
     framework_own,
     framework_rows,
     framework_scatter,
     framework_stacks,
-    framework_tensor,
 )
 from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops.products import OpSupport
@@ -220,7 +220,7 @@ class GroupNormalizationGrad(Operator):
         rows = x.shape[0] * x.shape[1]
         m = x.size // rows
         call = {
-            name: framework_tensor(torch, np.ascontiguousarray(t[name]).reshape(rows, 1, size))
+            name: framework_laid_out(torch, t[name], (rows, 1, size))
             for name, size in (("x", m), ("dy", m), ("gamma", m), ("mean", 1), ("rstd", 1))
         }
         own = framework_own(torch, t, "dx")
