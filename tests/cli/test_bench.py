@@ -13,7 +13,7 @@ import pytest
 
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, kernel_targets, print_kernel_table
-from opsched.cli.bench_paths import FLOOR, PATHS
+from opsched.cli.bench_paths import FLOORS, PATHS
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def test_paths_benchmark_reports_every_operator_and_path():
     result = bench_scheduler(repeats=2, parts=("paths",), clients=16, per_client=16)
     rows = result["paths"]["rows"]
     assert [(r["op"], r["path"]) for r in rows] == [
-        *[("glu", path) for path in (*PATHS, FLOOR)],
+        *[("glu", path) for path in (*PATHS, *FLOORS)],
         *[("gnb", path) for path in PATHS],
         *[("gn", path) for path in PATHS if path != "two-phase"],  # the peer itself
     ]
@@ -157,6 +157,42 @@ def test_the_reference_batcher_computes_glu_backward():
 
     for (g, x), got in zip(inputs, asyncio.run(main()), strict=True):
         np.testing.assert_allclose(got, solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
+    """The featured floor does the real work and keeps the features it claims: the same
+    bits as the operator alone, a cancelled waiter's request never launched, the higher
+    priority first, a bad call refused."""
+    import asyncio
+
+    from opsched.cli.bench_paths import _FeaturedBatcher, glu_inputs
+    from tests.sched_helpers import solo_glu
+
+    inputs = glu_inputs(np.random.default_rng(5), 6)
+
+    async def main():
+        batcher = _FeaturedBatcher()
+        low = [asyncio.ensure_future(batcher.glu_backward(g, x)) for g, x in inputs[:3]]
+        high = [
+            asyncio.ensure_future(batcher.glu_backward(g, x, priority=1)) for g, x in inputs[3:]
+        ]
+        await asyncio.sleep(0)  # every task queued its request
+        low[1].cancel()
+        order: list[int] = []
+        for i, task in enumerate(low + high):
+            task.add_done_callback(lambda _, i=i: order.append(i))
+        results = await asyncio.gather(*low, *high, return_exceptions=True)
+        with pytest.raises(ValueError, match="do not match"):
+            await batcher.glu_backward(inputs[0][1], inputs[0][1])
+        return batcher, results, order
+
+    batcher, results, order = asyncio.run(main())
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert batcher.completed == 5 and batcher.launches == 2  # one lane a priority
+    assert order.index(3) < order.index(0)  # the high lane launched first
+    for k in (0, 2, 3, 4, 5):
+        g, x = inputs[k]
+        assert np.array_equal(results[k], solo_glu(g, x, -1))
 
 
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
