@@ -17,15 +17,18 @@ two-phase call (issue 15): its rows need no torch, and it has no two-phase row o
 For GLU two more rows, references without a target, the floors under the coroutine row:
 
 - ``bare batcher``: the issue's 40-line asyncio batcher: a list, one flush per loop turn,
-  one stacked numpy GLU backward, ``set_result`` per future. It has no checks, priorities,
+  one stacked numpy GLU backward (on a torch device, the framework's call on stacked
+  tensors), ``set_result`` per future. It has no checks, priorities,
   cancellation, bookkeeping or results of their own. On this machine the loop's own wake-up
   of each waiter is most of it.
 - ``featured batcher``: the issue's second reference, the bare batcher with the least a
   scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
-  request, priority lanes, cancellable waits, a result of its own, and the product's own GLU
-  kernel. It has none of the rest the scheduler must keep: deadlines, backpressure, error
-  isolation, statistics, hand-offs from threads, trio. What it costs over the bare batcher
-  is what those few features cost; the coroutine row cannot be cheaper.
+  request, priority lanes, cancellable waits, results handed out as the scheduler hands
+  them (a copy of its row each on numpy, a view of the stacked output on a torch device),
+  and the product's own GLU kernel (the framework's on a torch device). It has none of the
+  rest the scheduler must keep: deadlines, backpressure, error isolation, statistics,
+  hand-offs from threads, trio. What it costs over the bare batcher is what those few
+  features cost: the floor under a scheduler that keeps them.
 
 Every timed window (torch's and each path's) starts right after a full garbage collection:
 a window pays for the collections its own allocations set off, never for a full pass (50-60
@@ -167,13 +170,15 @@ async def _clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -
 
 class _BareBatcher:
     """The floor of the coroutine path (see the module docstring): what batching tiny
-    GluBackward requests costs with nothing but asyncio and numpy."""
+    GluBackward requests costs with nothing but asyncio and one stacked launch
+    (``launch``: :func:`_numpy_formula`, or :func:`_torch_aten` on a torch device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, launch: Callable[[list[Any], list[Any]], Any]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queued: list[tuple[np.ndarray, np.ndarray, asyncio.Future[np.ndarray]]] = []
+        self._launch = launch
+        self._queued: list[tuple[Any, Any, asyncio.Future[Any]]] = []
 
-    def glu_backward(self, grad_out: np.ndarray, x: np.ndarray) -> asyncio.Future[np.ndarray]:
+    def glu_backward(self, grad_out: Any, x: Any) -> asyncio.Future[Any]:
         future = self._loop.create_future()
         if not self._queued:
             self._loop.call_soon(self._flush)
@@ -182,15 +187,37 @@ class _BareBatcher:
 
     def _flush(self) -> None:
         queued, self._queued = self._queued, []
-        g = np.stack([q[0] for q in queued])
-        x = np.stack([q[1] for q in queued])
-        half = x.shape[-1] // 2
-        a, b = x[..., :half], x[..., half:]
-        s = 1 / (1 + np.exp(-b))
-        grad_a = g * s
-        out = np.concatenate([grad_a, grad_a * (a - a * s)], axis=-1)
+        out = self._launch([q[0] for q in queued], [q[1] for q in queued])
         for (_, _, future), result in zip(queued, out, strict=True):
             future.set_result(result)
+
+
+def _numpy_formula(grads: list[np.ndarray], selves: list[np.ndarray]) -> np.ndarray:
+    """The bare batcher's launch on numpy arrays: the issue's formula, numpy calls on the
+    stacked operands; a row each."""
+    g, x = np.stack(grads), np.stack(selves)
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    s = 1 / (1 + np.exp(-b))
+    grad_a = g * s
+    return np.concatenate([grad_a, grad_a * (a - a * s)], axis=-1)
+
+
+def _numpy_kernel(grads: list[np.ndarray], selves: list[np.ndarray]) -> np.ndarray:
+    """The product's own GLU kernel on the stacked operands; a row each."""
+    g, x = np.stack(grads), np.stack(selves)
+    out = np.empty_like(x)
+    _glu.glu_backward_fast(_glu.plan_glu_backward(g, x, -1, out), g, x, out, None)
+    return out
+
+
+def _torch_aten(grads: list[Any], selves: list[Any]) -> Any:
+    """The framework's GLU backward on the stacked tensors (a torch device's floors); a
+    view each."""
+    import torch
+
+    out = _torch_ops.glu_backward(torch.stack(grads), torch.stack(selves), -1)
+    return out.unbind(0)
 
 
 class _Record:
@@ -198,31 +225,36 @@ class _Record:
 
     __slots__ = ("future", "grad_out", "id", "result", "self")
 
-    def __init__(self, id: int, grad_out: np.ndarray, x: np.ndarray, future: Any) -> None:
+    def __init__(self, id: int, grad_out: Any, x: Any, future: Any) -> None:
         self.id = id
         self.grad_out = grad_out
         self.self = x
         self.future = future
-        self.result: np.ndarray | None = None
+        self.result: Any = None
 
 
 class _FeaturedBatcher:
     """The bare batcher with the least a scheduler's request needs (the module docstring):
     the checks once per signature, a record per request, lanes by signature and priority
-    (higher first, FIFO within), a cancelled waiter's request withdrawn, a result array of
-    its own for each, and the product's GLU kernel on the stacked operands."""
+    (higher first, FIFO within), a cancelled waiter's request withdrawn, a stacked
+    ``launch`` (the product's kernel, :func:`_numpy_kernel`, or the framework's on a torch
+    device), and each result handed out by ``own`` (a copy of its row on numpy, its view
+    on a torch device: as the scheduler's launches hand them out)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        launch: Callable[[list[Any], list[Any]], Any],
+        own: Callable[[Any], Any],
+    ) -> None:
         self._loop = asyncio.get_running_loop()
+        self._launch, self._own = launch, own
         self._signatures: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._lanes: dict[tuple[Any, ...], dict[int, list[_Record]]] = {}
         self._ids = 0
         self._pending = False
         self.completed = self.launches = 0
 
-    async def glu_backward(
-        self, grad_out: np.ndarray, x: np.ndarray, dim: int = -1, *, priority: int = 0
-    ) -> np.ndarray:
+    async def glu_backward(self, grad_out: Any, x: Any, dim: int = -1, *, priority: int = 0) -> Any:
         signature = (grad_out.shape, grad_out.dtype, x.shape, x.dtype, dim)
         key = self._signatures.get(signature)
         if key is None:  # the checks, once per signature
@@ -252,16 +284,14 @@ class _FeaturedBatcher:
             for priority in sorted(lanes, reverse=True):
                 taken = [r for r in lanes.pop(priority) if not r.future.done()]
                 if taken:
-                    self._launch(taken)
+                    self._run(taken)
 
-    def _launch(self, taken: list[_Record]) -> None:
-        grad_out = np.stack([r.grad_out for r in taken])
-        x = np.stack([r.self for r in taken])
-        out = np.empty_like(x)
-        _glu.glu_backward_fast(_glu.plan_glu_backward(grad_out, x, -1, out), grad_out, x, out, None)
+    def _run(self, taken: list[_Record]) -> None:
+        out = self._launch([r.grad_out for r in taken], [r.self for r in taken])
         self.launches += 1
+        own = self._own
         for record, result in zip(taken, out, strict=True):
-            record.result = result.copy()
+            record.result = own(result)
             self.completed += 1
             record.future.set_result(None)
 
@@ -271,15 +301,32 @@ def _glu_half(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
     return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
 
-def _batcher(
-    kind: type[_BareBatcher | _FeaturedBatcher], inputs: list[tuple[Any, ...]], n: int
-) -> float:
+def _as_it_is(result: Any) -> Any:
+    return result
+
+
+def _floor(path: str, target: BenchTarget, inputs: list[tuple[Any, ...]], n: int) -> float:
+    """Seconds for ``n`` requests through the floor ``path``: numpy arrays and numpy or
+    the product's kernel, or on a torch device the framework's tensors and call."""
+    batcher: Callable[[], Any]
+    if target.device.startswith("torch"):
+        where = target.device.removeprefix("torch:")
+        inputs = [tuple(_torch_ops.to_torch(a, where) for a in args) for args in inputs]
+        if path == FLOOR:
+            batcher = functools.partial(_BareBatcher, _torch_aten)
+        else:
+            batcher = functools.partial(_FeaturedBatcher, _torch_aten, _as_it_is)
+    elif path == FLOOR:
+        batcher = functools.partial(_BareBatcher, _numpy_formula)
+    else:
+        batcher = functools.partial(_FeaturedBatcher, _numpy_kernel, np.copy)
+
     async def main() -> float:
-        batcher = kind()
-        await _clients(batcher, "glu", inputs, n)  # warm-up, as for the coroutine path
+        floor = batcher()
+        await _clients(floor, "glu", inputs, n)  # warm-up, as for the coroutine path
         gc.collect()
         start = time.perf_counter()
-        await _clients(batcher, "glu", inputs, n)
+        await _clients(floor, "glu", inputs, n)
         return time.perf_counter() - start
 
     return asyncio.run(main())
@@ -412,7 +459,7 @@ def _run_path(
     if path in ("submit", "sync"):
         return _facade(target, op, inputs, n, submit=path == "submit")
     if path in FLOORS:
-        return _batcher(_BareBatcher if path == FLOOR else _FeaturedBatcher, inputs, n)
+        return _floor(path, target, inputs, n)
     return _two_phase(op, inputs, n)
 
 

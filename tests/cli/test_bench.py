@@ -142,21 +142,26 @@ def test_the_direct_baseline_computes_each_operator_alone():
             assert same_bits(two_phase_call(op)(*args), oracle(*args))
 
 
-def test_the_reference_batcher_computes_glu_backward():
+@pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
+def test_the_bare_batcher_computes_glu_backward(torch_device):
     # the floor row must do the real work, or its figure means nothing
     import asyncio
 
-    from opsched.cli.bench_paths import _BareBatcher, glu_inputs
+    from opsched.cli.bench_paths import _BareBatcher, _numpy_formula, _torch_aten, glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(4), 5)
+    given = inputs
+    if torch_device:
+        torch = pytest.importorskip("torch")
+        given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
 
     async def main():
-        batcher = _BareBatcher()
-        return await asyncio.gather(*(batcher.glu_backward(g, x) for g, x in inputs))
+        batcher = _BareBatcher(_torch_aten if torch_device else _numpy_formula)
+        return await asyncio.gather(*(batcher.glu_backward(g, x) for g, x in given))
 
     for (g, x), got in zip(inputs, asyncio.run(main()), strict=True):
-        np.testing.assert_allclose(got, solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
 
 
 def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
@@ -165,13 +170,13 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
     priority first, a bad call refused."""
     import asyncio
 
-    from opsched.cli.bench_paths import _FeaturedBatcher, glu_inputs
+    from opsched.cli.bench_paths import _FeaturedBatcher, _numpy_kernel, glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(5), 6)
 
     async def main():
-        batcher = _FeaturedBatcher()
+        batcher = _FeaturedBatcher(_numpy_kernel, np.copy)
         low = [asyncio.ensure_future(batcher.glu_backward(g, x)) for g, x in inputs[:3]]
         high = [
             asyncio.ensure_future(batcher.glu_backward(g, x, priority=1)) for g, x in inputs[3:]
@@ -193,6 +198,18 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
     for k in (0, 2, 3, 4, 5):
         g, x = inputs[k]
         assert np.array_equal(results[k], solo_glu(g, x, -1))
+        assert results[k].base is None  # its own array, not a view of the launch's
+
+
+def test_the_floors_run_on_a_torch_device_with_its_tensors():
+    """On a torch device both floors batch the framework's tensors through its own call."""
+    pytest.importorskip("torch")
+    from opsched.cli.bench_kernels import BenchTarget
+    from opsched.cli.bench_paths import FLOORS, _floor, glu_inputs
+
+    inputs = glu_inputs(np.random.default_rng(6), 8)
+    for path in FLOORS:
+        assert _floor(path, BenchTarget("torch:cpu"), inputs, 512) > 0
 
 
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
