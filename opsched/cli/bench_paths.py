@@ -18,9 +18,9 @@ For GLU two more rows, references without a target, the floors under the corouti
 
 - ``bare batcher``: the issue's 40-line asyncio batcher: a list, one flush per loop turn,
   one stacked numpy GLU backward (on a torch device, the framework's call on stacked
-  tensors), ``set_result`` per future. It has no checks, priorities,
-  cancellation, bookkeeping or results of their own. On this machine the loop's own wake-up
-  of each waiter is most of it.
+  tensors), ``set_result`` per future. It has no checks, priorities, cancellation,
+  bookkeeping or results of their own. On this machine the loop's own wake-up of each
+  waiter is most of it.
 - ``featured batcher``: the issue's second reference, the bare batcher with the least a
   scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
   request, priority lanes, cancellable waits, results handed out as the scheduler hands
@@ -221,7 +221,7 @@ def _torch_aten(grads: list[Any], selves: list[Any]) -> Any:
 
 
 class _Record:
-    """A request of the featured batcher: what it was given, where it is, its result."""
+    """A request of the featured batcher: its number, its operands, its waiter, its result."""
 
     __slots__ = ("future", "grad_out", "id", "result", "self")
 
