@@ -164,23 +164,34 @@ def test_the_bare_batcher_computes_glu_backward(torch_device):
         np.testing.assert_allclose(np.asarray(got), solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
 
 
-def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
-    """The featured floor does the real work and keeps the features it claims: the same
-    bits as the operator alone, a cancelled waiter's request never launched, the higher
-    priority first, a bad call refused."""
+@pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
+def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_device):
+    """The featured floor does the real work and keeps the features it claims: the
+    operator's results (on numpy the same bits as the operator alone, each its own array),
+    a cancelled waiter's request never launched, the higher priority first, a bad call
+    refused."""
     import asyncio
 
-    from opsched.cli.bench_paths import _FeaturedBatcher, _numpy_kernel, glu_inputs
+    from opsched.cli.bench_paths import (
+        _as_it_is,
+        _FeaturedBatcher,
+        _numpy_kernel,
+        _torch_aten,
+        glu_inputs,
+    )
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(5), 6)
+    given, launch, own = inputs, _numpy_kernel, np.copy
+    if torch_device:
+        torch = pytest.importorskip("torch")
+        given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
+        launch, own = _torch_aten, _as_it_is
 
     async def main():
-        batcher = _FeaturedBatcher(_numpy_kernel, np.copy)
-        low = [asyncio.ensure_future(batcher.glu_backward(g, x)) for g, x in inputs[:3]]
-        high = [
-            asyncio.ensure_future(batcher.glu_backward(g, x, priority=1)) for g, x in inputs[3:]
-        ]
+        batcher = _FeaturedBatcher(launch, own)
+        low = [asyncio.ensure_future(batcher.glu_backward(g, x)) for g, x in given[:3]]
+        high = [asyncio.ensure_future(batcher.glu_backward(g, x, priority=1)) for g, x in given[3:]]
         await asyncio.sleep(0)  # every task queued its request
         low[1].cancel()
         order: list[int] = []
@@ -188,7 +199,7 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
             task.add_done_callback(lambda _, i=i: order.append(i))
         results = await asyncio.gather(*low, *high, return_exceptions=True)
         with pytest.raises(ValueError, match="do not match"):
-            await batcher.glu_backward(inputs[0][1], inputs[0][1])
+            await batcher.glu_backward(given[0][1], given[0][1])
         return batcher, results, order
 
     batcher, results, order = asyncio.run(main())
@@ -197,8 +208,11 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority():
     assert order.index(3) < order.index(0)  # the high lane launched first
     for k in (0, 2, 3, 4, 5):
         g, x = inputs[k]
-        assert np.array_equal(results[k], solo_glu(g, x, -1))
-        assert results[k].base is None  # its own array, not a view of the launch's
+        if torch_device:  # the framework's call: its own last bits
+            np.testing.assert_allclose(results[k].numpy(), solo_glu(g, x, -1), rtol=1e-5)
+        else:
+            assert np.array_equal(results[k], solo_glu(g, x, -1))
+            assert results[k].base is None  # its own array, not a view of the launch's
 
 
 def test_the_floors_run_on_a_torch_device_with_its_tensors():
