@@ -54,6 +54,7 @@ from opsched import aclnn
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices import torch_ops as _torch_ops
 from opsched.kernels import glu as _glu
+from opsched.ops import GLU_BACKWARD
 
 __all__ = [
     "INPUTS",
@@ -221,12 +222,11 @@ def _torch_aten(grads: list[Any], selves: list[Any]) -> Any:
 
 
 class _Record:
-    """A request of the featured batcher: its number, its operands, its waiter, its result."""
+    """A request of the featured batcher: its operands, its waiter, its result."""
 
-    __slots__ = ("future", "grad_out", "id", "result", "self")
+    __slots__ = ("future", "grad_out", "result", "self")
 
-    def __init__(self, id: int, grad_out: Any, x: Any, future: Any) -> None:
-        self.id = id
+    def __init__(self, grad_out: Any, x: Any, future: Any) -> None:
         self.grad_out = grad_out
         self.self = x
         self.future = future
@@ -248,25 +248,23 @@ class _FeaturedBatcher:
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._launch, self._own = launch, own
-        self._signatures: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._checked: set[tuple[Any, ...]] = set()  # the signatures that passed the checks
         self._lanes: dict[tuple[Any, ...], dict[int, list[_Record]]] = {}
-        self._ids = 0
         self._pending = False
         self.completed = self.launches = 0
 
     async def glu_backward(self, grad_out: Any, x: Any, dim: int = -1, *, priority: int = 0) -> Any:
         signature = (grad_out.shape, grad_out.dtype, x.shape, x.dtype, dim)
-        key = self._signatures.get(signature)
-        if key is None:  # the checks, once per signature
-            if x.shape[dim] % 2 or grad_out.shape != _glu_half(x.shape, dim):
+        if signature not in self._checked:  # the checks, once per signature
+            half = GLU_BACKWARD.grad_shape(x.shape, dim % x.ndim)
+            if x.shape[dim] % 2 or grad_out.shape != half:
                 msg = f"glu_backward: shapes {grad_out.shape} and {x.shape} do not match"
                 raise ValueError(msg)
-            key = self._signatures[signature] = signature
-        self._ids += 1
-        record = _Record(self._ids, grad_out, x, self._loop.create_future())
-        lanes = self._lanes.get(key)
+            self._checked.add(signature)
+        record = _Record(grad_out, x, self._loop.create_future())
+        lanes = self._lanes.get(signature)
         if lanes is None:
-            lanes = self._lanes[key] = {}
+            lanes = self._lanes[signature] = {}
         lane = lanes.get(priority)
         if lane is None:
             lane = lanes[priority] = []
@@ -294,11 +292,6 @@ class _FeaturedBatcher:
             record.result = own(result)
             self.completed += 1
             record.future.set_result(None)
-
-
-def _glu_half(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    dim %= len(shape)
-    return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
 
 def _as_it_is(result: Any) -> Any:
