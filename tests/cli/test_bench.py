@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from opsched.cli.bench_floors import FLOORS
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, kernel_targets, print_kernel_table
-from opsched.cli.bench_paths import FLOORS, PATHS
+from opsched.cli.bench_paths import PATHS
 from opsched.cli.bench_scheduler import bench_scheduler, print_scheduler_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -147,7 +148,8 @@ def test_the_bare_batcher_computes_glu_backward(torch_device):
     # the floor row must do the real work, or its figure means nothing
     import asyncio
 
-    from opsched.cli.bench_paths import _BareBatcher, _numpy_formula, _torch_aten, glu_inputs
+    from opsched.cli.bench_floors import _BareBatcher, _numpy_formula, _torch_aten
+    from opsched.cli.bench_paths import glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(4), 5)
@@ -172,13 +174,8 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
     refused."""
     import asyncio
 
-    from opsched.cli.bench_paths import (
-        _as_it_is,
-        _FeaturedBatcher,
-        _numpy_kernel,
-        _torch_aten,
-        glu_inputs,
-    )
+    from opsched.cli.bench_floors import _as_it_is, _FeaturedBatcher, _numpy_kernel, _torch_aten
+    from opsched.cli.bench_paths import glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(5), 6)
@@ -216,14 +213,84 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
 
 
 def test_the_floors_run_on_a_torch_device_with_its_tensors():
-    """On a torch device both floors batch the framework's tensors through its own call."""
+    """On a torch device both floors batch the framework's tensors through its own call,
+    for GLU and GroupNormBackward (issue 14's operators); the numpy devices have GLU's."""
     pytest.importorskip("torch")
+    from opsched.cli.bench_floors import floors_of, run_floor
     from opsched.cli.bench_kernels import BenchTarget
-    from opsched.cli.bench_paths import FLOORS, _floor, glu_inputs
+    from opsched.cli.bench_paths import INPUTS
 
-    inputs = glu_inputs(np.random.default_rng(6), 8)
-    for path in FLOORS:
-        assert _floor(path, BenchTarget("torch:cpu"), inputs, 512) > 0
+    torch_cpu = BenchTarget("torch:cpu")
+    for op in ("glu", "gnb"):
+        inputs = INPUTS[op](np.random.default_rng(6), 8)
+        assert floors_of(op, torch_cpu) == FLOORS
+        for path in FLOORS:
+            assert run_floor(path, torch_cpu, op, inputs, 512) > 0
+    assert floors_of("gnb", BenchTarget()) == ()
+    assert floors_of("gn", torch_cpu) == ()
+
+
+def _torch_gnb_requests(torch, rng, k):
+    from opsched.cli.bench_paths import gnb_inputs
+
+    return [
+        tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args)
+        for args in gnb_inputs(rng, k)
+    ]
+
+
+@pytest.mark.parametrize("featured", [False, True], ids=["bare", "featured"])
+def test_the_group_norm_backward_floors_compute_the_frameworks_results(featured):
+    """Each request of a stacked GroupNormBackward floor gets the framework's own call's
+    dx, dgamma and dbeta on its operands alone (within float32 rounding: the floor sums
+    the per-sample parts in its own order)."""
+    import asyncio
+
+    torch = pytest.importorskip("torch")
+    from opsched.cli.bench_floors import _as_it_is, _BareBatcher, _FeaturedBatcher, _torch_gnb
+
+    requests = _torch_gnb_requests(torch, np.random.default_rng(7), 5)
+    # each request's values differ (gamma too): a mix-up between requests shows
+    requests = [
+        (dy, x, m, r, g * (i + 1), *rest) for i, (dy, x, m, r, g, *rest) in enumerate(requests)
+    ]
+
+    async def main():
+        batcher = _FeaturedBatcher(_torch_gnb, _as_it_is) if featured else _BareBatcher(_torch_gnb)
+        return await asyncio.gather(*(batcher.group_norm_backward(*args) for args in requests))
+
+    results = asyncio.run(main())
+    for (dy, x, mean, rstd, gamma, n, c, hxw, group), got in zip(requests, results, strict=True):
+        want = torch.ops.aten.native_group_norm_backward(
+            dy, x, mean, rstd, gamma, n, c, hxw, group, [True, True, True]
+        )
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_featured_group_norm_backward_floor_checks_each_new_signature():
+    import asyncio
+
+    torch = pytest.importorskip("torch")
+    from opsched.cli.bench_floors import _as_it_is, _FeaturedBatcher, _torch_gnb
+
+    dy, x, mean, rstd, gamma, n, c, hxw, group = _torch_gnb_requests(
+        torch, np.random.default_rng(8), 1
+    )[0]
+
+    async def main():
+        batcher = _FeaturedBatcher(_torch_gnb, _as_it_is)
+        await batcher.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group)
+        with pytest.raises(ValueError, match="do not match"):  # gamma of C + 1
+            await batcher.group_norm_backward(
+                dy, x, mean, rstd, torch.ones(c + 1), n, c, hxw, group
+            )
+        with pytest.raises(ValueError, match="do not match"):  # 3 groups of 8 channels
+            await batcher.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, 3)
+        return batcher.completed
+
+    assert asyncio.run(main()) == 1
 
 
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])

@@ -1,0 +1,303 @@
+"""The floors under the coroutine path: what batching tiny requests costs with the least
+code, measured beside the scheduler in every ``--parts paths`` run (reference rows, no
+target). GluBackward has them on every device; GroupNormBackward on a torch device
+(issue 14's operator: the numpy devices have no stacked launch of it that takes a gamma
+per request).
+
+- ``bare batcher``: the 40-line asyncio batcher of issue 15: a list, one flush per loop
+  turn, one stacked launch (numpy's GLU formula; on a torch device the framework's call
+  on stacked tensors), ``set_result`` per future. It has no checks, priorities,
+  cancellation, bookkeeping or results of their own. On this machine the loop's own
+  wake-up of each waiter is most of it.
+- ``featured batcher``: the issue's second reference, the bare batcher with the least a
+  scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
+  request, priority lanes, cancellable waits, results handed out as the scheduler hands
+  them (a copy of its row each on numpy, a view of the stacked output on a torch device),
+  and the product's own GLU kernel (the framework's calls on a torch device). It has none
+  of the rest the scheduler must keep: deadlines, backpressure, error isolation,
+  statistics, hand-offs from threads, trio. What it costs over the bare batcher is what
+  those few features cost: the floor under a scheduler that keeps them.
+
+On a torch device GroupNormBackward's launch (:func:`_torch_gnb`) is the least one aten
+call needs: the requests' operands stacked (a copy each: aten reads one contiguous
+tensor), gamma repeated per sample, one call, the per-sample dgamma / dbeta summed by one
+more, and three views back to each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from opsched.cli.bench_kernels import BenchTarget
+from opsched.devices import torch_ops as _torch_ops
+from opsched.kernels import glu as _glu
+from opsched.ops import GLU_BACKWARD
+
+__all__ = ["CLIENTS", "FEATURED", "FLOOR", "FLOORS", "METHODS", "clients", "floors_of", "run_floor"]
+
+#: The reference rows, in the order a round runs them.
+FLOOR = "bare batcher"
+FEATURED = "featured batcher"
+FLOORS = (FLOOR, FEATURED)
+#: Each operator's scheduler method (with ``submit_`` before it: its queuing twin).
+METHODS = {"glu": "glu_backward", "gn": "group_norm_grad", "gnb": "group_norm_backward"}
+#: The coroutines of the coroutine path and of the floors.
+CLIENTS = 256
+
+
+async def clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -> None:
+    """``CLIENTS`` coroutines awaiting ``n`` requests in all (results dropped)."""
+    call = getattr(sched, METHODS[op])
+    share = n // CLIENTS
+
+    async def client(i: int) -> None:
+        for j in range(share):
+            await call(*inputs[(i * share + j) % len(inputs)])
+
+    await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+
+
+class _BareBatcher:
+    """The floor of the coroutine path (see the module docstring): what batching tiny
+    requests costs with nothing but asyncio and one stacked launch (``launch``, on the
+    queued requests' arguments: :func:`_numpy_formula`, or on a torch device
+    :func:`_torch_aten` / :func:`_torch_gnb`)."""
+
+    def __init__(self, launch: Callable[[list[tuple[Any, ...]]], Any]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._launch = launch
+        self._queued: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+
+    def _submit(self, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        future = self._loop.create_future()
+        if not self._queued:
+            self._loop.call_soon(self._flush)
+        self._queued.append((args, future))
+        return future
+
+    def glu_backward(self, grad_out: Any, x: Any) -> asyncio.Future[Any]:
+        return self._submit((grad_out, x))
+
+    def group_norm_backward(self, *args: Any) -> asyncio.Future[Any]:
+        return self._submit(args)
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        out = self._launch([q[0] for q in queued])
+        for (_, future), result in zip(queued, out, strict=True):
+            future.set_result(result)
+
+
+def _numpy_formula(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+    """The bare batcher's GLU launch on numpy arrays: the issue's formula, numpy calls on
+    the stacked operands; a row each."""
+    g, x = np.stack([r[0] for r in requests]), np.stack([r[1] for r in requests])
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    s = 1 / (1 + np.exp(-b))
+    grad_a = g * s
+    return np.concatenate([grad_a, grad_a * (a - a * s)], axis=-1)
+
+
+def _numpy_kernel(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+    """The product's own GLU kernel on the stacked operands; a row each."""
+    g, x = np.stack([r[0] for r in requests]), np.stack([r[1] for r in requests])
+    out = np.empty_like(x)
+    _glu.glu_backward_fast(_glu.plan_glu_backward(g, x, -1, out), g, x, out, None)
+    return out
+
+
+def _torch_aten(requests: list[tuple[Any, ...]]) -> Any:
+    """The framework's GLU backward on the stacked tensors (a torch device's floors); a
+    view each."""
+    import torch
+
+    g, x = torch.stack([r[0] for r in requests]), torch.stack([r[1] for r in requests])
+    return _torch_ops.glu_backward(g, x, -1).unbind(0)
+
+
+def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
+    """The framework's GroupNormBackward on stacked tensors (a torch device's floors):
+    the least a launch of one aten call does. The requests (one shape) are stacked as the
+    channels of one sample, each gamma repeated per sample by one batched copy, and the
+    per-sample dgamma / dbeta summed over each request's samples by one call; each request
+    gets views ``(dx, dgamma, dbeta)``."""
+    import torch
+
+    k = len(requests)
+    n, c, hxw, group = requests[0][5:9]
+    channels, groups = k * n * c, k * n * group
+
+    def stacked(i: int, shape: tuple[int, ...]) -> Any:
+        return torch.stack([r[i] for r in requests]).view(shape)
+
+    gamma = torch.stack([r[4] for r in requests]).unsqueeze(1).expand(k, n, c).reshape(-1)
+    dx, dgamma, dbeta = _torch_ops.group_norm_backward(
+        stacked(0, (1, channels, hxw)), stacked(1, (1, channels, hxw)),
+        stacked(2, (1, groups)), stacked(3, (1, groups)), gamma, 1, channels, hxw, groups,
+        (True, True, True),
+    )  # fmt: skip
+    sums = torch.stack([dgamma, dbeta]).view(2, k, n, c).sum(2)
+    dxs, dgammas, dbetas = dx.view(k, n, c, hxw).unbind(0), sums[0].unbind(0), sums[1].unbind(0)
+    return list(zip(dxs, dgammas, dbetas, strict=True))
+
+
+class _Record:
+    """A request of the featured batcher: its operands, its waiter, its result."""
+
+    __slots__ = ("args", "future", "result")
+
+    def __init__(self, args: tuple[Any, ...], future: Any) -> None:
+        self.args = args
+        self.future = future
+        self.result: Any = None
+
+
+class _FeaturedBatcher:
+    """The bare batcher with the least a scheduler's request needs (the module docstring):
+    the checks once per signature, a record per request, lanes by signature and priority
+    (higher first, FIFO within), a cancelled waiter's request withdrawn, a stacked
+    ``launch`` (the product's kernel, :func:`_numpy_kernel`, or the framework's on a torch
+    device), and each result handed out by ``own`` (a copy of its row on numpy, its view
+    on a torch device: as the scheduler's launches hand them out). One operator a batcher:
+    the one ``launch`` computes."""
+
+    def __init__(
+        self,
+        launch: Callable[[list[tuple[Any, ...]]], Any],
+        own: Callable[[Any], Any],
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._launch, self._own = launch, own
+        #: Each signature that passed the checks, with its lanes by priority (one lookup a
+        #: request: a signature is hashed afresh each time, its shapes and dtypes too)
+        self._lanes: dict[tuple[Any, ...], dict[int, list[_Record]]] = {}
+        self._pending = False
+        self.completed = self.launches = 0
+
+    async def glu_backward(self, grad_out: Any, x: Any, dim: int = -1, *, priority: int = 0) -> Any:
+        signature = (grad_out.shape, grad_out.dtype, x.shape, x.dtype, dim)
+        lanes = self._lanes.get(signature)
+        if lanes is None:  # the checks, once per signature
+            half = GLU_BACKWARD.grad_shape(x.shape, dim % x.ndim)
+            if x.shape[dim] % 2 or grad_out.shape != half:
+                msg = f"glu_backward: shapes {grad_out.shape} and {x.shape} do not match"
+                raise ValueError(msg)
+            lanes = self._lanes[signature] = {}
+        record = self._queue(lanes, (grad_out, x), priority)
+        await record.future  # cancelled with its task: then never launched
+        return record.result
+
+    async def group_norm_backward(
+        self, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, n: int, c: int, hxw: int,
+        group: int, *, priority: int = 0,
+    ) -> Any:  # fmt: skip
+        signature = (
+            dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
+            rstd.dtype, gamma.shape, gamma.dtype, n, c, hxw, group,
+        )  # fmt: skip
+        lanes = self._lanes.get(signature)
+        if lanes is None:  # the checks, once per signature
+            stats = (n, group)
+            if (
+                x.shape != (n, c, hxw) or dy.shape != x.shape or gamma.shape != (c,)
+                or mean.shape != stats or rstd.shape != stats or group <= 0 or c % group
+            ):  # fmt: skip
+                msg = (
+                    f"group_norm_backward: shapes {dy.shape}, {x.shape}, {mean.shape}, "
+                    f"{rstd.shape}, {gamma.shape} do not match N={n} C={c} HxW={hxw} "
+                    f"group={group}"
+                )
+                raise ValueError(msg)
+            lanes = self._lanes[signature] = {}
+        record = self._queue(lanes, (dy, x, mean, rstd, gamma, n, c, hxw, group), priority)
+        await record.future  # cancelled with its task: then never launched
+        return record.result
+
+    def _queue(
+        self, lanes: dict[int, list[_Record]], args: tuple[Any, ...], priority: int
+    ) -> _Record:
+        """A checked request's record, in its signature's lane of ``priority``; the flush
+        scheduled."""
+        record = _Record(args, self._loop.create_future())
+        lane = lanes.get(priority)
+        if lane is None:
+            lane = lanes[priority] = []
+        lane.append(record)
+        if not self._pending:
+            self._pending = True
+            self._loop.call_soon(self._flush)
+        return record
+
+    def _flush(self) -> None:
+        self._pending = False
+        for lanes in self._lanes.values():
+            for priority in sorted(lanes, reverse=True):
+                taken = [r for r in lanes.pop(priority) if not r.future.done()]
+                if taken:
+                    self._run(taken)
+
+    def _run(self, taken: list[_Record]) -> None:
+        out = self._launch([r.args for r in taken])
+        self.launches += 1
+        own = self._own
+        for record, result in zip(taken, out, strict=True):
+            record.result = own(result)
+            self.completed += 1
+            record.future.set_result(None)
+
+
+def _as_it_is(result: Any) -> Any:
+    return result
+
+
+#: The operators with floors, and their launch on a torch device; GLU's also on numpy.
+_TORCH_FLOOR_LAUNCH = {"glu": _torch_aten, "gnb": _torch_gnb}
+
+
+def floors_of(op: str, target: BenchTarget) -> tuple[str, ...]:
+    """The floor rows of ``op`` on ``target``: GLU's everywhere, GroupNormBackward's on a
+    torch device (issue 14's operator; the numpy devices have no stacked launch of it that
+    takes a gamma per request)."""
+    on_torch = target.device.startswith("torch")
+    return FLOORS if op == "glu" or (on_torch and op in _TORCH_FLOOR_LAUNCH) else ()
+
+
+def run_floor(
+    path: str, target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int
+) -> float:
+    """Seconds for ``n`` requests of ``op`` through the floor ``path``: numpy arrays and
+    numpy or the product's kernel, or on a torch device the framework's tensors and call."""
+    batcher: Callable[[], Any]
+    if target.device.startswith("torch"):
+        where = target.device.removeprefix("torch:")
+        inputs = [
+            tuple(_torch_ops.to_torch(a, where) if type(a) is np.ndarray else a for a in args)
+            for args in inputs
+        ]
+        launch = _TORCH_FLOOR_LAUNCH[op]
+        if path == FLOOR:
+            batcher = functools.partial(_BareBatcher, launch)
+        else:
+            batcher = functools.partial(_FeaturedBatcher, launch, _as_it_is)
+    elif path == FLOOR:
+        batcher = functools.partial(_BareBatcher, _numpy_formula)
+    else:
+        batcher = functools.partial(_FeaturedBatcher, _numpy_kernel, np.copy)
+
+    async def main() -> float:
+        floor = batcher()
+        await clients(floor, op, inputs, n)  # warm-up, as for the coroutine path
+        gc.collect()
+        start = time.perf_counter()
+        await clients(floor, op, inputs, n)
+        return time.perf_counter() - start
+
+    return asyncio.run(main())
