@@ -223,7 +223,10 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
         else:
             np.stack(arrays, out=stacked)
         return framework_tensor(torch, stacked)
-    return torch.stack([framework_tensor(torch, t) for t in tensors])
+    try:  # tensors, the usual case: no call for each
+        return torch.stack(tensors)
+    except TypeError:  # numpy arrays among them (a host request grouped with tensors)
+        return torch.stack([framework_tensor(torch, t) for t in tensors])
 
 
 def framework_gather(
