@@ -1,8 +1,7 @@
 """The floors under the coroutine path: what batching tiny requests costs with the least
 code, measured beside the scheduler in every ``--parts paths`` run (reference rows, no
-target). GluBackward has them on every device; GroupNormBackward on a torch device
-(issue 14's operator: the numpy devices have no stacked launch of it that takes a gamma
-per request).
+target). GluBackward has them on every device; GroupNormBackward only on a torch device
+(issue 14's operator and device), where one framework call is the whole stacked launch.
 
 - ``bare batcher``: the 40-line asyncio batcher of issue 15: a list, one flush per loop
   turn, one stacked launch (numpy's GLU formula; on a torch device the framework's call
@@ -264,8 +263,7 @@ _TORCH_FLOOR_LAUNCH = {"glu": _torch_aten, "gnb": _torch_gnb}
 
 def floors_of(op: str, target: BenchTarget) -> tuple[str, ...]:
     """The floor rows of ``op`` on ``target``: GLU's everywhere, GroupNormBackward's on a
-    torch device (issue 14's operator; the numpy devices have no stacked launch of it that
-    takes a gamma per request)."""
+    torch device (see the module docstring)."""
     on_torch = target.device.startswith("torch")
     return FLOORS if op == "glu" or (on_torch and op in _TORCH_FLOOR_LAUNCH) else ()
 
