@@ -198,6 +198,55 @@ def test_product_checks_apply_on_torch_devices():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("gamma", "mask"),
+    [(True, (True, True, True)), (False, (True, False, True)), (True, (False, True, False))],
+    ids=["all", "no gamma", "sums only"],
+)
+def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bits(
+    dtype, gamma, mask
+):
+    # a blocking call of CPU tensors runs alone (numpy sums over views of its memory): it
+    # gets tensors back, into its out= tensors where given, with the bits the same request
+    # gets in a fused batch (its results do not depend on the batch)
+    rng = np.random.default_rng(9)
+    kind = getattr(torch, dtype)
+    bits = torch.int16 if kind == torch.bfloat16 else torch.int32
+
+    def request():
+        dy, x = (torch.from_numpy(rand(rng, (2, 4, 6), F32)).to(kind) for _ in range(2))
+        mean = torch.from_numpy(rand(rng, (2, 2), F32)).to(kind)
+        rstd = torch.from_numpy((rng.random((2, 2)) + 0.5).astype(F32)).to(kind)
+        g = torch.from_numpy(rand(rng, (4,), F32)).to(kind) if gamma else None
+        return dy, x, mean, rstd, g, 2, 4, 6, 2, mask
+
+    mine, others = request(), [request() for _ in range(5)]
+    outs = tuple(
+        torch.full(shape, float("nan"), dtype=kind) if want else None
+        for shape, want in zip(((2, 4, 6), (4,), (4,)), mask, strict=True)
+    )
+    with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+        alone = sched.group_norm_backward(*mine)
+        into = sched.group_norm_backward(*mine, out=outs)
+    assert [v is None for v in alone] == [not m for m in mask]
+    assert all(type(v) is torch.Tensor for v in alone if v is not None)
+    assert all(v is o for v, o in zip(into, outs, strict=True) if o is not None)
+
+    async def batched():
+        async def all_of(sched):
+            calls = [sched.group_norm_backward(*r) for r in (*others[:2], mine, *others[2:])]
+            return await asyncio.gather(*calls)
+
+        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+            return (await beside_a_ready_task(all_of(sched)))[2]
+
+    together = asyncio.run(batched())
+    for a, b, c in zip(alone, into, together, strict=True):
+        if a is not None:  # bit for bit, not only equal values
+            assert a.view(bits).equal(b.view(bits)) and a.view(bits).equal(c.view(bits))
+
+
 def test_group_norm_backward_fuses_into_one_aten_launch():
     rng = np.random.default_rng(2)
     requests = []
