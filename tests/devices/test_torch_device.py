@@ -207,7 +207,7 @@ def test_product_checks_apply_on_torch_devices():
 def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bits(
     dtype, gamma, mask
 ):
-    # a blocking call of CPU tensors runs alone (numpy sums over views of its memory): it
+    # a blocking call of CPU tensors runs alone, in the stacked layout of one request: it
     # gets tensors back, into its out= tensors where given, with the bits the same request
     # gets in a fused batch (its results do not depend on the batch)
     rng = np.random.default_rng(9)
