@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from opsched.cli.bench_kernels import BenchTarget
+from opsched.cli.bench_medium import on_device
 from opsched.devices import torch_ops as _torch_ops
 from opsched.kernels import glu as _glu
 from opsched.ops import GLU_BACKWARD
@@ -275,11 +276,7 @@ def run_floor(
     numpy or the product's kernel, or on a torch device the framework's tensors and call."""
     batcher: Callable[[], Any]
     if target.device.startswith("torch"):
-        where = target.device.removeprefix("torch:")
-        inputs = [
-            tuple(_torch_ops.to_torch(a, where) if type(a) is np.ndarray else a for a in args)
-            for args in inputs
-        ]
+        inputs = on_device(target, inputs)
         launch = _TORCH_FLOOR_LAUNCH[op]
         if path == FLOOR:
             batcher = functools.partial(_BareBatcher, launch)

@@ -57,17 +57,26 @@ def _gnb_peer(args: tuple[Any, ...]) -> object:
     return torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
 
 
-def as_tensors(work: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Each call of ``work`` with its numpy arrays as torch CPU tensors."""
+def as_tensors(work: list[tuple[Any, ...]], device: str = "cpu") -> list[tuple[Any, ...]]:
+    """Each call of ``work`` with its numpy arrays as torch tensors on ``device`` (a torch
+    device string: ``cpu``, ``cuda:0``, ``npu``)."""
     return [
-        tuple(torch_ops.to_torch(a) if isinstance(a, np.ndarray) else a for a in w) for w in work
+        tuple(torch_ops.to_torch(a, device) if isinstance(a, np.ndarray) else a for a in w)
+        for w in work
     ]
 
 
 def on_device(target: BenchTarget, work: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """``work`` as the scheduler takes it: tensors on a torch device (a torch user's own
-    calls), numpy arrays elsewhere."""
-    return as_tensors(work) if target.device.startswith("torch") else work
+    """``work`` as the scheduler takes it: on a torch device, tensors on that device (a
+    torch user's own calls; the scheduler refuses tensors on another); numpy arrays
+    elsewhere."""
+    if not target.device.startswith("torch"):
+        return work
+    where = target.device.removeprefix("torch:")
+    if where.startswith("npu"):
+        import torch_npu  # noqa: F401 - registers the npu device with torch
+
+    return as_tensors(work, where)
 
 
 async def _scheduled(

@@ -293,6 +293,25 @@ def test_the_featured_group_norm_backward_floor_checks_each_new_signature():
     assert asyncio.run(main()) == 1
 
 
+def test_the_scheduler_benchmarks_give_a_torch_device_tensors_on_that_device():
+    # on torch:cuda the throughput, medium and floor rows must pass tensors on the GPU (the
+    # scheduler refuses tensors on another device); torch's meta device stands in for one
+    pytest.importorskip("torch")
+    from opsched.cli.bench_kernels import BenchTarget
+    from opsched.cli.bench_medium import on_device
+    from opsched.cli.bench_paths import gnb_inputs
+
+    work = gnb_inputs(np.random.default_rng(10), 2)
+    assert on_device(BenchTarget(), work) is work  # numpy devices: the arrays as they are
+    for device, kind in (("torch:cpu", "cpu"), ("torch:meta", "meta")):
+        for given, args in zip(work, on_device(BenchTarget(device), work), strict=True):
+            for a, b in zip(given, args, strict=True):
+                if isinstance(a, np.ndarray):
+                    assert b.device.type == kind and tuple(b.shape) == a.shape
+                else:
+                    assert b == a  # the scalars as they are
+
+
 @pytest.mark.parametrize("device", ["cpu", "torch:cpu"])
 def test_medium_benchmark_reports_every_operator_and_size(device):
     pytest.importorskip("torch")
