@@ -230,13 +230,11 @@ def test_the_floors_run_on_a_torch_device_with_its_tensors():
     assert floors_of("gn", torch_cpu) == ()
 
 
-def _torch_gnb_requests(torch, rng, k):
+def _torch_gnb_requests(rng, k):
+    from opsched.cli.bench_medium import as_tensors
     from opsched.cli.bench_paths import gnb_inputs
 
-    return [
-        tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args)
-        for args in gnb_inputs(rng, k)
-    ]
+    return as_tensors(gnb_inputs(rng, k))
 
 
 @pytest.mark.parametrize("featured", [False, True], ids=["bare", "featured"])
@@ -249,7 +247,7 @@ def test_the_group_norm_backward_floors_compute_the_frameworks_results(featured)
     torch = pytest.importorskip("torch")
     from opsched.cli.bench_floors import _as_it_is, _BareBatcher, _FeaturedBatcher, _torch_gnb
 
-    requests = _torch_gnb_requests(torch, np.random.default_rng(7), 5)
+    requests = _torch_gnb_requests(np.random.default_rng(7), 5)
     # each request's values differ (gamma too): a mix-up between requests shows
     requests = [
         (dy, x, m, r, g * (i + 1), *rest) for i, (dy, x, m, r, g, *rest) in enumerate(requests)
@@ -275,9 +273,7 @@ def test_the_featured_group_norm_backward_floor_checks_each_new_signature():
     torch = pytest.importorskip("torch")
     from opsched.cli.bench_floors import _as_it_is, _FeaturedBatcher, _torch_gnb
 
-    dy, x, mean, rstd, gamma, n, c, hxw, group = _torch_gnb_requests(
-        torch, np.random.default_rng(8), 1
-    )[0]
+    dy, x, mean, rstd, gamma, n, c, hxw, group = _torch_gnb_requests(np.random.default_rng(8), 1)[0]
 
     async def main():
         batcher = _FeaturedBatcher(_torch_gnb, _as_it_is)
