@@ -3,10 +3,6 @@
 Installed as ``opsched.kernels`` (see pyproject's package-dir); it imports nothing of
 opsched's, only numpy, and knows nothing of scheduling, devices or asyncio.
 
-Importing the package first makes numba's disk cache of the compiled kernels match their
-sources (:mod:`._cache`), before any module of it compiles or loads one.
+Importing it compiles nothing: each compiled loop is compiled (or loaded from numba's disk
+cache) the first time a launch needs it (:mod:`._jit`).
 """
-
-from ._cache import refresh_package
-
-refresh_package()

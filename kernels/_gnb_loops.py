@@ -127,14 +127,14 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
                 dx_row[i] = store((load(dy_row[i]) * coef_a + load(x_row[i]) * coef_b) + coef_c)
 
 
-def _signature(storage: str) -> str:
-    array, f32 = f"{storage}[::1]", "float32[::1]"
-    stats = f"{f32}, {f32}, {f32}, i8, {f32}, {f32}"
-    sums = f"i8, i8, {f32}, {f32}"  # samples, channels, dgamma, dbeta
-    return f"void({array}, i8, {array}, i8, {array}, i8, {stats}, i8, i8, i8, b1, {sums})"
+def _signature(storage: str) -> object:
+    i8, inp, out = _jit.I8, _jit.readonly(storage), _jit.writeable(storage)
+    f32_in, f32_out = _jit.readonly("float32"), _jit.OUTPUT
+    stats = (f32_in, f32_in, f32_in, i8, f32_out, f32_out)  # mean, rstd, gamma, period, ds, db
+    sums = (i8, i8, f32_out, f32_out)  # samples, channels, dgamma, dbeta
+    return _jit.void(inp, i8, inp, i8, out, i8, *stats, i8, i8, i8, _jit.B1, *sums)
 
 
-@_jit.jit(_signature("float32"))
 def _gnb_float32(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
     n, c, dgamma, dbeta,
@@ -145,7 +145,6 @@ def _gnb_float32(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-@_jit.jit(_signature("uint16"))
 def _gnb_float16(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
     n, c, dgamma, dbeta,
@@ -156,7 +155,6 @@ def _gnb_float16(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-@_jit.jit(_signature("uint16"))
 def _gnb_bfloat16(  # type: ignore[no-untyped-def]
     dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
     n, c, dgamma, dbeta,
@@ -167,5 +165,11 @@ def _gnb_bfloat16(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-#: The entry point of each storage kind (:data:`._jit.KINDS`).
-LOOPS = {"float32": _gnb_float32, "float16": _gnb_float16, "bfloat16": _gnb_bfloat16}
+#: The entry point of each storage kind (:data:`._jit.KINDS`), compiled on first use.
+LOOPS = _jit.Loops(
+    {
+        "float32": (_gnb_float32, _signature("float32")),
+        "float16": (_gnb_float16, _signature("uint16")),
+        "bfloat16": (_gnb_bfloat16, _signature("uint16")),
+    }
+)

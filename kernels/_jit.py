@@ -22,17 +22,26 @@ Determinism (SPEC, DESIGN "batch invariance") rests on three rules here:
   round-to-nearest-even on the integer view, NaN kept NaN (as ``ml_dtypes``). The
   AVX-512 BF16 instruction is not used: it flushes subnormals to zero.
 
-Each loop has one body and a two-line entry point per kind (its load and store). Entry
-points are compiled when their module is imported, for contiguous operands, and cached on
-disk by numba (beside the module, or in the user's cache directory when the install is
-read-only; kept in step with every kernel source by :mod:`._cache`): the first import on a
-machine compiles, later ones load in tens of milliseconds, and no launch ever waits for the
-compiler on the event loop.
+Each loop has one body and a two-line entry point per kind (its load and store). Inputs are
+typed read-only (a writeable array converts to that type for free), so one compiled entry
+point serves writeable arrays, memory-mapped files opened read-only and ``np.frombuffer``
+views alike.
+
+Nothing is compiled at import. An entry point is compiled, or loaded from numba's disk
+cache, the first time a launch needs it, for the one dtype that launch has (:class:`Loops`),
+under a lock: two streams that need it at once compile it once. :func:`warm` compiles every
+entry point ahead (``opsched warm``, at image build time). The disk cache lies beside the
+modules, under ``NUMBA_CACHE_DIR`` when that is set, or in the user's cache directory when
+the install is read-only (kept in step with every kernel source by :mod:`._cache`); when no
+directory can be written at all, the kernels are compiled in memory, once per process, and
+the ``opsched.kernels`` logger says so once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -44,12 +53,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
+from ._cache import refresh_package
 from ._common import flat_rows
 
 __all__ = [
     "KINDS",
     "LANES",
     "Kind",
+    "B1",
+    "I8",
+    "Loops",
+    "OUTPUT",
     "bf16_to_f32",
     "body",
     "f32_to_bf16",
@@ -62,10 +76,14 @@ __all__ = [
     "kind_of",
     "lane_sums",
     "lanes",
+    "readonly",
     "same",
     "sigmoid",
     "sigmoid32",
     "storage",
+    "void",
+    "warm",
+    "writeable",
 ]
 
 U32 = np.uint32
@@ -347,12 +365,106 @@ def flat(view: np.ndarray, kind: Kind) -> tuple[np.ndarray, int]:
     return storage(array, kind), stride
 
 
-def jit(*signatures: str) -> Callable[[Callable[..., Any]], Any]:
-    """Compile a kernel loop's entry point for ``signatures`` now (cached on disk): no GIL
-    (streams run in parallel), numpy's float semantics (division by zero gives inf, not an
-    exception), never ``fastmath``. Other argument types (read-only arrays) compile on first
-    use."""
-    return numba.njit(list(signatures), nogil=True, error_model="numpy", cache=True)
+def readonly(dtype: str) -> Any:
+    """The numba type of a C-contiguous 1-D operand a loop only reads: read-only arrays
+    match it, and writeable ones convert to it (numba's safe conversion), so both run the
+    same compiled code."""
+    return types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C", readonly=True)
+
+
+def writeable(dtype: str) -> Any:
+    """The numba type of a C-contiguous 1-D array a loop writes."""
+    return types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+
+
+#: A loop's signature: ``void(argument types...)``.
+void = types.void
+#: The loops' scalar arguments: offsets, strides and counts, and flags.
+I8 = types.int64
+B1 = types.boolean
+#: The float32 operand of every kind's loop that it writes (sums, statistics scratch).
+OUTPUT = writeable("float32")
+
+_log = logging.getLogger("opsched.kernels")
+
+#: Serialises compilation: two streams needing one entry point compile it once.
+_COMPILING = threading.RLock()
+#: Whether numba found a writable cache directory (None: not asked yet).
+_disk_cache: list[bool | None] = [None]
+#: Every :class:`Loops` made, for :func:`warm`.
+_ALL: list[Loops] = []
+
+
+def _compile(func: Callable[..., Any], signature: Any) -> Any:
+    """``func`` compiled for ``signature`` (or loaded from the disk cache): no GIL (streams
+    run in parallel), numpy's float semantics (division by zero gives inf, not an
+    exception), never ``fastmath``. Caller holds :data:`_COMPILING`."""
+    options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
+    if _disk_cache[0] is None:
+        refresh_package()  # before the first load from the cache: stale entries removed
+    if _disk_cache[0] is not False:
+        try:
+            compiled = numba.njit([signature], cache=True, **options)(func)
+        except RuntimeError as exc:  # numba: "cannot cache function ...: no locator"
+            if "cannot cache" not in str(exc):
+                raise
+            _disk_cache[0] = False
+            _log.info(
+                "no writable cache directory for the compiled kernels (set NUMBA_CACHE_DIR "
+                "to keep them across processes); compiling them in memory: %s",
+                exc,
+            )
+        else:
+            _disk_cache[0] = True
+            return compiled
+    return numba.njit([signature], cache=False, **options)(func)
+
+
+class Loops(dict[str, Any]):
+    """A loop's compiled entry points by kind name (``"float32"``, ``"float16"``,
+    ``"bfloat16"``, or any name the loop chooses), each compiled the first time it is
+    looked up.
+
+    A lookup of an entry point already compiled is a plain dict lookup: the launches' hot
+    path pays nothing for the laziness.
+
+    Args:
+        sources: per name, the Python function and the numba signature it compiles for.
+    """
+
+    def __init__(self, sources: dict[str, tuple[Callable[..., Any], Any]]) -> None:
+        super().__init__()
+        self._sources = sources
+        _ALL.append(self)
+
+    def __missing__(self, name: str) -> Any:
+        func, signature = self._sources[name]  # KeyError: no such entry point
+        with _COMPILING:
+            compiled = dict.get(self, name)
+            if compiled is None:  # not compiled by a thread that held the lock before us
+                compiled = _compile(func, signature)
+                self[name] = compiled
+        return compiled
+
+    def names(self) -> Iterable[str]:
+        """The names of every entry point, compiled or not."""
+        return self._sources.keys()
+
+
+def warm() -> int:
+    """Compile (or load from the disk cache) every kernel entry point now.
+
+    Returns:
+        How many entry points there are.
+    """
+    from . import glu, group_norm, group_norm_backward  # noqa: F401  # their Loops register
+
+    count = 0
+    for loops in list(_ALL):
+        for name in loops.names():
+            loops[name]  # noqa: B018  # compiled by the lookup
+            count += 1
+    return count
 
 
 #: The bodies of the loops: compiled into each kind's entry point (``inline="always"``), so
@@ -360,10 +472,12 @@ def jit(*signatures: str) -> Callable[[Callable[..., Any]], Any]:
 body = numba.njit(inline="always")
 
 
-@numba.njit(["void(float32[::1], float32[::1])"], nogil=True, error_model="numpy", cache=True)
 def _sigmoid_loop(x: Any, out: Any) -> None:
     for i in range(x.size):
         out[i] = sigmoid(x[i])
+
+
+_SIGMOID = Loops({"float32": (_sigmoid_loop, void(readonly("float32"), OUTPUT))})
 
 
 def sigmoid32(x: np.ndarray) -> np.ndarray:
@@ -374,5 +488,5 @@ def sigmoid32(x: np.ndarray) -> np.ndarray:
     """
     flat = np.ascontiguousarray(x, F32).reshape(-1)
     out = np.empty(flat.size, F32)
-    _sigmoid_loop(flat, out)
+    _SIGMOID["float32"](flat, out)
     return out.reshape(np.shape(x))

@@ -318,31 +318,36 @@ def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store)
             ob_row[j] = store(grad_a * (a - a * s))
 
 
-def _signature(storage: str) -> str:
-    array = f"{storage}[::1]"
-    return f"void({array}, i8, i8, {array}, i8, i8, i8, {array}, i8, i8, i8, i8, i8)"
+def _signature(storage: str) -> object:
+    i8, inp = _jit.I8, _jit.readonly(storage)
+    out = _jit.writeable(storage)
+    return _jit.void(inp, i8, i8, inp, i8, i8, i8, out, i8, i8, i8, i8, i8)
 
 
-@_jit.jit(_signature("float32"))
 def _glu_float32(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
     _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.same, _jit.same)
 
 
-@_jit.jit(_signature("uint16"))
 def _glu_float16(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
     _glu_body(
         g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.half_to_f32, _jit.f32_to_half
     )
 
 
-@_jit.jit(_signature("uint16"))
 def _glu_bfloat16(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols):  # type: ignore[no-untyped-def]
     _glu_body(
         g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, _jit.bf16_to_f32, _jit.f32_to_bf16
     )
 
 
-_LOOPS = {"float32": _glu_float32, "float16": _glu_float16, "bfloat16": _glu_bfloat16}
+#: The entry point of each storage kind (:data:`._jit.KINDS`), compiled on first use.
+_LOOPS = _jit.Loops(
+    {
+        "float32": (_glu_float32, _signature("float32")),
+        "float16": (_glu_float16, _signature("uint16")),
+        "bfloat16": (_glu_bfloat16, _signature("uint16")),
+    }
+)
 
 
 def _flat_args(

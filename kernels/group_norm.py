@@ -211,18 +211,17 @@ def _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, load, stor
             dx_row[i] = store((load(g_row[i]) * scale) * q)
 
 
-def _signature(storage: str) -> str:
-    array, f32 = f"{storage}[::1]", "float32[::1]"
-    operands = ", ".join([f"{array}, i8"] * 4)
-    return f"void({operands}, {f32}, {f32}, i8, i8)"
+def _signature(storage: str) -> object:
+    i8, inp, stats = _jit.I8, _jit.readonly(storage), _jit.readonly("float32")
+    out = _jit.writeable(storage)
+    # x, dy, gamma are read; dx written; mean and rstd read
+    return _jit.void(inp, i8, inp, i8, inp, i8, out, i8, stats, stats, i8, i8)
 
 
-@_jit.jit(_signature("float32"))
 def _gn_float32(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
     _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, _jit.same, _jit.same)
 
 
-@_jit.jit(_signature("uint16"))
 def _gn_float16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
     _gn_body(
         x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
@@ -230,7 +229,6 @@ def _gn_float16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # typ
     )  # fmt: skip
 
 
-@_jit.jit(_signature("uint16"))
 def _gn_bfloat16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
     _gn_body(
         x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
@@ -238,4 +236,11 @@ def _gn_bfloat16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # ty
     )  # fmt: skip
 
 
-_LOOPS = {"float32": _gn_float32, "float16": _gn_float16, "bfloat16": _gn_bfloat16}
+#: The entry point of each storage kind (:data:`._jit.KINDS`), compiled on first use.
+_LOOPS = _jit.Loops(
+    {
+        "float32": (_gn_float32, _signature("float32")),
+        "float16": (_gn_float16, _signature("uint16")),
+        "bfloat16": (_gn_bfloat16, _signature("uint16")),
+    }
+)

@@ -209,16 +209,20 @@ def reduce_over_samples(stats: np.ndarray, n: int, c: int, out: np.ndarray) -> N
         out[...] = 0
         return
     flat = stats.reshape(n * c)
-    _sum_samples(flat, n, c)
+    _SUM_SAMPLES["float32"](flat, n, c)
     store(out.reshape(c), flat[:c])
 
 
-@_jit.jit("void(float32[::1], i8, i8)")
-def _sum_samples(stats, n, c):  # type: ignore[no-untyped-def]
+def _sum_samples_loop(stats, n, c):  # type: ignore[no-untyped-def]
     """Add rows ``1 .. n-1`` of the ``(n, c)`` stats into row 0, in sample order."""
     for s in range(1, n):
         for k in range(c):
             stats[k] += stats[s * c + k]
+
+
+_SUM_SAMPLES = _jit.Loops(
+    {"float32": (_sum_samples_loop, _jit.void(_jit.OUTPUT, _jit.I8, _jit.I8))}
+)
 
 
 def prepare_group_norm_backward(
