@@ -66,6 +66,7 @@ __all__ = [
     "OUTPUT",
     "bf16_to_f32",
     "body",
+    "compiled",
     "f32_to_bf16",
     "f32_to_half",
     "flat",
@@ -449,6 +450,16 @@ class Loops(dict[str, Any]):
     def names(self) -> Iterable[str]:
         """The names of every entry point, compiled or not."""
         return self._sources.keys()
+
+
+def compiled() -> list[str]:
+    """The entry points compiled (or loaded) in this process, as ``module.function``."""
+    return sorted(
+        f"{func.__module__}.{func.__name__}"
+        for loops in _ALL
+        for name, (func, _) in loops._sources.items()
+        if dict.__contains__(loops, name)
+    )
 
 
 def warm() -> int:
