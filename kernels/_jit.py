@@ -73,7 +73,6 @@ __all__ = [
     "fold",
     "folded",
     "half_to_f32",
-    "jit",
     "kind_of",
     "lane_sums",
     "lanes",
@@ -473,7 +472,7 @@ def warm() -> int:
     count = 0
     for loops in list(_ALL):
         for name in loops.names():
-            loops[name]  # noqa: B018  # compiled by the lookup
+            loops[name]  # compiled by the lookup
             count += 1
     return count
 

@@ -349,3 +349,11 @@ FORK_LOCK_CHILD = textwrap.dedent(
 def test_a_forked_child_gives_its_futures_outcomes_whatever_lock_the_parent_held():
     out = _run_script(FORK_LOCK_CHILD)
     assert out.strip() == "ok", out
+
+
+def test_a_tensor_on_the_numpy_device_names_the_torch_device():
+    torch = pytest.importorskip("torch")
+    import opsched.sync
+
+    with pytest.raises(TypeError, match=r'grad_out is a torch\.Tensor.*device="torch:cpu"'):
+        opsched.sync.glu_backward(torch.ones(2, 4), torch.ones(2, 8))

@@ -93,7 +93,7 @@ def test_a_read_only_install_without_a_home_imports_and_computes(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text(
         f"mount --bind -o ro {ROOT} {ROOT} && mount --bind -o ro {prefix} {prefix} && "
-        f"exec {sys.executable} -c \"$OPSCHED_CODE\"\n"
+        f'exec {sys.executable} -c "$OPSCHED_CODE"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "XDG_"))}
     env.update(HOME=str(ROOT / "no-such-home"), OPSCHED_CODE=_READ_ONLY)

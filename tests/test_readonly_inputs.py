@@ -50,9 +50,7 @@ def _frozen(array: np.ndarray, how: str, tmp_path) -> np.ndarray:
 
 
 def _read_only(args: tuple, how: str, tmp_path) -> tuple:
-    return tuple(
-        _frozen(a, how, tmp_path) if isinstance(a, np.ndarray) else a for a in args
-    )
+    return tuple(_frozen(a, how, tmp_path) if isinstance(a, np.ndarray) else a for a in args)
 
 
 _NAMES = {"glu": "glu_backward", "gn": "group_norm_grad", "gnb": "group_norm_backward"}
@@ -69,7 +67,7 @@ def _two_phase(op: str, args: tuple):
         size, ex = aclnn.group_norm_grad_get_workspace_size(*args, out)
         aclnn.group_norm_grad(np.empty(size, np.uint8) if size else None, size, ex)
         return out
-    dy, x, gamma, c = args[0], args[1], args[4], args[6]
+    x, gamma, c = args[1], args[4], args[6]
     outs = (np.empty(x.shape, x.dtype), np.empty(gamma.shape, x.dtype), np.empty((c,), x.dtype))
     size, ex = aclnn.group_norm_backward_get_workspace_size(*args, (True, True, True), *outs)
     aclnn.group_norm_backward(np.empty(size, np.uint8) if size else None, size, ex)

@@ -95,12 +95,13 @@ class SchedulerConfig:
         executor_cache_limit: repeatable executors kept, least recently used evicted
             (default 10000, the device runtime's ACLNN_CACHE_LIMIT).
         malloc_keep_bytes: freed memory glibc's malloc keeps for the next launches' outputs
-            instead of giving it back to the system, process-wide (``M_TOP_PAD``; see
+            instead of giving it back to the system (``M_TOP_PAD``; see
             :mod:`opsched.devices.malloc`), on the host devices and ``torch:cpu`` (whose
-            tensors torch allocates with the C library's malloc) (default 64 MiB: results of
-            64 KiB-1 MiB each then reuse memory instead of faulting it in afresh, up to twice
-            as fast; 0 leaves the allocator alone, as does a ``MALLOC_*`` variable or
-            ``glibc.malloc`` tunable set by the user).
+            tensors torch allocates with the C library's malloc). A setting of the whole
+            process, so off unless asked for (default 0: the allocator is left alone). With
+            64 MiB (the ``throughput`` profile), results of 64 KiB-1 MiB each reuse memory
+            instead of faulting it in afresh, up to twice as fast; a ``MALLOC_*`` variable
+            or ``glibc.malloc`` tunable set by the user always wins.
         product: the Ascend product whose support table every request is checked against
             (default ``"generic"``: every operator, every dtype of SPEC); see
             ``opsched products``. Set it to the product you will run on, to learn before
@@ -117,7 +118,7 @@ class SchedulerConfig:
     max_queued_requests: int = attrs.field(default=65536, validator=_int_range(1, _MAX_COUNT))
     workspace_limit_bytes: int = attrs.field(default=1 << 30, validator=_int_range(1, _MAX_BYTES))
     executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1, _MAX_COUNT))
-    malloc_keep_bytes: int = attrs.field(default=64 << 20, validator=_int_range(0, 1 << 30))
+    malloc_keep_bytes: int = attrs.field(default=0, validator=_int_range(0, 1 << 30))
     product: str = attrs.field(default="generic", validator=_product)
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from opsched._errors import SchedulerClosedError
-from opsched._log import enabled, get_logger
+from opsched._log import ERROR, INFO, enabled, get_logger
 from opsched.core.loop import FUTURE, LoopEvent
 from opsched.core.stats import Counters
 from opsched.ops import Operator
@@ -323,7 +323,7 @@ def finish(
     """
     if request.finished:  # finished before: an internal error, counted, never delivered
         counters.finished_twice += 1
-        if enabled():
+        if enabled(ERROR):
             _log.error("request finished twice", op=request.op.name, request=request.id)
         return
     request.state = state
@@ -333,7 +333,7 @@ def finish(
         if error is not None and request.error is None:
             request.error = error
         counters.count(state.value)
-        if state is RequestState.FAILED and enabled():
+        if state is RequestState.FAILED and enabled(INFO):
             _log.info("request failed", op=request.op.name, error=str(request.error))
     request.finished = True
     waiter = request.waiter

@@ -24,7 +24,7 @@ import pathlib
 import time
 from typing import Any
 
-from opsched._log import enabled, get_logger
+from opsched._log import INFO, WARNING, enabled, get_logger
 from opsched.devices import meta_of
 from opsched.ops import DTYPE_NAMES
 
@@ -248,14 +248,14 @@ def log_launch(op: Any, batch: Any, result: Any | None) -> None:
 
 def log_overflow(requests: int) -> None:
     """A launch took workspace beyond the cap (nothing in flight could return any)."""
-    if enabled():
+    if enabled(INFO):
         _log.info("workspace over the cap", requests=requests)
 
 
 def log_failure(what: str, exc: BaseException, requests: int) -> None:
     """A batch formation or launch start failed its requests."""
-    if enabled():
-        _log.info(what, error=repr(exc), requests=requests)
+    if enabled(WARNING):
+        _log.warning(what, error=repr(exc), requests=requests)
 
 
 def _meta(kind: str, tid: int, **args: Any) -> dict[str, Any]:

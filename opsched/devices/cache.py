@@ -14,7 +14,7 @@ from collections.abc import Hashable
 
 import attrs
 
-from opsched._log import enabled, get_logger
+from opsched._log import INFO, enabled, get_logger
 from opsched.ops.executor import Executor
 
 __all__ = ["CacheStatistics", "ExecutorCache"]
@@ -74,7 +74,7 @@ class ExecutorCache:
             _, old = self._entries.popitem(last=False)
             old.destroy()
             self._evictions += 1
-            if enabled():
+            if enabled(INFO):
                 _log.info("executor evicted", op=old.op.name, cache_size=len(self._entries))
 
     def clear(self) -> None:

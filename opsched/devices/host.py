@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import ParamInvalidError
-from opsched._log import enabled, get_logger
+from opsched._log import WARNING, enabled, get_logger
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.malloc import keep_freed_memory
@@ -476,7 +476,7 @@ class HostDevice(Device):
             half = len(requests) // 2
             self._run_fused(op, plan, arrays, workspace, requests[:half], errors, False)
             self._run_fused(op, plan, arrays, workspace, requests[half:], errors, False)
-            if outermost and len(errors) == failed and enabled():
+            if outermost and len(errors) == failed and enabled(WARNING):
                 # No request failed alone: the launch failed for what it was together
                 # (a fault in the fused gather / scatter, say). Its requests got their
                 # results, but that must not pass unseen (said once per launch).

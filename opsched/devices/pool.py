@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from opsched._log import enabled, get_logger
+from opsched._log import INFO, enabled, get_logger
 
 __all__ = ["Block", "PoolStatistics", "WorkspacePool", "size_class"]
 
@@ -118,7 +118,7 @@ class WorkspacePool:
             self._current += cls
             self._allocated += cls
             self._peak = max(self._peak, self._current)
-            if enabled():
+            if enabled(INFO):
                 _log.info("workspace pool grew", block_bytes=cls, pool_bytes=self._current)
         self._in_use += block.nbytes  # a reused block may be larger than the class asked for
         return block

@@ -54,7 +54,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import GraphExecutionError, ParamInvalidError
-from opsched._log import enabled, get_logger
+from opsched._log import WARNING, enabled, get_logger
 from opsched.devices import torch_ops
 from opsched.devices.base import (
     _NUMPY_OF,
@@ -384,7 +384,7 @@ class TorchDevice(Device):
                     op.framework_batch(self._torch, [r])
                 except Exception as exc:  # the launch boundary of one request
                     errors[r.id] = exc
-            if len(live) > 1 and not errors and enabled():
+            if len(live) > 1 and not errors and enabled(WARNING):
                 # none failed alone: the launch failed for what it was together (a fault
                 # in stacking them, say); the results are right, but that must not pass
                 # unseen (said once per launch)

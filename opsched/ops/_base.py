@@ -98,6 +98,12 @@ def check_array_kind(op: str, name: str, value: object) -> None:
             f"{op}: {name} is a {what}, a numpy.ndarray subclass opsched does not compute on; "
             f"pass numpy.asarray({name})"
         )
+    elif kind.__module__.startswith("torch") and hasattr(value, "data_ptr"):
+        msg = (
+            f"{op}: {name} is a {what}; this scheduler's device computes numpy arrays. Open "
+            f'a scheduler with device="torch:cpu" (or "torch:cuda", "torch:npu") to compute '
+            f"tensors, or pass {name}.numpy()"
+        )
     else:
         msg = f"{op}: {name} must be a numpy.ndarray, got {what}"
     raise TypeError(msg)

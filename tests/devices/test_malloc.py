@@ -126,3 +126,14 @@ def test_torch_cpu_applies_it_too(calls):
     with opsched.sync.open_scheduler(device="torch:cpu", malloc_keep_bytes=0):
         pass
     assert calls == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference", "torch:cpu"])
+def test_a_scheduler_left_at_its_defaults_changes_no_process_wide_setting(calls, device):
+    if device.startswith("torch"):
+        pytest.importorskip("torch")
+    import opsched.sync
+
+    with opsched.sync.open_scheduler(device=device):
+        pass
+    assert calls == []  # the application did not ask: glibc's malloc is left alone
