@@ -21,6 +21,7 @@ __all__ = [
     "ParamInvalidError",
     "ParamNullptrError",
     "QueueFullError",
+    "RequestWithdrawnError",
     "RuntimeLaunchError",
     "SchedulerClosedError",
     "Status",
@@ -116,6 +117,11 @@ class DeadlineExceededError(TimeoutError):
 class SchedulerClosedError(RuntimeError):
     """The scheduler is closing or closed: new requests are refused, and
     ``aclose(cancel_pending=True)`` fails the pending ones with this error."""
+
+
+class RequestWithdrawnError(RuntimeError):
+    """The request was withdrawn before it launched, because every task awaiting it was
+    cancelled: a later ``await`` of its :class:`~opsched.Pending` raises this."""
 
 
 class UpstreamFailedError(RuntimeError):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from opsched._errors import SchedulerClosedError
+from opsched._errors import RequestWithdrawnError, SchedulerClosedError
 from opsched._log import ERROR, INFO, enabled, get_logger
 from opsched.core.loop import FUTURE, LoopEvent
 from opsched.core.stats import Counters
@@ -274,6 +274,8 @@ class Request:
     #: waited on by a thread's future or a graph run, or finished before anyone waits,
     #: never makes one.
     waiter: LoopEvent | asyncio.Future[None] | None = None
+    #: Tasks awaiting it now: the last one to be cancelled withdraws it.
+    waiting: int = 0
     #: The caller stopped waiting: the result is dropped when the launch finishes.
     abandoned: bool = False
     #: Launches (split parts) still running for this request.
@@ -303,7 +305,12 @@ class Request:
             result = self.op.result(self.tensors)
             convert = self.convert
             return result if convert is None else convert(result)
-        assert self.error is not None
+        if self.error is None:  # withdrawn: its last waiter was cancelled
+            msg = (
+                f"{self.op.name}: the request was withdrawn before it launched (every task "
+                "awaiting it was cancelled)"
+            )
+            raise RequestWithdrawnError(msg)
         raise self.error
 
 
@@ -373,8 +380,10 @@ def finish(
 class Pending:
     """A submitted request: ``await pending`` (or ``await pending.wait()``) gives its result.
 
-    Returned by the ``*_nowait`` methods. Cancelling the awaiting task withdraws a queued
-    request (or drops the result of a running one).
+    Returned by the ``*_nowait`` methods. Several tasks may await one ``Pending``; each gets
+    the request's outcome. Cancelling an awaiting task withdraws a queued request (or drops
+    the result of a running one) only when it was the request's last waiter; a task that
+    awaits it after that raises :class:`~opsched.RequestWithdrawnError`.
     """
 
     __slots__ = ("_request", "_scheduler")

@@ -520,6 +520,7 @@ class Scheduler:
 
     async def _wait(self, request: Request) -> Any:
         loop = self._loop
+        request.waiting += 1
         try:
             if request.finished:  # finished inline at submit: still yield once
                 await loop.checkpoint()
@@ -533,9 +534,11 @@ class Scheduler:
             if loop.cancelled is not None and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
-            if not request.finished:
+            request.waiting -= 1
+            if not request.finished and not request.waiting:  # its last waiter left
                 self._abandon(request)
             raise
+        request.waiting -= 1
         return request.returned()
 
     def _event(self, request: Request) -> LoopEvent:
