@@ -1,7 +1,7 @@
 """The house rules (docs/architecture.md), read from the code's own imports.
 
 Each rule names its room and what it must never import or name; a module that breaks one
-fails here with the file, the line and the import. Also: no module over 600 lines, every
+fails here with the file, the line and the import. Also: no module over 800 lines, every
 module opens with a docstring, ``import opsched`` reaches ``opsched.sync`` and
 ``opsched.aclnn``, and the generated entry points match the operator descriptions.
 """
@@ -20,7 +20,7 @@ from opsched.ops import OPERATORS
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "opsched"
 KERNELS = ROOT / "kernels"
-MAX_LINES = 600
+MAX_LINES = 800
 
 
 def _modules(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -129,7 +129,7 @@ def test_sync_imports_no_private_helper():
     assert private == []
 
 
-def test_no_module_over_600_lines_and_each_says_what_it_is_for():
+def test_no_module_over_800_lines_and_each_says_what_it_is_for():
     too_long, undocumented = [], []
     for path in [*_modules(PACKAGE), *_modules(KERNELS)]:
         text = path.read_text()

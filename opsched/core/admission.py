@@ -1,10 +1,13 @@
 """Admission: the queue cap, one FIFO of parked submitters, and the thread inbox.
 
 A submitter finds room when fewer than ``max_queued_requests`` are queued (counting those
-still in the inbox) and nobody is parked ahead of it. Otherwise it parks: tasks on a loop
-event, threads on a thread event, both in the same FIFO. Each time slots free up, as many
-parked submitters are woken, in order, as there are free slots: no thundering herd, no
-polling. A cancelled task passes its wake-up on.
+still in the inbox, and the slots held for woken submitters) and nobody is parked ahead of
+it. Otherwise it parks: tasks on a loop event, threads on a thread event, both in the same
+FIFO. Each time slots free up, as many parked submitters are woken, in order, as there are
+free slots, and each woken one holds its slot until it has queued its request: a newcomer
+that arrives before a woken submitter resumes finds no room and parks behind the others,
+so requests are admitted first come, first served. No thundering herd, no polling. A
+cancelled task passes its wake-up (and its slot) on.
 
 Threads do not touch the queue: they append their checked requests to the inbox, and the
 first of a burst posts one drain to the loop, so a burst of thread submissions costs one
@@ -32,8 +35,8 @@ class Admission:
     """The cap and the parked submitters of one scheduler."""
 
     __slots__ = (
-        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "open", "thread_counts",
-        "thread_refused", "thread_waits",
+        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "_woken", "open",
+        "thread_counts", "thread_refused", "thread_waits",
     )  # fmt: skip
 
     def __init__(self, cap: int, queue: RequestQueue, loop: LoopHandle) -> None:
@@ -44,6 +47,8 @@ class Admission:
         self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
         #: Futures of checked requests from threads, each holding its request (``checked``).
         self._inbox: collections.deque[RequestFuture] = collections.deque()
+        #: Slots held for submitters woken from the FIFO that have not queued yet.
+        self._woken = 0
         #: False once the scheduler stops accepting requests.
         self.open = True
         #: Threads that waited for room (counted under the lock).
@@ -69,34 +74,43 @@ class Admission:
             self.thread_refused += 1
 
     def has_room(self) -> bool:
-        """Whether a task may queue now: below the cap, and nobody parked ahead of it."""
-        return self._queue.live < self._cap and not self._waiters
+        """Whether a task may queue now: below the cap, no slot held for a woken submitter
+        in the way, and nobody parked ahead of it."""
+        return self._queue.live + self._woken < self._cap and not self._waiters
 
     def full(self) -> bool:
         """Whether the queue is at the cap."""
         return len(self._queue) >= self._cap
 
     async def wait_for_room(self) -> None:
-        """Park the calling task until it may queue (FIFO).
+        """Park the calling task until it may queue (FIFO); it then holds a slot, which the
+        caller fills by queueing its request before it next awaits.
 
         Raises:
             SchedulerClosedError: the scheduler closed while it waited.
         """
-        while len(self._queue) >= self._cap:
-            if not self.open:
-                raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
-            event = self._loop.new_event()
-            with self._lock:
-                self._waiters.append(event)
-            try:
-                await event.wait()
-            except BaseException:
-                if event.is_set():
-                    self.wake()  # hand the free slot to the next waiter
-                else:
-                    with self._lock:
-                        self._waiters.remove(event)
-                raise
+        if self.has_room():
+            return
+        if not self.open:
+            raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
+        event = self._loop.new_event()
+        with self._lock:
+            self._waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # woken, then cancelled: hand its slot to the next waiter
+                with self._lock:
+                    self._woken -= 1
+                self.wake()
+            else:
+                with self._lock:
+                    self._waiters.remove(event)
+            raise
+        with self._lock:
+            self._woken -= 1  # the slot becomes its request's, queued before any await
+        if not self.open:
+            raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
 
     def put_threadsafe(
         self, checked: tuple[Any, ...], future: RequestFuture, drain: Callable[[], None]
@@ -110,15 +124,15 @@ class Admission:
         parked: ThreadEvent | None = None
         while True:
             with self._lock:
-                room = len(self._inbox) + len(self._queue) < self._cap
-                # A thread woken from the FIFO goes on; a newcomer queues behind the parked.
-                if not self.open or (room and (parked is not None or not self._waiters)):
+                if parked is not None:  # woken from the FIFO: its slot was held for it
+                    self._woken -= 1
+                room = len(self._inbox) + len(self._queue) + self._woken < self._cap
+                if not self.open or parked is not None or (room and not self._waiters):
                     future.checked = checked  # no pair per request: one object less to hold
                     self._inbox.append(future)
                     first = len(self._inbox) == 1
                     break
-                if parked is None:
-                    self.thread_waits += 1
+                self.thread_waits += 1
                 parked = ThreadEvent()
                 self._waiters.append(parked)
             parked.wait_blocking()
@@ -132,16 +146,18 @@ class Admission:
         return items
 
     def wake(self) -> bool:
-        """Wake as many parked submitters as there are free slots, in order (loop thread).
+        """Wake as many parked submitters as there are free slots, in order, each holding
+        its slot until it queues (loop thread).
 
         Returns:
             Whether room is left for the inbox after that.
         """
-        free = self._cap - len(self._queue)
         with self._lock:
+            free = self._cap - len(self._queue) - len(self._inbox) - self._woken
             waiters = self._waiters
             while free > 0 and waiters:
                 waiters.popleft().set()
+                self._woken += 1
                 free -= 1
             return free > 0 and bool(self._inbox)
 
@@ -152,3 +168,4 @@ class Admission:
         with self._lock:
             while self._waiters:
                 self._waiters.popleft().set()
+                self._woken += 1

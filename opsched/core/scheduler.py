@@ -173,8 +173,7 @@ class Scheduler:
                 return await self._wait(self._admit(known))
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self._admission.has_room():
-            if self._admission.full():
-                self._counters.backpressure_waits += 1
+            self._counters.backpressure_waits += 1
             await self._admission.wait_for_room()
             self._require_open("new requests")
         return await self._wait(self._admit(checked))

@@ -74,3 +74,104 @@ async def test_the_last_waiters_cancellation_withdraws_the_request(device):
         gate.open()
         await first
     assert sched.statistics().cancelled == 1
+
+
+class LaunchOrder:
+    """A fault-injector hook that never injects: it records which caller's request each
+    launch ran, by the identity of its ``self`` array."""
+
+    def __init__(self, arrays) -> None:
+        self.index = {id(a): i for i, a in enumerate(arrays)}
+        self.launched: list[int] = []
+
+    def __call__(self, requests) -> bool:
+        for r in requests:
+            found = [self.index[id(t)] for t in r.tensors.values() if id(t) in self.index]
+            self.launched.extend(found)
+        return False
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+async def test_backpressure_admits_first_come_first_served(cap):
+    import opsched
+
+    rng = np.random.default_rng(3)
+    parked, newcomers = 60, 60
+    calls = [small_glu(rng) for _ in range(parked + newcomers)]
+    order = LaunchOrder([x for _, x in calls])
+    arrived: list[int] = []
+    async with opsched.open_scheduler(
+        device="cpu", streams=1, inline_max_bytes=0, max_queued_requests=cap,
+        max_batch_requests=1,
+    ) as sched:  # fmt: skip
+        blocker = small_glu(rng)
+        from tests.sched_helpers import Gate
+
+        gate = Gate(hold=blocker[1])
+
+        def hooks(requests):
+            gate(requests)
+            return order(requests)
+
+        sched.device.inject_faults(hooks)
+        first = sched.glu_backward_nowait(*blocker)
+        await settle(lambda: sched.statistics().running == 1)
+
+        async def submitter(i):
+            arrived.append(i)  # the same step as the admission check: arrival order
+            await sched.glu_backward(*calls[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(parked):
+                tg.start_soon(submitter, i)
+            await settle(lambda: sched.statistics().backpressure_waits == parked - cap)
+            gate.open()
+            for i in range(parked, parked + newcomers):  # newcomers while the queue drains
+                tg.start_soon(submitter, i)
+                await anyio.lowlevel.checkpoint()
+        await first
+    assert sorted(order.launched) == list(range(parked + newcomers))
+    assert order.launched == arrived
+
+
+async def test_a_newcomer_never_overtakes_a_woken_waiter():
+    # The issue's scenario with a cap of 1: X and Y parked, a slot frees, and a newcomer N
+    # arrives before the woken X resumes. X, Y, N launch in that order.
+    import opsched
+    from tests.sched_helpers import Gate
+
+    rng = np.random.default_rng(4)
+    blocker, queued, x_call, y_call, n_call = (small_glu(rng) for _ in range(5))
+    order = LaunchOrder([x_call[1], y_call[1], n_call[1], queued[1]])
+    gate = Gate(hold=blocker[1])
+
+    def hooks(requests):
+        gate(requests)
+        return order(requests)
+
+    async with opsched.open_scheduler(
+        device="cpu", streams=1, inline_max_bytes=0, max_queued_requests=1,
+        max_batch_requests=1,
+    ) as sched:  # fmt: skip
+        sched.device.inject_faults(hooks)
+        first = sched.glu_backward_nowait(*blocker)
+        await settle(lambda: sched.statistics().running == 1)
+        async with anyio.create_task_group() as tg:
+            scope = anyio.CancelScope()
+
+            async def queued_waiter():
+                with scope:
+                    await sched.glu_backward(*queued)
+
+            tg.start_soon(queued_waiter)
+            await settle(lambda: sched.statistics().queued == 1)
+            tg.start_soon(sched.glu_backward, *x_call)
+            await settle(lambda: sched.statistics().backpressure_waits == 1)
+            tg.start_soon(sched.glu_backward, *y_call)
+            await settle(lambda: sched.statistics().backpressure_waits == 2)
+            scope.cancel()  # the queued request is withdrawn: its slot wakes X
+            tg.start_soon(sched.glu_backward, *n_call)  # N arrives in the same turn
+            await settle(lambda: sched.statistics().cancelled == 1)
+            gate.open()
+        await first
+    assert order.launched == [0, 1, 2]  # X, Y, N
