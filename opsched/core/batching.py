@@ -11,7 +11,8 @@ now, changing queue state and nothing else. It is where the policy lives:
   ``max_batch_bytes``, spread over the idle streams when each share would move at least
   :data:`MIN_SPREAD_BYTES`;
 - with ``max_delay_us > 0`` a key whose oldest request is younger than the delay waits for
-  company (unless its batch is already full);
+  company (unless its batch is already full, or one of its requests has a deadline before
+  the wait would end: a deadline bounds how long a request is held);
 - requests whose deadline has passed leave the queue as expired, never launched.
 
 It knows requests only as records with a fusion key, units and bytes: no device, no
@@ -98,6 +99,9 @@ class RequestQueue:
     #: Per key: its lanes by priority, in order of priority, highest first.
     _lanes: dict[Hashable, dict[int, collections.deque[Request]]] = attrs.field(factory=dict)
     _bytes: dict[Hashable, int] = attrs.field(factory=dict)
+    #: Per key with deadlines: the earliest deadline of a request queued under it since the
+    #: key appeared (never raised when that request leaves: an early bound is safe).
+    _earliest: dict[Hashable, float] = attrs.field(factory=dict)
     #: Live requests (``len()``; read as an attribute on the hot path, never written outside).
     live: int = 0
     peak: int = 0
@@ -129,6 +133,9 @@ class RequestQueue:
         if self.live > self.peak:
             self.peak = self.live
         if request.deadline is not None:
+            earliest = self._earliest.get(key)
+            if earliest is None or request.deadline < earliest:
+                self._earliest[key] = request.deadline
             deadlines = self._deadlines
             heapq.heappush(deadlines, (request.deadline, request.id, weakref.ref(request)))
             if len(deadlines) > 2 * self.live + 64:  # mostly requests gone: keep the rest
@@ -239,6 +246,12 @@ class RequestQueue:
         """Drop ``key``, whose lanes are all empty."""
         del self._lanes[key]
         self._bytes.pop(key, None)
+        self._earliest.pop(key, None)
+
+    def earliest_deadline(self, key: Hashable) -> float | None:
+        """No later than the earliest deadline of a live request of ``key`` (None: none of
+        them has one)."""
+        return self._earliest.get(key)
 
     def queued_bytes(self, key: Hashable) -> int:
         """Bytes of the live requests of ``key``."""
@@ -267,6 +280,7 @@ class RequestQueue:
         out = [r for lanes in self._lanes.values() for lane in lanes.values() for r in lane]
         self._lanes.clear()
         self._bytes.clear()
+        self._earliest.clear()
         self._deadlines.clear()
         self.live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
@@ -339,6 +353,7 @@ def form_batches(
             delay
             and now - head.enqueued_at < delay
             and queue.count(key) < (config.max_batch_requests)
+            and not _due_within(queue.earliest_deadline(key), head.enqueued_at + delay)
         ):
             held.add(key)
             due = head.enqueued_at + delay
@@ -356,6 +371,12 @@ def form_batches(
             # A lone request runs on its own arrays: no gather, no scatter (same bits).
             batches.append(Batch(batch, idle.pop(0), key, fused=len(batch) > 1))
     return batches, expired, wake_at
+
+
+def _due_within(deadline: float | None, hold_until: float) -> bool:
+    """Whether a request's ``deadline`` comes before a hold for company would end: its
+    key launches now instead (a deadline bounds how long a request is held)."""
+    return deadline is not None and deadline <= hold_until
 
 
 def _best_key(queue: RequestQueue, held: set[Hashable]) -> Hashable | None:

@@ -197,6 +197,23 @@ def test_max_delay_holds_a_young_key_and_says_when_to_wake():
     assert batches[0].requests == [r] and wake is None
 
 
+def test_max_delay_never_holds_a_request_past_its_deadline():
+    cfg = SchedulerConfig(streams=1, max_delay_us=500_000)
+    patient = glu_request(at=10.0, deadline=11.0)  # after the hold ends (10.5): held
+    q = queue_of(patient)
+    batches, _, wake = form_batches(q, [0], cfg, now=10.0)
+    assert batches == [] and wake == pytest.approx(10.5)
+    hurried = glu_request(at=10.0, deadline=10.1)  # before it: the key launches now
+    q.push(hurried)
+    batches, expired, _ = form_batches(q, [0], cfg, now=10.0)
+    assert expired == [] and batches[0].requests == [patient, hurried]
+    # the key's bound goes with the key: a later request of it may be held again
+    later = glu_request(at=12.0)
+    q.push(later)
+    batches, _, wake = form_batches(q, [0], cfg, now=12.0)
+    assert batches == [] and wake == pytest.approx(12.5)
+
+
 def test_max_delay_does_not_hold_a_full_batch():
     cfg = SchedulerConfig(streams=1, max_delay_us=1000, max_batch_requests=3)
     reqs = [glu_request(at=10.0) for _ in range(3)]

@@ -175,3 +175,18 @@ async def test_a_newcomer_never_overtakes_a_woken_waiter():
             gate.open()
         await first
     assert order.launched == [0, 1, 2]  # X, Y, N
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_a_deadline_bounds_how_long_an_idle_scheduler_holds_a_request(device):
+    # With half a second of max_delay_us, a lone request whose timeout is shorter than the
+    # delay launches without waiting out the delay for company (it used to expire).
+    import opsched
+
+    rng = np.random.default_rng(5)
+    g, x = small_glu(rng)
+    async with opsched.open_scheduler(device=device, max_delay_us=500_000) as sched:
+        with anyio.fail_after(5):  # a failure, not a hang, if it waited out the delay
+            got = await sched.glu_backward(g, x, timeout=0.1)
+    assert_result(device, got, solo_glu(g, x, -1))
+    assert sched.statistics().expired == 0
