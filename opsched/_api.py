@@ -336,8 +336,21 @@ async def open_scheduler(
     else:
         await scheduler.aclose()
     finally:
-        _current.reset(token)
+        _forget_current(token, scheduler)
         scheduler._close_now()  # no-op unless a cancellation interrupted the drain
+
+
+def _forget_current(token: contextvars.Token[Scheduler | None], scheduler: Scheduler) -> None:
+    """Stop module-level calls here from using ``scheduler`` as its block ends. The block
+    may end in another task than the one that entered it (an ``AsyncExitStack`` handed
+    on, an abandoned block finalised when its loop ends): that task's context cannot
+    take the token, so its own value is put back where it is this scheduler."""
+    try:
+        _current.reset(token)
+    except ValueError:  # the token belongs to another task's context
+        if _current.get() is scheduler:
+            old = token.old_value
+            _current.set(None if old is contextvars.Token.MISSING else old)
 
 
 async def current_scheduler() -> Scheduler:

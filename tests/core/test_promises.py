@@ -190,3 +190,46 @@ async def test_a_deadline_bounds_how_long_an_idle_scheduler_holds_a_request(devi
             got = await sched.glu_backward(g, x, timeout=0.1)
     assert_result(device, got, solo_glu(g, x, -1))
     assert sched.statistics().expired == 0
+
+
+async def test_a_scheduler_entered_in_one_task_may_be_left_in_another():
+    import opsched
+
+    rng = np.random.default_rng(6)
+    g, x = small_glu(rng)
+    block = opsched.open_scheduler()
+    sched = await block.__aenter__()
+    assert await opsched.current_scheduler() is sched
+    pending = sched.glu_backward_nowait(g, x)
+
+    async def leave():
+        await block.__aexit__(None, None, None)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(leave)
+    assert sched.state.value == "closed"
+    assert_result("cpu", await pending, solo_glu(g, x, -1))  # drained on the way out
+    assert await opsched.current_scheduler() is not sched  # this task's calls moved on
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_abandoned_scheduler_block_is_closed_quietly_when_its_loop_ends(backend):
+    import subprocess
+    import sys
+
+    code = f"""
+import anyio, numpy as np, opsched
+
+async def main():
+    block = opsched.open_scheduler()
+    sched = await block.__aenter__()  # never left
+    await sched.glu_backward(np.ones((2, 4), np.float32), np.ones((2, 8), np.float32))
+
+anyio.run(main, backend={backend!r})
+print("done")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "done\n" and proc.stderr == ""
