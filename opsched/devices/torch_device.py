@@ -182,10 +182,18 @@ class TorchDevice(Device):
         """``value`` as a tensor on this device: numpy copied in, a tensor checked.
 
         Raises:
+            TypeError: a tensor that is not strided (sparse COO / CSR / CSC / BSR / BSC,
+                mkldnn): the operators read dense memory.
             ParamInvalidError: a tensor on another device.
         """
         if isinstance(value, np.ndarray):  # on the CPU a view of it where possible
             return torch_ops.to_torch(value, self.torch_device, share=True)
+        if value.layout is not self._torch.strided:
+            msg = (
+                f"{op}: {name} is a tensor of layout {value.layout}; the operators compute "
+                f"dense (torch.strided) tensors: pass {name}.to_dense()"
+            )
+            raise TypeError(msg)
         if value.device != self.torch_device:
             msg = (
                 f"{op}: {name} is on {value.device}; the scheduler's device is "
@@ -271,12 +279,17 @@ class TorchDevice(Device):
             else:
                 return HostOperands(tensors), None
         tensor, where, on_cpu = self._torch.Tensor, self.torch_device, self._on_cpu
+        strided = self._torch.strided
         # one pass (this runs for every request), in place (``tensors`` is the request's
         # own dict): a tensor on this device as it is, anything else through admit()
         caller_out: dict[str, np.ndarray] | None = None
         numpy_in = True
         for name, value in tensors.items():
-            if type(value) is tensor and (value.is_cpu if on_cpu else value.device == where):
+            if (
+                type(value) is tensor
+                and (value.is_cpu if on_cpu else value.device == where)
+                and value.layout is strided
+            ):
                 numpy_in = False
             elif value is not None:
                 tensors[name] = self.admit(op.name, name, value)

@@ -254,14 +254,52 @@ def framework_output(
 
 def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
     """A request's own output ``name`` as a contiguous tensor a launch can write into (a
-    numpy ``out=`` seen as a tensor of its memory); None where it has none or it is not
-    contiguous (the launch then writes elsewhere and :func:`framework_deliver` copies)."""
-    own = tensors[name]
+    numpy ``out=`` seen as a tensor of its memory); None where it has none, it is not
+    contiguous, or it overlaps another of the request's operands (the launch then writes
+    elsewhere and :func:`framework_deliver` copies: an output that overlaps an input gets
+    the result computed from the input's values before the call, as SPEC says, where
+    aten's kernels would read back what they already wrote)."""
+    given = tensors[name]
+    if given is None:
+        return None
+    own = given
     if type(own) is np.ndarray:
         if not framework_plain(own):
             return None
         own = framework_tensor(torch, own)
-    return own if own is not None and own.is_contiguous() else None
+    if not own.is_contiguous():
+        return None
+    low, high = _extent(given)
+    for other_name, other in tensors.items():
+        if other is None or other_name == name:
+            continue
+        other_low, other_high = _extent(other)
+        if other_low < high and low < other_high and _same_memory(given, other):
+            return None
+    return own
+
+
+def _extent(value: Any) -> tuple[int, int]:
+    """The bytes ``[low, high)`` an array or tensor may reach: a numpy array's own bounds,
+    a tensor's whole storage (a superset: an overlap found there only costs a copy)."""
+    if isinstance(value, np.ndarray):
+        low, high = _byte_bounds(value)
+        return int(low), int(high)
+    storage = value.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two operands' addresses are in one memory: numpy arrays and CPU tensors
+    share the host's; a tensor on an accelerator only its own device's."""
+    device_a = "cpu" if isinstance(a, np.ndarray) else str(a.device)
+    device_b = "cpu" if isinstance(b, np.ndarray) else str(b.device)
+    return device_a == device_b
+
+
+#: numpy's ``byte_bounds`` (moved to ``numpy.lib.array_utils`` in numpy 2).
+_byte_bounds = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or np.byte_bounds
 
 
 def framework_plain(array: np.ndarray) -> bool:

@@ -499,3 +499,40 @@ def test_graph_node_with_dx_only_feeds_its_consumer():
     assert dgamma is None and dbeta is None
     assert_same_bits(dx, solo(args, (True, False, False))[0])
     assert out.shape == gate.shape
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference", "torch:cpu"])
+@pytest.mark.parametrize("mask", [(True, False, True), (False, True, False), (True, True, False)])
+def test_out_with_a_false_mask_entry_gives_none_and_leaves_that_array_alone(mask, device):
+    if device.startswith("torch"):
+        pytest.importorskip("torch")
+    args = case(np.random.default_rng(41), 2, 8, 6, 4)
+    with opsched.sync.open_scheduler(device=device) as sched:  # the request without out=
+        want = sched.group_norm_backward(*args, output_mask=mask)
+
+    def outs():
+        x, c = args[1], args[6]
+        return (np.full(x.shape, 7.0, F32), np.full((c,), 7.0, F32), np.full((c,), 7.0, F32))
+
+    def check(result, given):
+        for got, expected, array, wanted in zip(result, want, given, mask, strict=True):
+            if wanted:
+                assert got is array  # written in place, returned
+                assert_same_bits(got, expected)
+            else:
+                assert got is None
+                assert (array == 7.0).all()  # never written
+
+    with opsched.sync.open_scheduler(device=device) as sched:
+        given = outs()
+        check(sched.group_norm_backward(*args, output_mask=mask, out=given), given)
+        given = outs()
+        future = sched.submit_group_norm_backward(*args, output_mask=mask, out=given)
+        check(future.result(), given)
+
+    async def main():
+        async with opsched.open_scheduler(device=device) as sched:
+            given = outs()
+            check(await sched.group_norm_backward(*args, output_mask=mask, out=given), given)
+
+    asyncio.run(main())
