@@ -298,8 +298,10 @@ def _same_memory(a: Any, b: Any) -> bool:
     return device_a == device_b
 
 
-#: numpy's ``byte_bounds`` (moved to ``numpy.lib.array_utils`` in numpy 2).
-_byte_bounds = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or np.byte_bounds
+#: numpy's ``byte_bounds`` (``numpy.lib.array_utils`` from numpy 2, top-level before).
+_byte_bounds: Any = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or getattr(
+    np, "byte_bounds"
+)
 
 
 def framework_plain(array: np.ndarray) -> bool:

@@ -128,7 +128,7 @@ class GroupNormBackward(Operator):
             }  # fmt: skip
             return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
         tensors, scalars = super().arguments(args, out)
-        mask = scalars.get("output_mask")
+        mask: Any = scalars.get("output_mask")
         if type(mask) in (tuple, list) and len(mask) == 3:
             # An array given for an output that output_mask turns off is not the request's:
             # never written, and its entry of the result is None (a malformed mask is
