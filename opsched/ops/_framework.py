@@ -298,10 +298,10 @@ def _same_memory(a: Any, b: Any) -> bool:
     return device_a == device_b
 
 
-#: numpy's ``byte_bounds`` (``numpy.lib.array_utils`` from numpy 2, top-level before).
-_byte_bounds: Any = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or getattr(
-    np, "byte_bounds"
-)
+try:  # numpy's byte_bounds: in numpy.lib.array_utils from numpy 2, top-level before
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - numpy 1.26
+    _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
 
 def framework_plain(array: np.ndarray) -> bool:

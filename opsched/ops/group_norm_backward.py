@@ -128,12 +128,12 @@ class GroupNormBackward(Operator):
             }  # fmt: skip
             return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
         tensors, scalars = super().arguments(args, out)
-        mask: Any = scalars.get("output_mask")
-        if type(mask) in (tuple, list) and len(mask) == 3:
+        given: Any = scalars.get("output_mask")
+        if type(given) in (tuple, list) and len(given) == 3:
             # An array given for an output that output_mask turns off is not the request's:
             # never written, and its entry of the result is None (a malformed mask is
             # refused by the checks)
-            for name, wanted in zip(_OUTPUTS, mask, strict=True):
+            for name, wanted in zip(_OUTPUTS, given, strict=True):
                 if wanted is False or (type(wanted) is np.bool_ and not wanted):
                     tensors[name] = None
         return tensors, scalars
