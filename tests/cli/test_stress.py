@@ -206,12 +206,24 @@ def test_bad_options_are_clear_errors(args, words):
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
-def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
-    """Make GluBackward's kernel negate its output, on every path: fused launches, solo
-    launches, the usual launch through a runner (blocking calls, single-use two-phase
-    executors) and the solo two-phase oracle alike (so results stay bit-identical to the
-    solo call, and only an independent oracle can tell). ``graphs_only``: only when the
-    launch serves a graph node (a wrong result on graphs alone)."""
+def _negate(out: np.ndarray) -> None:
+    np.negative(out, out=out)
+
+
+def _off_by_1e4(out: np.ndarray) -> None:
+    """A FLOAT result 1e-4 too large: inside SPEC's FLOAT tolerance, far outside what the
+    kernels promise (about 1,700 float32 roundings)."""
+    if out.dtype == np.float32:
+        np.multiply(out, np.float32(1.0001), out=out)
+
+
+def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate) -> None:
+    """Make GluBackward's kernel negate its output (or apply ``wrong`` to it), on every
+    path: fused launches, solo launches, the usual launch through a runner (blocking calls,
+    single-use two-phase executors) and the solo two-phase oracle alike (so results stay
+    bit-identical to the solo call, and only an independent oracle can tell).
+    ``graphs_only``: only when the launch serves a graph node (a wrong result on graphs
+    alone)."""
     from opsched.devices.host import HostDevice
     from opsched.ops.executor import PLANS
     from opsched.ops.glu_backward import GluBackward
@@ -222,14 +234,14 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
     def negated(self, plan, tensors, workspace):
         real(self, plan, tensors, workspace)
         if not graphs_only:
-            np.negative(tensors["out"], out=tensors["out"])
+            wrong(tensors["out"])
 
     def fused(self, op, plan, arrays, workspace, requests, errors):
         real_fused(self, op, plan, arrays, workspace, requests, errors)
         if graphs_only and op.name == "GluBackward":
             for r in requests:
                 if r.graph is not None:
-                    np.negative(r.tensors["out"], out=r.tensors["out"])
+                    wrong(r.tensors["out"])
 
     real_prepare = GluBackward.prepare
 
@@ -239,7 +251,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
         def launch(workspace):
             kernel(workspace)
             if not graphs_only:
-                np.negative(tensors["out"], out=tensors["out"])
+                wrong(tensors["out"])
 
         return launch
 
@@ -250,18 +262,18 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False) -> None:
         if launch is None or graphs_only:  # (graph nodes: in run_here, below)
             return launch
 
-        def wrong(t, workspace):
+        def perturbed(t, workspace):
             launch(t, workspace)
-            np.negative(t["out"], out=t["out"])
+            wrong(t["out"])
 
-        return wrong
+        return perturbed
 
     real_here = HostDevice.run_here
 
     def here(self, request):  # a lone request run where it was made: graph nodes too
         real_here(self, request)
         if graphs_only and request.graph is not None and request.op.name == "GluBackward":
-            np.negative(request.tensors["out"], out=request.tensors["out"])
+            wrong(request.tensors["out"])
 
     monkeypatch.setattr(HostDevice, "run_here", here)
     monkeypatch.setattr(GluBackward, "run", negated)
@@ -281,8 +293,32 @@ def test_a_wrong_kernel_on_every_path_fails_the_verdict(monkeypatch):
     assert status == 1, text
     line = next(line for line in text.splitlines() if "every result right" in line)
     assert "FAILED" in line and "verdict: FAIL" in text
-    assert "outside SPEC's tolerance of the float64 oracle" in text
+    assert "outside the kernels' error bound of the float64 oracle" in text
     assert "replay: opsched stress --seed 0" in text and "--replay " in text
+
+
+def test_a_float_kernel_off_by_1e4_on_every_path_fails_the_verdict(monkeypatch):
+    _negate_glu_kernels(monkeypatch, wrong=_off_by_1e4)
+    status, text = stress(**SMALL)
+    assert status == 1, text
+    wrong = [line for line in text.splitlines() if "outside the kernels' error bound" in line]
+    assert wrong and all("float32" in line for line in wrong), text
+
+
+def test_the_kernels_bound_holds_their_results_and_refuses_an_error_of_1e4():
+    from opsched.cli.stress import oracle
+    from opsched.cli.stress.workload import make_template
+
+    opts = StressOptions(large=0.05)
+    refused = 0
+    for index in range(256):
+        t = make_template(3, index, opts)
+        assert oracle.within_bound(t.expected, t.oracle, t.bound), t.describe
+        if t.kind == "glu" and t.expected.dtype == np.float32 and t.expected.size:
+            off = t.expected * np.float32(1.0001)
+            assert oracle.within_tolerance("glu", off, t.oracle)  # SPEC's would pass it
+            refused += not oracle.within_bound(off, t.oracle, t.bound)
+    assert refused >= 10  # every FLOAT GLU template whose result is not all zeros
 
 
 def test_a_wrong_result_on_graphs_only_fails_the_verdict(monkeypatch):

@@ -68,6 +68,8 @@ class _Template:
     describe: str
     #: The independent float64 oracle's result (:mod:`opsched.cli.stress.oracle`).
     oracle: Any = None
+    #: How far opsched's own kernels may put the result from it (``oracle.error_bound``).
+    bound: Any = None
 
     @property
     def entries(self) -> list[np.ndarray | None]:
@@ -157,7 +159,8 @@ def make_template(
     results computed once: the solo call's (``solos``) and the independent float64 one."""
     t = _make_template(seed, index, opts, solos)
     dtype = t.expected_arrays[0].dtype if t.expected_arrays else np.dtype(np.float32)
-    return attrs.evolve(t, oracle=oracle.expected(t.kind, t.args, dtype))
+    want = oracle.expected(t.kind, t.args, dtype)
+    return attrs.evolve(t, oracle=want, bound=oracle.error_bound(t.kind, t.args, dtype, want))
 
 
 def _make_template(seed: int, index: int, opts: StressOptions, solos: Solos) -> _Template:
