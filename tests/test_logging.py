@@ -9,10 +9,24 @@ import sys
 
 import numpy as np
 import pytest
+import structlog
 
 import opsched
 from opsched import RuntimeLaunchError
 from tests.sched_helpers import FailWhen
+
+
+@pytest.fixture(autouse=True)
+def structlog_unconfigured():
+    """An application that configured only the standard library (another test of this
+    process may have configured structlog: restored afterwards)."""
+    configured, config = structlog.is_configured(), structlog.get_config()
+    structlog.reset_defaults()
+    yield
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
 
 
 def _fail_one_request() -> None:
