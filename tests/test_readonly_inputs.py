@@ -110,3 +110,19 @@ def test_a_read_only_output_is_refused_at_the_call(op, name):
     call = getattr(opsched.sync, _NAMES[op])
     with pytest.raises(ParamInvalidError, match=f"{name} is read-only"):
         call(*args, out=out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["glu", "gn", "gnb"])
+def test_read_only_numpy_inputs_on_torch_cpu(op, dtype, tmp_path):
+    pytest.importorskip("torch")
+    args = _inputs(op, dtype)
+    frozen = _read_only(args, "flag", tmp_path)
+    name = _NAMES[op]
+    with opsched.sync.open_scheduler(device="torch:cpu") as sched:
+        call = getattr(sched, name)
+        want = call(*args)  # the same request on writeable arrays, on this device
+        assert_same_bits(call(*frozen), want)
+        futures = [getattr(sched, f"submit_{name}")(*frozen) for _ in range(4)]
+        for future in futures:
+            assert_same_bits(future.result(), want)
