@@ -6,6 +6,8 @@ is enough to reach the synchronous facade (:mod:`opsched.sync`) and the two-phas
 device-style API (:mod:`opsched.aclnn`).
 """
 
+import importlib.metadata
+
 from opsched import (
     aclnn,
     sync,
@@ -50,7 +52,10 @@ from opsched.devices import (
 )
 from opsched.ops.executor import Executor, ExecutorState, PlanCacheStatistics
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("opsched")
+except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AclnnError",

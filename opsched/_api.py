@@ -264,10 +264,11 @@ def resolve_config(
     elif isinstance(config, SchedulerConfig):
         base = config
     elif isinstance(config, str | os.PathLike):
-        base = SchedulerConfig.from_toml(config)
+        base = SchedulerConfig.load(config)
     else:
         msg = (
-            "config must be a SchedulerConfig, a path to a TOML file or None, got "
+            "config must be a SchedulerConfig, a profile's name, a path to a TOML file or "
+            "None, got "
             f"{type(config).__qualname__}"
         )
         raise TypeError(msg)

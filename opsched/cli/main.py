@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+import opsched
 from opsched import SchedulerConfig
 from opsched._errors import AclnnError
 from opsched.cli import plot as _plot
@@ -25,7 +26,11 @@ def _common() -> argparse.ArgumentParser:
     """Options every subcommand takes."""
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("common options")
-    group.add_argument("--config", metavar="PATH", help="scheduler TOML profile (configs/)")
+    group.add_argument(
+        "--config",
+        metavar="NAME|PATH",
+        help="scheduler profile: default, throughput, latency, or a TOML file's path",
+    )
     group.add_argument(
         "--device",
         default="cpu",
@@ -62,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opsched", description="An asyncio scheduler for batched NPU operators."
     )
+    parser.add_argument("--version", action="version", version=f"opsched {opsched.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _common()
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -275,7 +281,7 @@ def configure_logging(fmt: str, verbosity: int) -> None:
 
 def _config(args: argparse.Namespace, default: SchedulerConfig | None) -> SchedulerConfig | None:
     """The config of ``--config`` (else ``default``), with ``--product`` applied."""
-    config = SchedulerConfig.from_toml(args.config) if args.config else default
+    config = SchedulerConfig.load(args.config) if args.config else default
     if args.product is not None:
         config = (config or SchedulerConfig()).evolve({"product": args.product})
     return config

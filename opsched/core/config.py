@@ -6,6 +6,7 @@ same knobs with comments. Validation messages name the field, the value and the 
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import pathlib
 import tomllib
@@ -120,6 +121,35 @@ class SchedulerConfig:
     executor_cache_limit: int = attrs.field(default=10000, validator=_int_range(1, _MAX_COUNT))
     malloc_keep_bytes: int = attrs.field(default=0, validator=_int_range(0, 1 << 30))
     product: str = attrs.field(default="generic", validator=_product)
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str]) -> SchedulerConfig:
+        """A config from a profile shipped with opsched, by name (``"default"``,
+        ``"throughput"``, ``"latency"``: :meth:`profiles`), or from a TOML file's path.
+
+        Raises:
+            FileNotFoundError: neither a profile's name nor an existing file (the message
+                names the profiles).
+            ValueError, TypeError: as :meth:`from_toml`.
+        """
+        path = pathlib.Path(source)
+        if not path.exists() and isinstance(source, str) and source in cls.profiles():
+            profile = importlib.resources.files("opsched.configs").joinpath(f"{source}.toml")
+            with importlib.resources.as_file(profile) as found:
+                return cls.from_toml(found)
+        if not path.exists():
+            msg = (
+                f"{source}: no such file, nor a profile of opsched's (profiles: "
+                f"{', '.join(cls.profiles())})"
+            )
+            raise FileNotFoundError(msg)
+        return cls.from_toml(path)
+
+    @staticmethod
+    def profiles() -> list[str]:
+        """The names of the profiles shipped with opsched."""
+        found = importlib.resources.files("opsched.configs").iterdir()
+        return sorted(p.name.removesuffix(".toml") for p in found if p.name.endswith(".toml"))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> SchedulerConfig:
