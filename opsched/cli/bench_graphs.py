@@ -162,7 +162,7 @@ def bench_graphs(
 
 
 def print_graph_report(r: dict[str, Any], out: TextIO) -> None:
-    """Print the figures with their targets."""
+    """Print the figures: graphs against the same chains awaited call by call."""
     print(
         f"8-node chain (GN 2x4x8 ... GLU 2x4x128, FLOAT), 64 concurrent clients, "
         f"{r['chains']} chains each way, median of {r['rounds']} rounds",
@@ -171,16 +171,9 @@ def print_graph_report(r: dict[str, Any], out: TextIO) -> None:
     print(f"  (a) graphs:           {r['graph_chains_per_s']:10,.0f} chains/s", file=out)
     print(f"  (b) awaited calls:    {r['awaited_chains_per_s']:10,.0f} chains/s", file=out)
     print(f"  (c) two-phase direct: {r['direct_chains_per_s']:10,.0f} chains/s", file=out)
-    ok = r["graph_vs_awaited"] >= 1.5
-    print(
-        f"  (a) / (b) = {r['graph_vs_awaited']:.2f}x   target >= 1.5x: "
-        f"{'reached' if ok else 'NOT reached'}",
-        file=out,
-    )
-    faster = r["idle_graph_us"] < r["idle_awaited_us"]
+    print(f"  (a) / (b) = {r['graph_vs_awaited']:.2f}x", file=out)
     print(
         f"  one chain at idle: graph {r['idle_graph_us']:.0f} us, awaited "
-        f"{r['idle_awaited_us']:.0f} us   target graph faster: "
-        f"{'reached' if faster else 'NOT reached'}",
+        f"{r['idle_awaited_us']:.0f} us",
         file=out,
     )

@@ -30,7 +30,6 @@ __all__ = [
     "KERNEL_SIZES",
     "BenchTarget",
     "bench_kernels",
-    "kernel_targets",
     "print_kernel_table",
     "torch_peer",
     "write_json",
@@ -226,32 +225,6 @@ def _measure(case: dict[str, Any], least: int = 1) -> dict[str, Any]:
     }
 
 
-#: The kernels' speed targets, by (operator, dtype): against torch's operator at every size,
-#: and against a copy of the same bytes from 4M elements (where both stream from memory).
-_TORCH_TARGETS = {
-    ("GluBackward", "FLOAT"): 1.2,
-    ("GluBackward", "FLOAT16"): 1.0,
-    ("GluBackward", "BFLOAT16"): 1.0,
-    ("GroupNormBackward", "FLOAT"): 1.2,
-}
-_COPY_TARGETS = {("GluBackward", "FLOAT"): 0.5, ("GroupNormalizationGrad", "FLOAT"): 0.4}
-_COPY_TARGET_FROM = 1 << 22
-
-
-def kernel_targets(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The speed targets that apply to a measured row, each ``{"target": text, "reached":
-    bool}`` (none for the rows without one; the torch target only where torch ran)."""
-    key = (row["op"], row["dtype"])
-    found = []
-    if key in _TORCH_TARGETS and "speedup_vs_torch" in row:
-        want = _TORCH_TARGETS[key]
-        found.append({"target": f">= {want}x torch", "reached": row["speedup_vs_torch"] >= want})
-    if key in _COPY_TARGETS and row["elements"] >= _COPY_TARGET_FROM:
-        want = _COPY_TARGETS[key]
-        found.append({"target": f">= {want:.0%} copy", "reached": row["ratio_to_copy"] >= want})
-    return found
-
-
 def bench_kernels(
     sizes: tuple[int, ...] = KERNEL_SIZES,
     dtypes: tuple[str, ...] = tuple(_DTYPES),
@@ -270,7 +243,6 @@ def bench_kernels(
             for n in sizes:
                 row = _measure(builders[op](n, _DTYPES[name], rng, torch), repeats)
                 row.update(dtype=name, elements=n)
-                row["targets"] = kernel_targets(row)
                 rows.append(row)
     return rows
 
@@ -280,31 +252,23 @@ def _human(n: int) -> str:
 
 
 def print_kernel_table(rows: list[dict[str, Any]], out: TextIO) -> None:
-    """Print the rows as a table."""
+    """Print the rows as a table: each kernel against a copy of the same bytes, the
+    reference kernel and (where torch is installed) torch's operator."""
     peer = bool(rows) and "speedup_vs_torch" in rows[0]
     head = (
         f"{'operator':<24}{'dtype':<10}{'elements':>9}{'median':>11}{'GB/s':>8}"
         f"{'copy GB/s':>11}{'vs copy':>9}{'vs ref':>8}"
     ) + (f"{'torch GB/s':>12}{'vs torch':>10}" if peer else "")
-    print(head + "  target", file=out)
-    print("-" * (len(head) + 8), file=out)
-    targets = [t for r in rows for t in r.get("targets", ())]
+    print(head, file=out)
+    print("-" * len(head), file=out)
     for r in rows:
-        verdicts = "; ".join(
-            f"{t['target']}: {'reached' if t['reached'] else 'NOT reached'}"
-            for t in r.get("targets", ())
-        )
         print(
             f"{r['op']:<24}{r['dtype']:<10}{_human(r['elements']):>9}"
             f"{r['fast_median_s'] * 1e3:>9.3f}ms{r['fast_gbps']:>8.2f}{r['copy_gbps']:>11.2f}"
             f"{r['ratio_to_copy']:>8.0%}{r['speedup_vs_reference']:>7.1f}x"
-            + (f"{r['torch_gbps']:>12.2f}{r['speedup_vs_torch']:>9.2f}x" if peer else "")
-            + (f"  {verdicts}" if verdicts else ""),
+            + (f"{r['torch_gbps']:>12.2f}{r['speedup_vs_torch']:>9.2f}x" if peer else ""),
             file=out,
         )
-    if targets:
-        reached = sum(t["reached"] for t in targets)
-        print(f"targets reached: {reached} of {len(targets)}", file=out)
 
 
 #: Bumped when the layout of the result file changes.

@@ -417,15 +417,12 @@ def bench_scheduler(
 
 
 def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
-    """Print every figure with its target and whether it was reached."""
+    """Print every figure, each against its peer where it has one."""
 
-    def line(name: str, figure: str, target: str, ok: bool) -> None:
-        print(f"{name:<58}{figure:<48}{target:<16}{'reached' if ok else 'NOT reached'}", file=out)
+    def line(name: str, figure: str) -> None:
+        print(f"{name:<58}{figure}", file=out)
 
-    print(
-        f"{'figure':<58}{'measured (median of ' + str(r['repeats']) + ')':<48}{'target':<16}",
-        file=out,
-    )
+    print(f"{'figure':<58}{'measured (median of ' + str(r['repeats']) + ')'}", file=out)
     for key, label in (
         ("throughput_glu", "GLU 8x64"),
         ("throughput_gn", "group norm 4x8x64"),
@@ -435,54 +432,39 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             t = r[key]
             line(
                 f"1. throughput, {label}, {t['requests']} requests",
-                f"{t['scheduler_rps']:,.0f}/s vs direct {t['direct_rps']:,.0f}/s "
-                f"= {t['speedup']:.1f}x",
-                ">= 3x",
-                t["speedup"] >= 3,
+                f"{t['scheduler_rps']:,.0f}/s vs two-phase calls {t['direct_rps']:,.0f}/s "
+                f"= {t['speedup']:.2f}x",
             )
-            if "torch_rps" in t and r.get("device", "cpu").startswith("torch"):
+            if "torch_rps" in t:
+                where = r.get("device", "cpu")
+                peer = where if where.startswith("torch") else "torch CPU"
                 line(
-                    f"   vs torch's operator per request ({r['device']})",
+                    f"   vs torch's operator per request ({peer})",
                     f"{t['torch_rps']:,.0f}/s; scheduler {t['speedup_vs_torch']:.2f}x",
-                    ">= 1.5x",
-                    t["speedup_vs_torch"] >= 1.5,
-                )
-            elif "torch_rps" in t:
-                print(
-                    f"{'   peer: torch CPU operator per request':<58}"
-                    f"{t['torch_rps']:,.0f}/s; scheduler {t['speedup_vs_torch']:.1f}x",
-                    file=out,
                 )
     if "latency" in r:
         lat = r["latency"]
         line(
             "2. idle latency, added by the scheduler",
-            f"{lat['scheduler_median_us']:.0f} us - {lat['direct_median_us']:.0f} us = "
+            f"{lat['scheduler_median_us']:.0f} us - {lat['direct_median_us']:.0f} us (call) = "
             f"{lat['added_us']:.0f} us",
-            "<= 50 us",
-            lat["added_us"] <= 50,
         )
     if "responsiveness" in r:
         resp = r["responsiveness"]
         line(
             "3. loop lag, 32 x GLU 1024x8192 running",
             f"p99 {resp['p99_lag_ms']:.2f} ms, max {resp['max_lag_ms']:.2f} ms",
-            "<= 5 / 10 ms",
-            resp["p99_lag_ms"] <= 5 and resp["max_lag_ms"] <= 10,
         )
     if "scaling" in r:
         sc = r["scaling"]
         line(
             "4. stream scaling, 64 x GLU 256x8192",
-            f"{sc['streams2_rps']:.1f}/s vs {sc['streams1_rps']:.1f}/s = {sc['speedup']:.2f}x",
-            ">= 1.5x",
-            sc["speedup"] >= 1.5,
+            f"streams=2 {sc['streams2_rps']:.1f}/s vs streams=1 {sc['streams1_rps']:.1f}/s "
+            f"= {sc['speedup']:.2f}x",
         )
         line(
             "4. split scaling, one GLU of 16M elements",
-            f"streams=2 {sc['split_speedup']:.2f}x streams=1 (copy: {sc['copy_speedup']:.2f}x)",
-            ">= 1.7x",
-            sc["split_speedup"] >= 1.7,
+            f"streams=2 {sc['split_speedup']:.2f}x streams=1 (a copy: {sc['copy_speedup']:.2f}x)",
         )
     for key in ("throughput_glu", "throughput_gn", "throughput_gnb"):
         if key in r:
@@ -492,16 +474,13 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
                 f"{st['new_workspace_allocations']} new blocks, "
                 f"hit rate {st['executor_hit_rate']:.2%}, "
                 f"{st['requests_per_launch_mean']:.0f} req/launch",
-                "0, >= 99%",
-                st["new_workspace_allocations"] == 0 and st["executor_hit_rate"] >= 0.99,
             )
     if "tracing" in r:
         tr = r["tracing"]
         line(
             "6. tracing overhead, GLU throughput",
-            f"{tr['traced_rps']:,.0f}/s vs {tr['untraced_rps']:,.0f}/s = {tr['overhead']:+.1%}",
-            "<= 10%",
-            tr["overhead"] <= 0.10,
+            f"{tr['traced_rps']:,.0f}/s traced vs {tr['untraced_rps']:,.0f}/s = "
+            f"{tr['overhead']:+.1%}",
         )
     if "sweeps" in r:
         sw = r["sweeps"]
@@ -523,8 +502,6 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
             f"9. memory, {mem['requests']} GLU 8x64 awaited",
             f"{mem['held_bytes']:,} B held after; peak {mem['peak_per_request']:,.0f} B per "
             f"in-flight request (output {mem['output_bytes']:,} B)",
-            "held <= 64 KiB",
-            mem["held_bytes"] <= 64 << 10,
         )
     if "medium" in r:
         print_medium(r["medium"], line, out)

@@ -120,13 +120,19 @@ def plot_trace(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> No
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(12, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
-    colors = {"GluBackward": "tab:blue", "GroupNormalizationGrad": "tab:orange"}
+    colors = {
+        "GluBackward": "tab:blue",
+        "GroupNormalizationGrad": "tab:orange",
+        "GroupNormBackward": "tab:purple",
+    }
     tids = sorted(t for t in names if t > 0)
     for row, tid in enumerate(tids):
         mine = [e for e in slices if e["tid"] == tid]
         bars = [(e["ts"] / 1e3, e["dur"] / 1e3) for e in mine]
-        facecolors = [colors.get(e["args"].get("operator", ""), "tab:green") for e in mine]
-        top.broken_barh(bars, (row - 0.4, 0.8), facecolors=facecolors, edgecolor="white")
+        facecolors = [colors.get(e["args"].get("operator", ""), "tab:gray") for e in mine]
+        # solid, however thin: anti-aliased, a launch under a pixel wide would be drawn
+        # lighter, as if it meant something
+        top.broken_barh(bars, (row - 0.4, 0.8), facecolors=facecolors, antialiased=False)
     row_of = {tid: row for row, tid in enumerate(tids)}
     starts = {e["id"]: e for e in events if e.get("ph") == "s"}
     for f in (e for e in events if e.get("ph") == "f"):
@@ -141,12 +147,21 @@ def plot_trace(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> No
     top.set_yticks(range(len(tids)), [names[t] for t in tids])
     top.set_ylim(-0.6, len(tids) - 0.4)
     top.invert_yaxis()
+    seen = {e["args"].get("operator", "") for e in slices}
     for op, color in colors.items():
-        top.plot([], [], color=color, linewidth=8, label=op)
+        if op in seen:
+            top.plot([], [], color=color, linewidth=8, label=f"a launch of {op}")
+    if starts:
+        edge = "graph edge, producer's launch -> consumer's (a lone '>': same stream)"
+        top.plot([], [], color="black", linewidth=0.6, marker=">", markersize=4, label=edge)
     top.legend(loc="upper right", fontsize=8)
-    top.set_title("opsched trace: launches per stream (width = run time), graph edges")
+    top.set_title("opsched trace: launches per stream (bar width = run time)")
     if queue:
-        bottom.step([t / 1e3 for t, _ in queue], [q for _, q in queue], where="post")
+        bottom.step(
+            [t / 1e3 for t, _ in queue], [q for _, q in queue], where="post",
+            label="requests waiting in the queue",
+        )  # fmt: skip
+        bottom.legend(loc="upper right", fontsize=8)
     bottom.set_ylabel("queued")
     bottom.set_xlabel("ms since the scheduler opened")
     fig.tight_layout()
