@@ -1,29 +1,53 @@
-"""The command line on tiny workloads: exit codes, files written, their JSON layout."""
+"""The command line on tiny workloads: exit codes, files written, their JSON layout.
+
+Commands run in this process, through ``main(argv)``; one smoke test runs ``python -m
+opsched`` in a new interpreter, as a user does.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+import structlog
 
+from opsched.cli.main import main
 from opsched.core.trace import load_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def opsched_cmd(*args, cwd, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "opsched", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=cwd,
-    )
+def opsched_cmd(*args, cwd) -> subprocess.CompletedProcess[str]:
+    """``opsched ARGS`` run in this process in ``cwd``: its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse: --help, usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(here)
+        structlog.reset_defaults()  # -v configured it to print into ``err``
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def test_python_m_opsched_runs_the_demo_in_a_new_interpreter(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "opsched", "demo", "--device", "reference"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("results bit-identical to solo launches: True") == 2
 
 
 def test_demo_runs_checks_and_writes_its_trace(tmp_path):
@@ -69,7 +93,7 @@ def test_every_subcommand_has_help(tmp_path, command):
 def test_bench_writes_results_trace_and_chart(tmp_path):
     proc = opsched_cmd(
         "bench", "all", "--quick", "--json", "r.json", "--trace", "t.json", "--plot", "p.png",
-        cwd=tmp_path, timeout=300,
+        cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "r.json").read_text())
@@ -89,16 +113,9 @@ def test_bench_writes_results_trace_and_chart(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path):
-    code = (
-        "import sys; sys.modules['matplotlib'] = None\n"
-        "from opsched.cli.main import main\n"
-        "sys.exit(main(['bench', 'kernels', '--quick', '--plot', 'p.png']))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        check=False, cwd=tmp_path,
-    )  # fmt: skip
+def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    proc = opsched_cmd("bench", "kernels", "--quick", "--plot", "p.png", cwd=tmp_path)
     assert proc.returncode == 2
     assert "pip install 'opsched[plot]'" in proc.stderr
     assert not (tmp_path / "p.png").exists()
