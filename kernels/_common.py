@@ -26,7 +26,8 @@ DEFAULT_BLOCK = 65536
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """Return the dtype a kernel computes in: float64 for float64, float32 otherwise.
 
-    FLOAT16 and BFLOAT16 are computed in float32 and rounded once into the output (SPEC).
+    FLOAT16 and BFLOAT16 are computed in float32 and rounded once into the output
+    (docs/operators.md, "Precision").
     """
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 

@@ -31,7 +31,7 @@ def _gnb_body(  # type: ignore[no-untyped-def]
     """
     if dys == hxw and xs == hxw and dxs == hxw:
         # rows back to back, the usual layout: compiled with the strides known equal to
-        # the row length (short rows, HxW 16: 25 -> 17 ns a channel row)
+        # the row length, which short rows gain most from
         _gnb_rows(
             dy, hxw, x, hxw, dx, hxw, mean, rstd, gamma, period, ds, db, rows, cpg, hxw,
             want_dx, load, store,
@@ -42,8 +42,8 @@ def _gnb_body(  # type: ignore[no-untyped-def]
             want_dx, load, store,
         )  # fmt: skip
     # a sample at a time, every channel at once: the channels are independent chains of
-    # adds (each still in sample order), where a channel's samples are one (32 samples of
-    # 256 channels: 16 -> 6 us)
+    # adds (each still in sample order) the CPU overlaps, where a channel's samples are one
+    # chain
     for k in range(c):
         dgamma[k] = db[k]
         dbeta[k] = ds[k]
@@ -60,17 +60,16 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
     """Passes 1 and 2 over every row (see :func:`_gnb_body`), one row (group) at a time:
     pass 2 reads the group back from cache.
 
-    Measured in ``opsched bench kernels`` (FLOAT against torch, alternating builds, three
-    pairs): at 1M elements (32 KiB groups) 1.25 / 1.20 / 1.24x with blocks of 1 MiB of
-    groups (pass 1 over the block, then pass 2) against 1.34 / 1.25 / 1.30x a group at a
-    time; 4M no different; the blocks gone, so is their bookkeeping."""
+    A group at a time rather than blocks of groups (pass 1 over a block, then pass 2):
+    a group is read back while it is still in cache either way, and a group at a time needs
+    no block bookkeeping (``opsched bench kernels`` compares it with torch's kernel)."""
     lanes = _jit.LANES
     full = hxw - hxw % lanes
     m = np.float32(cpg * hxw)
     for r in range(rows):
         mu, rs = mean[r], rstd[r]
-        k0 = r * cpg  # (loops over a group count kk from 0: a range from k0 compiled
-        # to slower code; HxW 1: 86 -> 80 us for N=32, C=256)
+        k0 = r * cpg  # (loops over a group count kk from 0: a range from k0 compiles
+        # to slower code)
         # pass 1: ds = sum(dy), db = rstd * (sum(dy * x) - mean * ds), per channel row
         for kk in range(cpg):
             k = k0 + kk
@@ -91,7 +90,7 @@ def _gnb_rows(  # type: ignore[no-untyped-def]
                     s_dy += d
                     s_xy += d * load(x_row[i])
             else:  # a short row is all tail (the same adds from +0.0), indexed directly:
-                # slicing each row cost more than its sums (HxW 1: 7.1 -> 3.8 ns a row)
+                # slicing each row would cost more than its sums
                 s_dy = s_xy = np.float32(0.0)
                 at_dy, at_x = k * dys, k * xs
                 for i in range(hxw):

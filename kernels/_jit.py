@@ -6,7 +6,7 @@ A numba loop does every operation of an element in registers, in one pass over m
 module holds the pieces those loops share: bit-exact dtype conversions, a ``sigmoid`` and the
 per-dtype "kinds" a kernel is compiled for.
 
-Determinism (SPEC, DESIGN "batch invariance") rests on three rules here:
+Determinism (docs/operators.md, "Determinism") rests on three rules here:
 
 - **One formula per element, no contraction.** The loops are compiled without ``fastmath``:
   LLVM may not fuse a multiply and an add into an FMA or reorder an operation, so the
@@ -186,12 +186,10 @@ def f32_to_bf16(x: Any) -> Any:
 # below -20, exp(x) < 2**-28 and 1 + exp(x) rounds to 1 exactly, as it does for every x
 # down to -inf; from n = 128 (x >= 88.38) 2**n is +inf, so exp(x) is +inf and the sigmoid
 # +0.0 (the true value there is below 6e-39, under FLOAT's tolerance). So 2**n is a single
-# factor (no subnormal exp to build) and no comparison selects inf or zero: 75 instructions
-# per 8 elements in GLU's loop, against 101 with a general exp (measured: 1.37 -> 1.13 ns
-# an element at 1M). Every multiply-add is one fused, exactly rounded ``fma`` (the same
-# bits in vector lanes and in the scalar tail, on any machine): FLOAT GLU at 1M 0.53-0.59
-# -> 0.46 ms, at 4M 2.74-2.92 -> 2.41-2.46 ms (the half types lose 5-20%: LLVM then
-# interleaves their loops less). Its error is tested against float64 (tests/ops/test_jit.py).
+# factor (no subnormal exp to build) and no comparison selects inf or zero: a quarter fewer
+# instructions in GLU's loop than a general exp. Every multiply-add is one fused, exactly
+# rounded ``fma``: the same bits in vector lanes and in the scalar tail, on any machine, and
+# fewer instructions again. Its error is tested against float64 (tests/ops/test_jit.py).
 _SHIFT = F32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer
 _INV_LN2 = F32(1.44269502162933349609375)
 _LN2_HI = F32(0.693145751953125)
@@ -494,7 +492,7 @@ def sigmoid32(x: np.ndarray) -> np.ndarray:
     """:func:`sigmoid` over a float32 array, into a new array of its shape.
 
     The reference kernels use it where the compiled kernels use ``sigmoid``, so that the
-    reference device gives the compiled kernels' bits (SPEC's formula, one sigmoid).
+    reference device gives the compiled kernels' bits (the contract's formula, one sigmoid).
     """
     flat = np.ascontiguousarray(x, F32).reshape(-1)
     out = np.empty(flat.size, F32)

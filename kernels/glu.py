@@ -61,7 +61,8 @@ __all__ = [
 
 @np.errstate(all="ignore")  # NaN / Inf are computed through, as on the device
 def glu_backward_reference(grad_out: np.ndarray, self: np.ndarray, dim: int) -> np.ndarray:
-    """Return ``glu_backward(grad_out, self, dim)`` computed straight from the SPEC formula.
+    """Return ``glu_backward(grad_out, self, dim)`` straight from its formula
+    (docs/operators.md).
 
     FLOAT16 / BFLOAT16 are computed in float32, DOUBLE in float64, and rounded once. The
     float32 sigmoid is the compiled kernels' :func:`._jit.sigmoid`, so the reference device
@@ -299,7 +300,7 @@ def _glu_body(g, go, gs, x, xa, xb, xs, o, oa, ob, os_, rows, cols, load, store)
 
     Operands are flat 1-D arrays with, per ``(outer, half)`` row ``i``: ``grad_out`` at
     ``g[go + i * gs + j]``, ``a`` / ``b`` at ``x[xa / xb + i * xs + j]``, ``grad_a`` /
-    ``grad_b`` at ``o[oa / ob + i * os_ + j]``. The formula is the SPEC's, in float32, each
+    ``grad_b`` at ``o[oa / ob + i * os_ + j]``. The formula is docs/operators.md's, in float32, each
     output rounded once.
     """
     for i in range(rows):

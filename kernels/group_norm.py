@@ -42,7 +42,7 @@ F32 = np.dtype(np.float32)
 def group_norm_grad_reference(
     x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
 ) -> np.ndarray:
-    """Return ``dx`` computed straight from the SPEC formula, in float32, rounded once, with
+    """Return ``dx`` straight from its formula (docs/operators.md), in float32, rounded once, with
     the fast kernel's order of additions (so the reference device gives its bits)."""
     ct = np.float32
     n, g = x.shape[:2]
@@ -134,7 +134,7 @@ def group_norm_grad_fast(
     rows, m = x.shape[0] * x.shape[1], math.prod(x.shape[2:])  # <= the plan's sizes
     if rows * m == 0:
         return
-    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (SPEC)
+    kind = _jit.KINDS[plan.dtype]  # FLOAT, FLOAT16, BFLOAT16 (docs/operators.md)
     staging = plan.stage_x or plan.stage_dy or plan.stage_gamma or plan.stage_out
     carve: Carver | None = None
     if not staging and (

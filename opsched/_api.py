@@ -223,7 +223,8 @@ def _node(op: Operator, method: Callable[..., Any]) -> Callable[..., Node]:
     doc = (
         f"Add a {op.name} node (arguments as :meth:`Scheduler.{op.method}`; nodes and "
         "placeholders may stand for arrays).\n\nRaises:\n    ParamNullptrError, "
-        "ParamInvalidError, TypeError: the SPEC checks, at once, naming the node."
+        "ParamInvalidError, TypeError: the operator's checks (docs/operators.md), at once, "
+        "naming the node."
     )
     return entry_point(add, method, op.method, doc, first="graph", keywords=("name",),
                        returns="Node")  # fmt: skip

@@ -6,9 +6,9 @@ Each operator is called in two steps, as on the device::
     workspace = np.empty(size, np.uint8) if size else None
     aclnn.glu_backward(workspace, size, executor)
 
-Step one runs every SPEC check in order (raising the first failing status) and plans the
-launch; step two runs it. ``stream=None`` runs in the calling thread. ``product=`` checks
-the call against an Ascend product's support table (``opsched products``): an operator it
+Step one runs every check of docs/operators.md in order (raising the first failing status) and plans
+the launch; step two runs it. ``stream=None`` runs in the calling thread. ``product=`` checks the
+call against an Ascend product's support table (``opsched products``): an operator it
 lacks is 561003, a dtype outside its list 161002.
 """
 
@@ -92,8 +92,8 @@ def _planner(op: Operator) -> Callable[..., tuple[int, Executor]]:
         "Raises:\n"
         "    InnerError: ``product`` lacks the operator (561003).\n"
         "    ParamNullptrError: a required tensor is None (161001).\n"
-        "    ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in SPEC "
-        "order.\n"
+        "    ParamInvalidError: a dtype, rank, shape or scalar is wrong (161002), in the "
+        "order of docs/operators.md.\n"
         "    TypeError: an argument of the wrong kind, or a wrong number of arguments."
     )
     plan.__signature__ = signature  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: random operands, float64 goldens, SPEC tolerances."""
+"""Helpers shared by the tests: random operands, float64 goldens, the tolerances of
+docs/operators.md."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 GLU_DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
 GN_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 
-#: SPEC tolerances (rtol, atol) against a higher-precision golden.
+#: The tolerances (rtol, atol) of docs/operators.md against a higher-precision golden.
 _TOL = {
     np.dtype(np.float64): (1e-10, 1e-10),
     np.dtype(np.float32): (1e-4, 1e-4),
@@ -20,7 +21,7 @@ _TOL = {
 
 
 def tolerance(dtype: np.dtype, op: str) -> tuple[float, float]:
-    """(rtol, atol) of SPEC for ``dtype``; FLOAT16 differs between the two operators."""
+    """(rtol, atol) of docs/operators.md for ``dtype``; FLOAT16's depend on the operator."""
     if dtype == np.float16:
         return (1e-3, 1e-3) if op == "glu" else (1e-2, 1e-3)
     return _TOL[np.dtype(dtype)]
@@ -59,7 +60,7 @@ def gn_golden(x, dy, gamma, mean, rstd) -> np.ndarray:
 
 
 def assert_close(result: np.ndarray, golden: np.ndarray, dtype: np.dtype, op: str) -> None:
-    """Assert ``result`` matches the float64 ``golden`` within SPEC tolerance."""
+    """Assert ``result`` matches the float64 ``golden`` within docs/operators.md's tolerance."""
     rtol, atol = tolerance(dtype, op)
     np.testing.assert_allclose(result.astype(np.float64), golden, rtol=rtol, atol=atol)
 

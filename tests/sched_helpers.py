@@ -100,7 +100,8 @@ DEVICES = ["cpu", "reference", *_TORCH]
 #: Those with stream threads: a test may hold a launch at a gate without blocking the loop.
 THREADED_DEVICES = ["cpu", *_TORCH]
 
-#: (rtol, atol) of SPEC per dtype. A torch device's result and the numpy oracle are each
+#: (rtol, atol) of docs/operators.md per dtype. A torch device's result and the numpy oracle are
+#: each
 #: within it of the exact value, so they are compared within twice it.
 _TORCH_TOL = {
     np.dtype(np.float64): (1e-10, 1e-10),
@@ -112,7 +113,8 @@ _TORCH_TOL = {
 
 def assert_result(device: str, got, want) -> None:
     """The numpy devices give the oracle's bits; a torch device (the framework's own
-    operators) gives its values within SPEC tolerance, as a numpy array for numpy inputs."""
+    operators) gives its values within docs/operators.md's tolerance, as a numpy array for numpy
+    inputs."""
     if not device.startswith("torch"):
         assert_same_bits(got, want)
         return

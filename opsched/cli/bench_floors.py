@@ -1,14 +1,14 @@
 """The floors under the coroutine path: what batching tiny requests costs with the least
 code, measured beside the scheduler in every ``--parts paths`` run (reference rows, no
-target). GluBackward has them on every device; GroupNormBackward only on a torch device
-(issue 14's operator and device), where one framework call is the whole stacked launch.
+target). GluBackward has them on every device; GroupNormBackward only on a torch device,
+where one framework call is the whole stacked launch.
 
-- ``bare batcher``: the 40-line asyncio batcher of issue 15: a list, one flush per loop
+- ``bare batcher``: the least asyncio batcher, in 40 lines: a list, one flush per loop
   turn, one stacked launch (numpy's GLU formula; on a torch device the framework's call
   on stacked tensors), ``set_result`` per future. It has no checks, priorities,
   cancellation, bookkeeping or results of their own. On this machine the loop's own
   wake-up of each waiter is most of it.
-- ``featured batcher``: the issue's second reference, the bare batcher with the least a
+- ``featured batcher``: the bare batcher with the least a
   scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
   request, priority lanes, cancellable waits, results handed out as the scheduler hands
   them (a copy of its row each on numpy, a view of the stacked output on a torch device),
@@ -96,7 +96,7 @@ class _BareBatcher:
 
 
 def _numpy_formula(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
-    """The bare batcher's GLU launch on numpy arrays: the issue's formula, numpy calls on
+    """The bare batcher's GLU launch on numpy arrays: the operator's formula, numpy calls on
     the stacked operands; a row each."""
     g, x = np.stack([r[0] for r in requests]), np.stack([r[1] for r in requests])
     half = x.shape[-1] // 2

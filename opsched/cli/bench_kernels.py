@@ -135,7 +135,7 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[s
 
 
 def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[str, Any]:
-    # the geometry: N=8, C=64, 16 groups; HxW makes up the size
+    # a training geometry: N=8, C=64, 16 groups; HxW makes up the size
     batch, c, group = 8, 64, 16
     hxw = max(1, n // (batch * c))
     x, dy = (rng.standard_normal((batch, c, hxw)).astype(dtype) for _ in range(2))

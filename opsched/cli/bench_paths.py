@@ -6,7 +6,7 @@ on as many requests, in the same round; a row is the median over rounds of the p
 the path's time (above 1.0x the scheduler is cheaper than no scheduler at all) with the
 microseconds per request. The peer is torch's CPU operator for GluBackward and
 GroupNormBackward, and for GroupNormalizationGrad, which has no aten operator, its own
-two-phase call (issue 15): its rows need no torch, and it has no two-phase row of its own.
+two-phase call: its rows need no torch, and it has no two-phase row of its own.
 
 - ``coroutines``: 256 coroutines each awaiting its share through ``Scheduler``.
 - ``submit``: one thread queuing every request with ``submit_*`` on the sync facade, then

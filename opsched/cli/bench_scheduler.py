@@ -25,7 +25,7 @@
    (:mod:`opsched.cli.bench_medium`).
 
 On a torch device the scheduler is given torch tensors (a torch user's calls), and (1)'s
-torch line is the issue's target: at least 1.5x the framework's call once per request.
+torch line compares it with the framework's call once per request.
 
 Where torch is installed, (1) adds its CPU operator called once per request
 (single-threaded) as a peer.

@@ -1,6 +1,6 @@
 """``python -m opsched demo``: the seeds through the two-phase API, then the scheduler.
 
-1. The seed documents' worked examples through the two-phase API.
+1. The worked examples of the vendor's operator documents through the two-phase API.
 2. An async "training loop": many coroutines, each running a small backward step
    (group-norm grad, then GLU backward on the result) for several iterations, both as
    awaited calls and as a two-node graph; its timeline is written as a trace.

@@ -1,6 +1,6 @@
-"""The worked examples of the seed documents (``shared/seeds``), as arrays.
+"""The worked examples of the vendor's operator documents, as arrays.
 
-Used by the demo and the tests: GluBackward on the 2x4x6 ``self`` printed in the seed with
+Used by the demo and the tests: GluBackward on the 2x4x6 ``self`` printed in the document with
 ``grad_out`` all ones and ``dim=-1``; GroupNormalizationGrad on 2x4x128 with
 ``x[..., i] = (i % 128) / 128``, ``dy = 0.5``, ``gamma = 1``, ``mean = 0``, ``rstd = 1``.
 """

@@ -44,11 +44,9 @@ MIN_SPREAD_BYTES = 1 << 20
 #: On a device that runs small launches inline, a fused batch of requests of at most this
 #: many bytes each takes at most ``inline_max_bytes``, so that it runs inline. Its work is
 #: mostly per-request gathering and handing back, which holds the GIL: on a stream thread
-#: it only contends with the loop thread admitting the next requests. Measured on the cpu
-#: device, 256 coroutines of tiny requests of 33 KiB each (4.2 MiB a batch), median of five
-#: interleaved rounds: 26.6 -> 19.4 us a request. Larger requests keep the full
-#: ``max_batch_bytes``: their kernels run without the GIL, on the streams in parallel
-#: (requests of 768 KiB, capped: 92 -> 115 us a request).
+#: it only contends with the loop thread admitting the next requests. Larger requests keep
+#: the full ``max_batch_bytes``: their kernels run without the GIL, on the streams in
+#: parallel, where capping them would cost more than it saves.
 SMALL_FUSED_BYTES = 64 << 10
 
 

@@ -1,8 +1,8 @@
 """Checks at submit time, cached by request signature.
 
-A request's SPEC checks, product profile, fusion key, units and bytes depend only on its
-arrays' shapes and dtypes and its scalar arguments (the operator's signature of them), so
-a signature seen before skips them: one dict lookup. Failures are never cached: a bad
+A request's checks (docs/operators.md), product profile, fusion key, units and bytes depend only on
+its arrays' shapes and dtypes and its scalar arguments (the operator's signature of them), so a
+signature seen before skips them: one dict lookup. Failures are never cached: a bad
 request always runs the checks and raises its status. What the checks see of the arrays,
 where the arrays live and how outputs are allocated are the device's business
 (:meth:`Device.meta`, :meth:`Device.bind`, :meth:`Device.check_fits`).
@@ -103,7 +103,7 @@ class Checks:
 
         Raises:
             ParamNullptrError, ParamInvalidError, InnerError, TypeError: the first failing
-                check, as SPEC and the product profile order them.
+                check, as docs/operators.md and the product profile order them.
         """
         device = self._device
         meta = device.meta(tensors) if self._meta else tensors

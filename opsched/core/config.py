@@ -104,7 +104,7 @@ class SchedulerConfig:
             instead of faulting it in afresh, up to twice as fast; a ``MALLOC_*`` variable
             or ``glibc.malloc`` tunable set by the user always wins.
         product: the Ascend product whose support table every request is checked against
-            (default ``"generic"``: every operator, every dtype of SPEC); see
+            (default ``"generic"``: every operator, every dtype it takes); see
             ``opsched products``. Set it to the product you will run on, to learn before
             you get hardware time that a request would fail there.
     """

@@ -1,9 +1,9 @@
 """Task graphs: build once, check at build time, run many times.
 
 A :class:`Graph` holds operator nodes whose inputs are arrays, :class:`Placeholder` inputs
-bound at each run, or earlier nodes (so no data cycle can be built); ``after`` adds
-ordering-only edges, refused when they would close a cycle. Every SPEC check runs when a node
-is added, on zero-byte stand-ins of the inferred shapes and dtypes.
+bound at each run, or earlier nodes (so no data cycle can be built); ``after`` adds ordering-only
+edges, refused when they would close a cycle. Every check of docs/operators.md runs when a node is
+added, on zero-byte stand-ins of the inferred shapes and dtypes.
 
 A run (:class:`~opsched.core.graph_run.GraphRun`, driven by the scheduler) submits a node to
 the scheduler's queue as
@@ -136,7 +136,7 @@ class GraphBuilder:
     _products_checked: set[str] = attrs.field(factory=set, init=False)
 
     def check_on(self, product: Product) -> None:
-        """Check every node as ``product``'s runtime would (see :mod:`opsched._products`).
+        """Check every node as ``product``'s runtime would (see :mod:`opsched.ops.products`).
 
         Raises:
             InnerError: a node's operator is not available on the product (561003).
@@ -183,8 +183,8 @@ class GraphBuilder:
         """Add a node calling ``op`` (the generated per-operator methods call this).
 
         Raises:
-            ParamNullptrError, ParamInvalidError, TypeError: the SPEC checks, at once,
-                naming the node.
+            ParamNullptrError, ParamInvalidError, TypeError: the operator's checks
+                (docs/operators.md), at once, naming the node.
             ValueError: an argument from another graph, or a node whose output the
                 consumer cannot use.
         """

@@ -110,8 +110,8 @@ class RequestFuture(Future[Any]):
 
     A burst of submissions holds thousands of futures at once, and every tracked object
     they hold makes the garbage collector's full passes, which walk the whole heap, come
-    sooner (a plain ``Future`` is eleven objects; measured: a first 25,600-future burst,
-    torch imported, paid a 157 ms pass). This one is one object until something needs its
+    sooner, and a plain ``Future`` is eleven objects. This one is one object until something
+    needs its
     condition: a thread that blocks in ``result()`` on it before its outcome,
     ``concurrent.futures.wait`` / ``as_completed``, ``cancel()``, a done-callback. Those
     make it (a :class:`_FutureCondition`) on first use; the loop gives a future that has

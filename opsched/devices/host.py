@@ -54,27 +54,23 @@ Outcome = tuple[dict[int, BaseException], float, float]
 _PLANS_KEPT = 1024
 
 #: Graph intermediates at least this large come from the workspace pool, which reuses
-#: their memory (fresh pages of a large array fault: about 650 us a MiB measured here).
-#: Smaller ones are plain arrays: malloc reuses small blocks at once, and taking one from
-#: the pool and giving it back cost 1.9 us against 0.4 us for ``np.empty`` (measured).
+#: their memory (the fresh pages of a large array fault in one at a time). Smaller ones
+#: are plain arrays: malloc reuses small blocks at once, and the pool's bookkeeping costs
+#: several times ``np.empty``.
 POOLED_INTERMEDIATE_BYTES = 64 << 10
 
 
 #: In a fused batch, a request of at least this many bytes (inputs and outputs) runs on its
 #: own arrays with its solo plan (the same bits), one after another inside the launch,
 #: instead of being gathered: copying it in and out costs more than the launch it shares
-#: saves (measured on 32 coroutines of GluBackward requests against torch's call per
-#: request, cpu device: 64 KiB ``self`` 0.42x gathered, 0.61x alone; 256 KiB 0.50x, 0.80x).
+#: saves (``opsched bench scheduler --parts medium`` measures such requests).
 LONE_BYTES = 128 << 10
 
 #: A batch of at most this many requests runs each on its own arrays with its solo plan
 #: (:meth:`HostDevice.run_here`: the same bits), one after another inside the launch: a
 #: fused launch's gather, scatter, workspace block and executor cost a few dozen numpy and
-#: Python calls whatever the batch's size, more than a dozen solo launches (measured,
-#: coroutines of tiny requests, solo batches against fused, requests a second: GluBackward
-#: 1.5x / 1.8x / 1.35x / 1.3x at 2 / 4 / 8 / 12 clients, GroupNormBackward 2.5x / 1.9x /
-#: 1.6x / 1.2x, GroupNormalizationGrad 1.9x / 1.3x / 1.2x / 1.1x; at 16 clients and above
-#: no better, or worse).
+#: Python calls whatever the batch's size, more than a dozen solo launches of tiny
+#: requests; from about 16 requests on, the fused launch costs less.
 SOLO_BATCH_MAX = 12
 
 

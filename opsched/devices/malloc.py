@@ -4,12 +4,10 @@ The host devices allocate every result the caller gets with numpy, that is with 
 library's ``malloc``. A scheduler frees them in bursts: the results of a round of launches
 are dropped together by their callers. glibc then gives the top of its heap back to the
 system as soon as more than 128 KiB lies free there (``M_TRIM_THRESHOLD``), and the next
-round's outputs fault their pages in again, zero-filled, one 4 KiB page at a time.
-Measured (``opsched bench scheduler --parts medium``'s workload, cpu device, 32 coroutines):
-a 64 KiB GluBackward result came with 14.5 page faults, and its kernel ran at 40 us instead
-of 12 (torch's call per request: 25 us). Kept at the top of the heap instead, the memory
-is reused without a fault: 63.5 -> 30 us a request at 64 KiB, 82.6 -> 47 us at 256 KiB,
-399 -> 208 us at 1 MiB.
+round's outputs fault their pages in again, zero-filled, one 4 KiB page at a time: a
+64 KiB result's kernel then runs several times slower than on memory already in place.
+Kept at the top of the heap instead, the memory is reused without a fault, which
+``opsched bench scheduler --parts medium`` shows for results of 64 KiB to 1 MiB.
 
 :func:`keep_freed_memory` asks glibc to keep that much (``M_TOP_PAD``), and to serve
 allocations up to 32 MiB from the heap (``M_MMAP_THRESHOLD``, glibc's own ceiling: setting

@@ -10,7 +10,7 @@ The same scheduler drives the framework's operators on its own devices:
   (:class:`opsched.ops.HostOperands`): converting each array at submit cost more than the
   launch.
   The checks run on zero-byte numpy stand-ins of the tensors' shapes and dtypes, so every
-  SPEC check, product profile and fusion key is the numpy devices' own.
+  check (docs/operators.md), product profile and fusion key is the numpy devices' own.
 - **Operators**: each operator description's ``framework_call`` (``opsched/ops/``) says
   which framework operator computes it.
 - **Fusion**: a fused launch is a few framework calls on the batch's requests stacked by
@@ -19,15 +19,15 @@ The same scheduler drives the framework's operators on its own devices:
   aten to split it between intra-op threads (:mod:`opsched.ops._framework` has the
   measurements). A request's bits do not depend on the batch, its position or the thread
   count; GluBackward and GroupNormalizationGrad give the framework's own call's bits where
-  that call is serial, GroupNormBackward its dx (dgamma / dbeta are summed per sample:
-  within SPEC's tolerance). Results the caller gave no ``out=`` for are views of the
-  launch's stacked output. Large requests are split across idle streams as on the numpy
-  devices (tensor views).
+  that call is serial, GroupNormBackward its dx (dgamma / dbeta are summed per sample: within the
+  tolerance of docs/operators.md). Results the caller gave no ``out=`` for are views of the launch's
+  stacked output. Large requests are split across idle streams as on the numpy devices (tensor
+  views).
 - **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch
-  has no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes``
-  run inline on an idle stream: measured 15-20% more tiny GLU requests a second than the
-  hop). On CUDA / NPU that thread issues the launch on its own framework stream (after the
-  device's default stream, where the inputs were made), then records a framework event and
+  has no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes`` run inline
+  on an idle stream, which saves the hop to the stream's thread). On CUDA / NPU that thread issues
+  the launch on its own framework stream (after the device's default stream, where the inputs were
+  made), then records a framework event and
   blocks on it: completion reaches the event loop from one thread per stream, never one
   per launch, and a launch's tensors (held by its requests) stay alive until that event
   has completed. Results the launch allocated on its stream are marked used by the

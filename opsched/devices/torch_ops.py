@@ -4,7 +4,7 @@ framework call the benchmarks and checks compare against); torch is imported onl
 - GluBackward is ``torch.ops.aten.glu_backward`` (on Ascend, torch_npu runs
   ``aclnnGluBackward`` for it); GroupNormBackward ``native_group_norm_backward``.
 - GroupNormalizationGrad has no aten binding: it is its operator description's framework
-  call (the SPEC formula in torch operations, in float32, rounded once).
+  call (the formula of docs/operators.md in torch operations, in float32, rounded once).
 
 Nothing else in opsched imports torch; :func:`require_torch` turns its absence into an
 ImportError that says how to install it.

@@ -1,7 +1,7 @@
 """Operator descriptions: one module per operator, and the product table.
 
-Each module is the single place that knows its operator: the public call's parameters (the
-entry points are generated from them: ``scripts/gen_entry_points.py``), the SPEC checks in
+Each module is the single place that knows its operator: the public call's parameters (the entry
+points are generated from them: ``scripts/gen_entry_points.py``), the checks of docs/operators.md in
 order, outputs, fusion, gather / scatter / split, its kernels and its framework call. A new
 operator is one new module here, its kernels, a line in :data:`OPERATORS`, and a
 regenerated set of entry points.

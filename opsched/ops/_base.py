@@ -1,10 +1,10 @@
 """What every operator description shares: the dtype table, argument checks, the base class.
 
 An operator description holds everything operator-specific: its public call (parameters,
-from which every entry point is generated: ``scripts/gen_entry_points.py``), the SPEC checks
-in their order, output allocation, fusion, planning, its kernels and its framework call. The
-two-phase API, the scheduler, graphs, the devices and the stress harness talk only to
-descriptions, so a new operator is one new module here plus its kernels.
+from which every entry point is generated: ``scripts/gen_entry_points.py``), its checks
+(docs/operators.md) in their order, output allocation, fusion, planning, its kernels and its
+framework call. The two-phase API, the scheduler, graphs, the devices and the stress harness
+talk only to descriptions, so a new operator is one new module here plus its kernels.
 
 This room never imports the scheduler core, the devices or the CLI.
 """
@@ -48,7 +48,7 @@ __all__ = [
     "shapes_and_dtypes",
 ]
 
-#: aclnn dtype names of the numpy dtypes opsched computes in (SPEC, common rules).
+#: aclnn dtype names of the numpy dtypes opsched computes in (docs/operators.md, "Common rules").
 DTYPE_NAMES: dict[np.dtype, str] = {
     np.dtype(np.float64): "DOUBLE",
     np.dtype(np.float32): "FLOAT",
@@ -283,7 +283,7 @@ class Operator(abc.ABC):
     """An operator description: one instance per operator, stateless.
 
     A request is a mapping of argument names to arrays (``tensors``) plus scalar arguments
-    (``scalars``, e.g. ``dim``). Subclasses describe the public call and define the SPEC
+    (``scalars``, e.g. ``dim``). Subclasses describe the public call and define the
     checks, allocation, planning, fusion, the kernels and the framework call.
     """
 
@@ -305,7 +305,7 @@ class Operator(abc.ABC):
     tensor_names: ClassVar[tuple[str, ...]]
     #: Output tensor argument names.
     outputs: ClassVar[tuple[str, ...]]
-    #: The dtypes SPEC lists for it.
+    #: The dtypes it takes (docs/operators.md).
     dtypes: ClassVar[tuple[np.dtype, ...]]
     #: Inputs the kernel still reads while it writes outputs: an output overlapping one of
     #: them must be staged through the workspace.
@@ -329,13 +329,14 @@ class Operator(abc.ABC):
         allocate: bool,
         support: OpSupport | None = None,
     ) -> dict[str, Any]:
-        """Run the SPEC checks in order; return the normalised scalars.
+        """Run the checks of docs/operators.md in order; return the normalised scalars.
 
         With ``allocate`` the outputs may be None (they will be allocated) and are then not
-        checked. ``support``: a product's dtypes for this operator (default: SPEC's).
+        checked. ``support``: a product's dtypes for this operator (default: every dtype it takes).
 
         Raises:
-            ParamNullptrError, ParamInvalidError: as SPEC lists, the first failing check.
+            ParamNullptrError, ParamInvalidError: as docs/operators.md lists, the first
+                failing check.
             TypeError: an argument of the wrong kind (not an array, dim not an integer).
         """
 

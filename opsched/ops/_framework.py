@@ -2,27 +2,28 @@
 
 A fused launch on a torch device stacks requests of one shape into a few framework calls
 and hands each request its slice back. Its results must not depend on the batch, so the
-rules come from what the framework's CPU kernels were measured to do (torch 2.x, AVX512):
+rules come from what the framework's CPU kernels do (torch 2.x, AVX512;
+tests/devices/test_torch_fusion.py holds every rule):
 
 - **Elementwise loops are position-dependent.** aten runs a contiguous row through a
-  vectorised body and a scalar tail, and the two round differently (``sigmoid``: 21 of
-  1,190 float32 results changed when the same values sat at another offset). A stacked
+  vectorised body and a scalar tail, and the two round differently (``sigmoid`` changes
+  float32 results when the same values sit at another offset). A stacked
   launch therefore keeps each request's *rows* whole, as the framework lays out one request
   alone: a row of GluBackward's half is the same loop whether it is the request's first row or
-  the thousandth of a stacked batch (measured: no bit moves).
+  the thousandth of a stacked batch (no bit moves).
 - **Intra-op threads split a loop's range at arbitrary points** (``TensorIterator``
-  hands ranges of at least ``at::internal::GRAIN_SIZE`` = 32,768 elements to threads;
-  measured: 50 float32 results of a GluBackward changed between 1 and 2 threads over 31
-  sizes). With several intra-op threads a launch's calls are cut between rows into
-  :func:`framework_rows` chunks below that size, so every call runs on the calling thread
+  hands ranges of at least ``at::internal::GRAIN_SIZE`` = 32,768 elements to threads,
+  and a GluBackward's float32 results change between 1 and 2 threads). With several intra-op threads
+  a launch's calls are cut between rows into :func:`framework_rows` chunks below that size, so every
+  call runs on the calling thread
   (with one thread every call does already). A row longer than that is cut into
   :data:`COLUMN_CHUNK` columns the same way in every batch, whatever the thread count.
 - **Small requests stack, large ones do not.** Each operator names the size from which a
   request runs alone on its own tensors (copying it in costs more than a call of its own);
   which way a request goes depends on its own size only.
 - **Kernels that parallelise per row** (the group-norm backward's per-(sample, channel)
-  sums) keep a row on one thread, so stacking samples as channels changes nothing (measured
-  bit-identical on 1 and 2 threads).
+  sums) keep a row on one thread, so stacking samples as channels changes nothing (the
+  same bits on 1 and 2 threads).
 
 Results delivered here are views of the launch's output (as ``torch.split`` returns): the
 launch's memory lives until the last of its requests' results is released. A caller's
@@ -30,9 +31,8 @@ launch's memory lives until the last of its requests' results is released. A cal
 
 **Host operands.** On the CPU a request whose arrays are all numpy keeps them as numpy
 until its launch (:class:`HostOperands`): converting each array to a tensor at submit and
-each result back cost more than the launch's own calls (measured on torch:cpu, tiny
-GroupNormBackward: about 30 us of a 69 us request, eight conversions and three views
-each). A launch instead copies a group's numpy operands into one array with one
+each result back costs more than the launch's own calls (eight conversions and three views a tiny
+GroupNormBackward request). A launch instead copies a group's numpy operands into one array with one
 ``numpy.concatenate`` and makes one tensor of it, and hands such a request numpy views of
 its stacked results. The bits are the same either way: a gather copies values, and the
 calls see the same stacked layout. A group's first request (which the launch reads the
@@ -128,11 +128,11 @@ def framework_rows(torch: Any, rows: int, row: int, cpu: bool) -> list[tuple[int
     """``[start, stop)`` ranges over ``rows`` rows of ``row`` elements, each under
     :data:`SERIAL_ELEMENTS` elements (one row at least), on the CPU with several intra-op
     threads; one range on one thread (every call is serial then, and a serial call
-    computes each row alike however many it holds: measured, including the row sums) and
+    computes each row alike however many it holds, the row sums included) and
     on an accelerator (its elementwise kernels compute every position alike). The cuts
     fall between rows, so they never change a bit, only whether aten may split a call.
-    ``cpu``: whether the tensors are on the CPU (``Tensor.is_cpu``: 0.1 us, where
-    ``torch.device.type`` costs 0.4).
+    ``cpu``: whether the tensors are on the CPU (``Tensor.is_cpu``, cheaper to ask than
+    ``torch.device.type``).
     """
     if not cpu or torch.get_num_threads() == 1:
         return [(0, rows)]
@@ -257,7 +257,7 @@ def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
     numpy ``out=`` seen as a tensor of its memory); None where it has none, it is not
     contiguous, or it overlaps another of the request's operands (the launch then writes
     elsewhere and :func:`framework_deliver` copies: an output that overlaps an input gets
-    the result computed from the input's values before the call, as SPEC says, where
+    the result computed from the input's values before the call, as docs/operators.md says, where
     aten's kernels would read back what they already wrote)."""
     given = tensors[name]
     if given is None:

@@ -32,8 +32,7 @@ def deliver_each(
 
 
 #: The largest array :func:`gather_into` joins as bytes: above it the copy itself costs
-#: more than numpy's per-array checks, and joining copies every byte twice (measured: 8 KiB
-#: parts of cold inputs gathered no faster).
+#: more than numpy's per-array checks, and joining copies every byte twice.
 GATHER_JOIN_BYTES = 4096
 
 

@@ -34,7 +34,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
     """:meth:`GroupNormBackward.framework_batch`: the requests stacked as the channels of
     one sample, x as ``(1, channels, HxW)`` in ``channels / cpg`` groups, gamma repeated
     per sample. aten computes a channel's sums and a group's dx on one thread each, so dx
-    is each request's own call, bit for bit, on any number of threads (measured); dgamma /
+    is each request's own call, bit for bit, on any number of threads; dgamma /
     dbeta come per sample and are summed over a request's samples here, in order.
     ``inputs``: the operator's input names (the operands a host request keeps as numpy)."""
     if len(requests) == 1 and _lone_host(torch, requests[0]):
@@ -49,7 +49,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
                 _deliver_empty(torch, group)
             continue
         # Statistics and gamma in at least float32 (exact): aten then returns the
-        # per-sample dgamma / dbeta unrounded, and dx is unchanged (measured).
+        # per-sample dgamma / dbeta unrounded, and dx is unchanged.
         wide = torch.promote_types(stat_dtype, torch.float32)
         if _size(first) >= _STACK_MAX:  # large: alone, whatever it was launched with
             _alone(torch, first, wide)
@@ -69,10 +69,10 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
         gammas = []
         for group, (k, n, c) in zip(stack, geometry, strict=True):
             # aten reads gamma as contiguous whatever its strides, and cannot give
-            # dgamma without one: an absent gamma is ones (SPEC's meaning of it)
+            # dgamma without one: an absent gamma is ones (docs/operators.md)
             if group[0].tensors["gamma"] is None:
                 gammas.append(torch.ones(k * n * c, dtype=wide, device=x0.device))
-            else:  # [gamma_i] * n per request: one cat (measured 6x cheaper than repeat)
+            else:  # [gamma_i] * n per request: one cat (several times cheaper than repeat)
                 gamma = _wide(framework_stack(torch, [r.tensors["gamma"] for r in group]), wide)
                 gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
         dx, dgamma, dbeta = call(
@@ -97,9 +97,9 @@ def _alone(torch: Any, request: Any, wide: Any) -> None:
     launch widens them; its results come in its own shapes (no view to make)."""
     t, s = request.tensors, request.scalars
     x, gamma, mask = t["input"], t["gamma"], s["output_mask"]
-    if gamma is None:  # aten cannot give dgamma without one: ones, SPEC's meaning of it
+    if gamma is None:  # aten cannot give dgamma without one: ones, what an absent gamma means
         gamma = torch.ones(s["C"], dtype=wide, device=x.device)
-    # aten reads every operand as contiguous whatever its strides (measured): made so
+    # aten reads every operand as contiguous whatever its strides: made so
     results = torch.ops.aten.native_group_norm_backward(
         t["grad_out"].contiguous(), x.contiguous(), _wide(t["mean"], wide).contiguous(),
         _wide(t["rstd"], wide).contiguous(), _wide(gamma, wide).contiguous(),
@@ -120,7 +120,7 @@ def _lone(torch: Any, request: Any, wide: Any) -> None:
     n, c, hxw, mask = s["N"], s["C"], s["HxW"], s["output_mask"]
     total, groups = n * c, n * s["group"]
     x, gamma, stat_dtype = t["input"], t["gamma"], t["mean"].dtype
-    if gamma is None:  # aten cannot give dgamma without one: ones, SPEC's meaning of it
+    if gamma is None:  # aten cannot give dgamma without one: ones, what an absent gamma means
         gammas = torch.ones(total, dtype=wide, device=x.device)
     else:  # [gamma] * n, as a stack of one repeats it
         gammas = torch.cat([_wide(gamma.contiguous(), wide).view(1, c)] * n, dim=1).view(-1)
@@ -142,10 +142,10 @@ def _lone(torch: Any, request: Any, wide: Any) -> None:
 def _lone_host(torch: Any, request: Any) -> bool:
     """:func:`_lone` for a small request of numpy arrays (a blocking call's, say): the same
     aten call on the same values, its reshapes, gamma's repeat and the per-sample sums done
-    on the numpy arrays instead (a torch call on a tiny tensor costs 2-4 us, numpy's a
-    fraction of it). The sums are the stacked launch's: each lane accumulated in float64 in
+    on the numpy arrays instead (a torch call on a tiny tensor costs several numpy
+    calls). The sums are the stacked launch's: each lane accumulated in float64 in
     sample order, rounded to float32, then to the statistics' dtype, as aten's ``cumsum``
-    does on the CPU (measured bit for bit, FLOAT16 and BFLOAT16 roundings included). Says
+    does on the CPU (bit for bit, FLOAT16 and BFLOAT16 roundings included). Says
     whether it ran the request (not: tensors, a large request, nothing to compute)."""
     t, s = request.tensors, request.scalars
     if type(t) is not HostOperands:
@@ -161,7 +161,7 @@ def _lone_host(torch: Any, request: Any) -> bool:
 
     rows, stats = (1, total, hxw), (1, groups)
     gamma = t["gamma"]
-    if gamma is None:  # aten cannot give dgamma without one: ones, SPEC's meaning of it
+    if gamma is None:  # aten cannot give dgamma without one: ones, what an absent gamma means
         gammas = np.ones(total, np.float32)
     else:  # [gamma] * n, as a stack of one repeats it
         gammas = np.concatenate([gamma.astype(np.float32, copy=False).reshape(c)] * n)
@@ -209,7 +209,7 @@ def _deliver_empty(torch: Any, group: Sequence[Any]) -> None:
 
 #: Requests of at least this many elements run alone, on their own tensors: copying them
 #: into a stack and the fresh memory it takes cost more than the framework calls a launch
-#: makes (measured on FLOAT, 4 x 64 x 64 requests: 100 us each alone, 150 us stacked).
+#: makes.
 _STACK_MAX = 8192
 
 

@@ -231,8 +231,7 @@ class Executor:
             runner = self._runner
             if runner is None or self._repeatable:
                 # (a repeatable executor relaunched on the same arrays does better with its
-                # arguments laid out once: GroupNormBackward 16K, 1.38x -> 1.18x torch
-                # through the runner)
+                # arguments laid out once than through the runner)
                 self._kernel = op.prepare(self.plan, tensors)
             else:  # a single launch of the layout the plan cache checked: the views alone
                 self._kernel = functools.partial(_run, runner, tensors)

@@ -1,4 +1,4 @@
-"""GluBackward (``aclnnGluBackward``): checks in SPEC order, planning, kernels."""
+"""GluBackward (``aclnnGluBackward``): checks in docs/operators.md's order, planning, kernels."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ MAX_DIMS = 8
 
 
 class GluBackward(Operator):
-    """``out = glu_backward(grad_out, self, dim)``; see SPEC "GluBackward"."""
+    """``out = glu_backward(grad_out, self, dim)``; see docs/operators.md, "GluBackward"."""
 
     name: ClassVar[str] = "GluBackward"
     method: ClassVar[str] = "glu_backward"
@@ -236,8 +236,8 @@ class GluBackward(Operator):
             calls = framework_rows(torch, rows, half, cpu)
             # aten's CPU kernel for FLOAT16 / BFLOAT16 rounds sigmoid(b) into that dtype and
             # computes grad_b from the rounded value: where 1 - s cancels, that is outside
-            # SPEC's tolerance (measured: 1.12x the allowed error on 131,072 BFLOAT16
-            # elements of [-3, 3]). SPEC computes them in float32, rounded once: so do we.
+            # the tolerance of docs/operators.md. The contract computes them in float32,
+            # rounded once: so do we.
             wide = cpu and x0.dtype in (torch.float16, torch.bfloat16)
             x = framework_gather(torch, stack, "self", (rows, 2, half))
             g = framework_gather(torch, stack, "grad_out", (rows, 1, half))
@@ -353,8 +353,7 @@ GLU_BACKWARD = GluBackward()
 
 
 #: Requests of at least this many elements run alone: aten's own call on their tensors
-#: costs less than copying them into a stack and out (measured on FLOAT: 32 requests of
-#: 8,192 elements stacked took 1.6x their own calls).
+#: costs less than copying them into a stack and out.
 _STACK_MAX = 4096
 
 
@@ -365,7 +364,7 @@ def _lone(torch: Any, request: Any) -> bool:
     BFLOAT16 are widened: the stacked path), and on the CPU no cut into serial calls: a
     grid under ``SERIAL_ELEMENTS``, or one intra-op thread and rows under it (as
     :func:`framework_rows` and :func:`framework_columns` cut). The checks cost less than
-    the stacked path's geometry (measured: about 5 us a request on torch:cpu)."""
+    the stacked path's geometry."""
     t = request.tensors
     x, g = t["self"], t["grad_out"]
     if x.is_cpu:
@@ -388,8 +387,8 @@ def _lone(torch: Any, request: Any) -> bool:
 def _lone_host(torch: Any, request: Any) -> bool:
     """:func:`_lone` for a request of numpy arrays (a blocking call's, say): aten's own
     call on tensors made of its arrays' memory, its result handed back as numpy, without
-    the stacking path's conversions and checks of tensors (measured on torch:cpu, a tiny
-    FLOAT request: about 10 us of a 26 us launch). The same call on the same values as
+    the stacking path's conversions and checks of tensors (a good part of a tiny
+    request's launch). The same call on the same values as
     :func:`_lone`: the same bits. Says whether it ran the request: not for tensors,
     FLOAT16 or BFLOAT16, operands that are not C-contiguous and writeable, or a size
     :func:`_lone` would cut."""

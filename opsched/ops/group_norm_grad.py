@@ -1,6 +1,7 @@
 """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``): checks, planning, kernels.
 
-The device formula equals the true gradient only when gamma is all ones (SPEC caveat).
+The device formula equals the true gradient only when gamma is all ones (docs/operators.md,
+"GroupNormalizationGrad").
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ MIN_DIMS, MAX_DIMS = 3, 8
 
 
 class GroupNormalizationGrad(Operator):
-    """``dx = group_norm_grad(x, dy, gamma, mean, rstd)``; see SPEC."""
+    """``dx = group_norm_grad(x, dy, gamma, mean, rstd)``; see docs/operators.md."""
 
     name: ClassVar[str] = "GroupNormalizationGrad"
     method: ClassVar[str] = "group_norm_grad"
@@ -145,12 +146,12 @@ class GroupNormalizationGrad(Operator):
         return (*base, dx.shape, dx.dtype)
 
     def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
-        # No aten operator binds aclnnGroupNormalizationGrad: SPEC's formula in torch
-        # operations, in float32, rounded once into dx's dtype (as the numpy reference).
+        # No aten operator binds aclnnGroupNormalizationGrad: the formula of docs/operators.md in
+        # torch operations, in float32, rounded once into dx's dtype (as the numpy reference).
         # Thirteen arithmetic calls on FLOAT rows (a tiny call costs 2-4 us whatever its
         # size, and on an accelerator each is a kernel launch): no conversion or reshape a
         # tensor does not need, temporaries reused in place. Each operation and its
-        # operands' order are SPEC's, so the bits are those of the plain expression.
+        # operands' order are the contract's, so the bits are those of the plain expression.
         x, dx = tensors["x"], tensors["dx"]
         if not x.numel():
             return
@@ -211,8 +212,8 @@ class GroupNormalizationGrad(Operator):
         """A lone request of numpy arrays (a blocking call's, say) in the stacked layout,
         ``(rows, 1, M)``, made straight from its arrays: the same calls on the same values
         as a stack of one (the same bits), without the stacking path's conversions, views
-        and hand-off (measured on torch:cpu, a tiny FLOAT request: about 30 us of a 100 us
-        launch). Says whether it ran the request (not: tensors, nothing to compute)."""
+        and hand-off (a good part of a tiny request's launch). Says whether it ran the request
+        (not: tensors, nothing to compute)."""
         t = request.tensors
         x = t["x"]
         if type(t) is not HostOperands or not x.size:
@@ -323,7 +324,7 @@ GROUP_NORM_GRAD = GroupNormalizationGrad()
 
 #: Requests of at least this many elements run alone, on their own tensors: copying them
 #: into a stack and the fresh memory it takes cost more than the framework calls a launch
-#: makes (measured on FLOAT, 4 x 64 x 64 requests: 100 us each alone, 150 us stacked).
+#: makes.
 _STACK_MAX = 8192
 
 

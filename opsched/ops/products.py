@@ -1,6 +1,6 @@
 """Product profiles: which operators and dtypes each Ascend product supports.
 
-The seed documents state, per product, whether an operator exists and which dtypes it
+The vendor's operator documents state, per product, whether an operator exists and which dtypes it
 takes; the device's dtype check is per product. A scheduler (or a two-phase call) given
 ``product=`` checks every request as that product's runtime would:
 
@@ -64,7 +64,7 @@ class Product:
 
 #: name -> profile. Columns: GluBackward, GroupNormalizationGrad, GroupNormBackward.
 _TABLE: dict[str, tuple[str, tuple[str, ...] | None, tuple[str, ...] | None, OpSupport | None]] = {
-    "generic": ("every operator, every dtype of SPEC", _ALL, _HALF, OpSupport(_HALF)),
+    "generic": ("every operator, every dtype it takes", _ALL, _HALF, OpSupport(_HALF)),
     "ascend-950": ("Ascend 950PR / 950DT", _ALL, None, OpSupport(_HALF, float_stats=True)),
     "atlas-a3": ("Atlas A3 training / inference series", _ALL, None, OpSupport(_HALF)),
     "atlas-a2": ("Atlas A2 training / inference series", _ALL, _HALF, OpSupport(_HALF)),
@@ -89,7 +89,7 @@ def _product(name: str, row: tuple[str, Any, Any, Any]) -> Product:
 #: Every product profile, by name.
 PRODUCTS: dict[str, Product] = {name: _product(name, row) for name, row in _TABLE.items()}
 
-#: The default: every operator with every dtype of SPEC.
+#: The default: every operator with every dtype it takes (docs/operators.md).
 GENERIC = PRODUCTS["generic"]
 
 

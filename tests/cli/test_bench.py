@@ -213,7 +213,7 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
 
 def test_the_floors_run_on_a_torch_device_with_its_tensors():
     """On a torch device both floors batch the framework's tensors through its own call,
-    for GLU and GroupNormBackward (issue 14's operators); the numpy devices have GLU's."""
+    for GLU and GroupNormBackward; the numpy devices have GLU's."""
     pytest.importorskip("torch")
     from opsched.cli.bench_floors import floors_of, run_floor
     from opsched.cli.bench_kernels import BenchTarget

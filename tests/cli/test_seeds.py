@@ -1,4 +1,4 @@
-"""The seed documents' worked examples, against values derived independently."""
+"""The vendor documents' worked examples, against values derived independently."""
 
 from __future__ import annotations
 

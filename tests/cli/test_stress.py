@@ -211,8 +211,8 @@ def _negate(out: np.ndarray) -> None:
 
 
 def _off_by_1e4(out: np.ndarray) -> None:
-    """A FLOAT result 1e-4 too large: inside SPEC's FLOAT tolerance, far outside what the
-    kernels promise (about 1,700 float32 roundings)."""
+    """A FLOAT result 1e-4 too large: inside the vendor's FLOAT tolerance, far outside what
+    the kernels promise (about 1,700 float32 roundings)."""
     if out.dtype == np.float32:
         np.multiply(out, np.float32(1.0001), out=out)
 
@@ -316,7 +316,8 @@ def test_the_kernels_bound_holds_their_results_and_refuses_an_error_of_1e4():
         assert oracle.within_bound(t.expected, t.oracle, t.bound), t.describe
         if t.kind == "glu" and t.expected.dtype == np.float32 and t.expected.size:
             off = t.expected * np.float32(1.0001)
-            assert oracle.within_tolerance("glu", off, t.oracle)  # SPEC's would pass it
+            # the vendor's tolerance would pass it
+            assert oracle.within_tolerance("glu", off, t.oracle)
             refused += not oracle.within_bound(off, t.oracle, t.bound)
     assert refused >= 10  # every FLOAT GLU template whose result is not all zeros
 

@@ -8,7 +8,7 @@ converting a result for its caller. Here each of them raises now and then (seede
 mixed load (coroutines, requests queued without waiting, thread futures, blocking calls,
 graph runs, callers that cancel or whose deadline passed), on the numpy device and on
 torch's CPU device, every launch on a stream thread or as configured by default. Each
-request must end: its result (the solo launch's bits; a torch device's within SPEC's
+request must end: its result (the solo launch's bits; a torch device's within the
 tolerance) or an error; only what no request could be given is reported, by the
 scheduler; the counters add up, no pool block stays held, the scheduler closes, and a
 clean round afterwards is exact.

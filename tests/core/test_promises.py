@@ -135,7 +135,7 @@ async def test_backpressure_admits_first_come_first_served(cap):
 
 
 async def test_a_newcomer_never_overtakes_a_woken_waiter():
-    # The scenario with a cap of 1: X and Y parked, a slot frees, and a newcomer N
+    # With a cap of 1: X and Y parked, a slot frees, and a newcomer N
     # arrives before the woken X resumes. X, Y, N launch in that order.
     import opsched
     from tests.sched_helpers import Gate

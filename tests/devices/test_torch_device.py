@@ -269,7 +269,7 @@ def test_group_norm_backward_fuses_into_one_aten_launch():
     for r, got in zip(requests, outs, strict=True):
         want = torch.ops.aten.native_group_norm_backward(*r, [True] * 3)
         assert torch.equal(got[0], want[0])  # dx: the framework's own call, bit for bit
-        for a, b in zip(got[1:], want[1:], strict=True):  # summed per sample: within SPEC
+        for a, b in zip(got[1:], want[1:], strict=True):  # summed per sample: within tolerance
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
 
 
@@ -406,8 +406,8 @@ def _stress(**options):
 
 def test_stress_on_torch_cpu_checks_every_result_against_the_request_alone():
     # Each result must be bit-identical to its request launched alone on the device (batch
-    # invariance) and within SPEC's tolerance of the float64 oracle; faults, deadlines,
-    # cancellation and bad input as on the numpy devices.
+    # invariance) and within the tolerance (docs/operators.md) of the float64 oracle; faults,
+    # deadlines, cancellation and bad input as on the numpy devices.
     status, text = _stress(**STRESS)
     assert status == 0, text
     assert "0 wrong" in text and "faulted" in text

@@ -1,5 +1,5 @@
-"""Fused launches on torch:cpu: batch invariance bit for bit, and SPEC's tolerance against
-the framework's own call on each request.
+"""Fused launches on torch:cpu: batch invariance bit for bit, and the tolerance of
+docs/operators.md against the framework's own call on each request.
 
 A request's bits must not depend on the requests it was launched with, or on its position:
 each pooled request is first launched alone through the device, then in random batches
@@ -29,7 +29,8 @@ from tests.helpers import BF16, gn_golden, rand
 torch = pytest.importorskip("torch")
 
 F64, F32, F16 = np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)
-#: SPEC's (rtol, atol) per dtype, doubled: both sides are within it of the exact value.
+#: The (rtol, atol) of docs/operators.md per dtype, doubled: both sides are within it of
+#: the exact value.
 TOL = {F64: (2e-10, 2e-10), F32: (2e-4, 2e-4), F16: (2e-2, 2e-3), BF16: (4e-2, 4e-3)}
 
 
@@ -90,20 +91,20 @@ def gn_args(rng: np.random.Generator, dtype: np.dtype, large: bool = False) -> t
 
 def framework(op: Operator, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The framework's own call on one request (the independent expectation;
-    GroupNormalizationGrad, which has none, SPEC's formula in float64). GLU in
+    GroupNormalizationGrad, which has none, the formula of docs/operators.md in float64). GLU in
     FLOAT16 / BFLOAT16: aten's call in float64, rounded once (aten's CPU kernel in those
-    dtypes rounds sigmoid(b) first and misses SPEC's tolerance where 1 - s cancels; the
-    device computes them in float32, as SPEC says)."""
+    dtypes rounds sigmoid(b) first and misses the tolerance of docs/operators.md where 1 - s
+    cancels; the device computes them in float32, as docs/operators.md says)."""
     if op is GLU_BACKWARD:
         g, x = args[:2]
         if x.dtype in (torch.float16, torch.bfloat16):
             exact = torch_ops.glu_backward(g.double(), x.double(), *args[2:])
             return (exact.to(x.dtype),)
         return (torch_ops.glu_backward(*args),)
-    if op is GROUP_NORM_GRAD:  # no aten operator: SPEC's formula in float64 (helpers)
+    if op is GROUP_NORM_GRAD:  # no aten operator: the contract's formula in float64 (helpers)
         arrays = [torch_ops.from_torch(a) for a in args]
         return (torch.from_numpy(gn_golden(*arrays)).to(args[0].dtype),)
-    if args[4] is None:  # aten cannot give dgamma without gamma: ones, SPEC's meaning
+    if args[4] is None:  # aten cannot give dgamma without gamma: ones, as an absent gamma
         args = (*args[:4], torch.ones(args[6], dtype=args[2].dtype), *args[5:])
     return tuple(torch_ops.group_norm_backward(*args, [True] * 3))
 
@@ -220,7 +221,7 @@ def test_a_request_has_the_same_bits_in_any_batch_at_any_position(op, make, dtyp
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 def test_half_precision_glu_is_within_spec_where_atens_cpu_kernel_is_not(dtype):
     # 131,072 elements of [-3, 3], as the stress harness draws them: aten's own BFLOAT16
-    # call on the CPU misses SPEC's tolerance here (1.12x the allowed error, measured); the
+    # call on the CPU misses the tolerance of docs/operators.md here; the
     # device's result, computed in float32 and rounded once, must be within it, alone and
     # in a batch.
     rng = np.random.default_rng(21)
@@ -230,7 +231,8 @@ def test_half_precision_glu_is_within_spec_where_atens_cpu_kernel_is_not(dtype):
         for _ in range(2)
     ]  # fmt: skip
     device = make_device("torch:cpu", 1)
-    rtol, atol = (1e-3, 1e-3) if dtype == F16 else (2e-2, 2e-3)  # SPEC's GLU tolerances
+    # the GLU tolerances of docs/operators.md
+    rtol, atol = (1e-3, 1e-3) if dtype == F16 else (2e-2, 2e-3)
     for got, (g, x) in zip(
         [*alone(GLU_BACKWARD, pool, device.execute), *run(GLU_BACKWARD, pool, device.execute)],
         pool + pool,
@@ -453,7 +455,8 @@ def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
 def test_group_norm_backward_output_masks_alone_and_in_a_batch(mask, dtype):
     # a request alone (its own launch) and the same request among others of its mask: the
-    # same bits; outputs not asked for stay None; those asked for within SPEC of aten's call
+    # same bits; outputs not asked for stay None; those asked for within the tolerance of
+    # docs/operators.md of aten's call
     rng = np.random.default_rng(zlib.crc32(f"{mask} {dtype}".encode()))
     pool = []
     for i in range(4):

@@ -1,4 +1,4 @@
-"""Every SPEC check of both operators: its status, its message, and the order checks fire."""
+"""Every check of docs/operators.md: its status, its message, and the order checks fire."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def expect(status: Status, call, *words: str) -> None:
         assert word in str(info.value), (word, str(info.value))
 
 
-# ---------------------------------------------------------------- GluBackward, in SPEC order
+# ---------------------------------------------------------------- GluBackward, in
+# docs/operators.md's order
 
 NULL, INVALID = Status.ERR_PARAM_NULLPTR, Status.ERR_PARAM_INVALID
 
@@ -178,7 +179,7 @@ def test_glu_every_dtype_accepted(dtype):
     assert (size > 0) == (dtype == F64) and not ex.repeatable
 
 
-# ------------------------------------------------------- GroupNormalizationGrad, SPEC order
+# ------------------------------------------------------- GroupNormalizationGrad, in order
 
 
 @pytest.mark.parametrize("name", ["x", "dy", "gamma", "mean", "rstd", "dx"])

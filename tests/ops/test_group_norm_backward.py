@@ -54,7 +54,7 @@ def solo(args, mask=ALL):
 
 
 def golden(args):
-    """dx, dgamma, dbeta in float64, one (n, g) at a time, from the formula of the issue."""
+    """dx, dgamma, dbeta in float64, one (n, g) at a time, from the formula of docs/operators.md."""
     dy, x, mean, rstd, gamma, n, c, hxw, group = args
     cpg = c // group
     m = cpg * hxw
@@ -284,7 +284,7 @@ def test_layouts_do_not_change_a_bit():
 def test_the_workspace_may_start_at_any_byte():
     """The usual launch keeps its sums at the workspace's start when that is float-aligned,
     else where the planner carved them: results the same bits wherever the caller's
-    workspace begins, and within SPEC of the float64 derivation."""
+    workspace begins, and within docs/operators.md's of the float64 derivation."""
     rng = np.random.default_rng(17)
     args = case(rng, 3, 8, 37, 4)
     base = solo(args)

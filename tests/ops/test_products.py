@@ -1,4 +1,4 @@
-"""Product profiles: every cell of the issue's table, both statuses, and every surface."""
+"""Product profiles: every cell of the vendor's table, both statuses, and every surface."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from opsched import InnerError, ParamInvalidError, SchedulerConfig, aclnn
 from opsched.cli.stress import StressOptions, run_stress
 from tests.helpers import BF16, assert_same_bits
 
-# The table of the issue, written out again here (independent of opsched/_products.py).
+# The vendor's table, written out again here (independent of opsched/ops/products.py).
 ALL4 = {"DOUBLE", "FLOAT", "FLOAT16", "BFLOAT16"}
 HALF3 = {"FLOAT", "FLOAT16", "BFLOAT16"}
 TABLE = {
@@ -71,7 +71,7 @@ def test_every_cell_of_the_table(product, column):
                 call(op, dtype, product)
             assert info.value.status == 161002
             message = str(info.value)
-            if product == "generic":  # the default profile's messages are SPEC's
+            if product == "generic":  # the default profile's messages are the operators' own
                 assert "expected one of" in message
             else:
                 listed = message.split(" takes ")[1].split(" [")[0].split(", ")

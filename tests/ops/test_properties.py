@@ -1,5 +1,5 @@
 """Property tests: random shapes, dtypes, dims and layouts give either the right result or
-exactly the status an independent reading of SPEC predicts, never another exception.
+exactly the status an independent reading of docs/operators.md predicts, never another exception.
 
 Two kinds of strategy: bad-input ones (mostly invalid requests: each must get exactly the
 predicted status) and valid ones (every example valid and non-empty: each compares values
@@ -46,7 +46,7 @@ def arrays(draw, shape, dtype):
 
 
 def glu_oracle(grad_out, x, dim, out):
-    """SPEC's GluBackward checks, in order, written without the library."""
+    """GluBackward's checks (docs/operators.md), in order, written without the library."""
     if grad_out is None or x is None or out is None:
         return NULL
     if x.dtype not in GLU_DTYPES or grad_out.dtype != x.dtype or out.dtype != x.dtype:
@@ -99,7 +99,7 @@ def test_glu_result_or_exact_status(req):
 
 
 def gn_oracle(x, dy, gamma, mean, rstd, dx):
-    """SPEC's GroupNormalizationGrad checks, in order."""
+    """GroupNormalizationGrad's checks (docs/operators.md), in order."""
     tensors = [x, dy, gamma, mean, rstd, dx]
     if any(t is None for t in tensors):
         return NULL

@@ -4,7 +4,7 @@ Requests are drawn from a pool of seeded *templates* (both operators, every dtyp
 8, empty tensors, non-contiguous views, occasionally large tensors, small graphs). Each
 template's result under the solo oracle (the request alone through the two-phase API) is
 computed once, so every valid result is compared bit for bit cheaply. Each request is then
-independently made invalid (a corruption whose SPEC status is known by construction),
+independently made invalid (a corruption whose status (docs/operators.md) is known by construction),
 cancelled, given a deadline that has already passed, or hit by an injected launch fault.
 
 Verified for every request: the right result or exactly the right error; resolved exactly

@@ -76,7 +76,7 @@ class _Clock:
 def run_stress(opts: StressOptions, out: TextIO) -> int:
     """Run the stress test; print the summary to ``out``; return the exit status.
 
-    Every result must be bit-identical to its request's solo call and within SPEC's
+    Every result must be bit-identical to its request's solo call and within the
     tolerance of the float64 oracle. The solo call is the two-phase API on the numpy
     devices; on a torch device it is the request launched alone through opsched on that
     device (its batch invariance: the same bits alone as in any batch).

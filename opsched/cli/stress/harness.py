@@ -87,7 +87,7 @@ class _Harness:
         capped = not opts.device.startswith("torch")
         self.over_cap = [capped and not cap.fits(_solo_workspace(t)) for t in templates]
         #: opsched's own kernels (the numpy devices) are held to their documented error
-        #: bound; a framework's kernels to SPEC's tolerance (oracle.py)
+        #: bound; a framework's kernels to the vendor's tolerance (oracle.py)
         self.own_kernels = not opts.device.startswith("torch")
         self.tally = tally
         # The out arrays of fault and deadline cases, by data address, kept alive until
@@ -196,7 +196,7 @@ class _Harness:
             problem = f"{t.describe}: outside the kernels' error bound of the float64 oracle"
             record(case, "wrong", problem)
         elif not self.own_kernels and not oracle.within_tolerance(t.kind, result, t.oracle):
-            problem = f"{t.describe}: outside SPEC's tolerance of the float64 oracle"
+            problem = f"{t.describe}: outside the vendor's tolerance of the float64 oracle"
             record(case, "wrong", problem)
         else:
             record(case, "completed", latency=latency)

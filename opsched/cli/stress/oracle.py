@@ -5,9 +5,10 @@ Written from the operators' contract alone, in plain numpy on float64 copies of 
 inputs: it shares no code with the product's kernels (``opsched.kernels``), its plans or
 its reference kernels, so a wrong kernel cannot also make the oracle wrong.
 
-Two verdicts. :func:`within_tolerance` is the vendor's: SPEC's (rtol, atol) per dtype, for
-devices whose kernels are not ours (torch's). :func:`within_bound` holds opsched's own
-kernels (the ``cpu`` and ``reference`` devices) to what they promise: FLOAT, FLOAT16 and
+Two verdicts. :func:`within_tolerance` is the vendor's: its (rtol, atol) per dtype
+(docs/operators.md), for devices whose kernels are not ours (torch's). :func:`within_bound` holds
+opsched's own kernels (the ``cpu`` and ``reference`` devices) to what they promise: FLOAT, FLOAT16
+and
 BFLOAT16 computed in float32 and DOUBLE in float64, each output rounded once. Per element,
 
     |result - oracle| <= K * u * magnitude + (one rounding into the output dtype)
@@ -18,7 +19,7 @@ or subtracts, so cancellation is accounted for), and ``K`` counts the roundings 
 longest chain of the operator, written down per operator below. The half types add the
 final rounding, half a unit in the last place of the result (``eps / 2`` relative, or half
 the smallest subnormal). A kernel off by 1e-4 relative (about 1,700 ``u``) fails it;
-SPEC's FLOAT tolerance (1e-4) would pass it.
+the vendor's FLOAT tolerance (1e-4) would pass it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ __all__ = [
 F64 = np.float64
 _F16, _BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 
-#: SPEC's (rtol, atol) per dtype; FLOAT16 GluBackward has its own (one fp16 rounding).
+#: The vendor's (rtol, atol) per dtype (docs/operators.md, "Tolerances"); FLOAT16 GluBackward has
+#: its own (one fp16 rounding).
 TOLERANCE = {
     np.dtype(np.float64): (1e-10, 1e-10),
     np.dtype(np.float32): (1e-4, 1e-4),
@@ -51,7 +53,7 @@ _GLU_F16 = (1e-3, 1e-3)
 
 
 def glu_backward(g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
-    """SPEC: s = sigmoid(b); grad_a = g * s; grad_b = grad_a * (a - a * s)."""
+    """docs/operators.md: s = sigmoid(b); grad_a = g * s; grad_b = grad_a * (a - a * s)."""
     x64, g64 = x.astype(F64), g.astype(F64)
     a, b = np.split(x64, 2, axis=dim)
     s = 0.5 * (1.0 + np.tanh(0.5 * b))  # sigmoid, written another way than the kernels
@@ -62,7 +64,7 @@ def glu_backward(g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
 def group_norm_grad(
     x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
 ) -> np.ndarray:
-    """SPEC's GroupNormalizationGrad: per group (n, g) of M elements,
+    """GroupNormalizationGrad (docs/operators.md): per group (n, g) of M elements,
     dx = (rstd / M) * gamma * (M * dy - sum(dy * gamma) - xhat * sum(dy * gamma * xhat))."""
     n, g = x.shape[:2]
     m = int(np.prod(x.shape[2:]))
@@ -129,9 +131,10 @@ def _tolerance(kind: str, dtype: np.dtype) -> tuple[float, float]:
 
 
 def within_tolerance(kind: str, got: Any, want: Any) -> bool:
-    """Whether ``got`` (an array, or a tuple with Nones) is within SPEC's tolerance of the
-    oracle's ``want``; absolute tolerance scaled by the largest magnitude of ``want`` (the
-    vendor's tests compare outputs of unit scale), NaNs matching NaNs."""
+    """Whether ``got`` (an array, or a tuple with Nones) is within the vendor's tolerance
+    (docs/operators.md) of the oracle's ``want``; absolute tolerance scaled by the largest
+    magnitude of ``want`` (the vendor's tests compare outputs of unit scale), NaNs matching
+    NaNs."""
     if isinstance(want, tuple):
         if not isinstance(got, tuple) or len(got) != len(want):
             return False
