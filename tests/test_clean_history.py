@@ -29,7 +29,8 @@ HISTORY = {
         r"sessions?\b",
         re.I,
     ),
-    "a dated note": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    # (a result file of docs/benchmarks/ is named by its run's date)
+    "a dated note": re.compile(r"\b20\d\d-\d\d-\d\d\b(?!\.json)"),
     "a document outside the repository": re.compile(r"\bSPEC\b|\bDESIGN\b|seed documents?"),
 }
 #: What the library's code does not say: figures of a day belong to the benchmarks.

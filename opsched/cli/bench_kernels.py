@@ -290,13 +290,18 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_json(benchmark: str, results: dict[str, Any], path: str) -> None:
-    """Write benchmark results (benchmark name -> its result) to ``path`` as JSON."""
-    document = {
+def write_json(
+    benchmark: str, results: dict[str, Any], path: str, command: str | None = None
+) -> None:
+    """Write benchmark results (benchmark name -> its result) to ``path`` as JSON, with the
+    command that produced them (``command``) when given."""
+    document: dict[str, Any] = {
         "schema": RESULT_SCHEMA_VERSION,
         "benchmark": benchmark,
         "machine": machine(),
         "results": results,
     }
+    if command is not None:
+        document["command"] = command
     with open(path, "w", encoding="utf-8") as f:
         json.dump(document, f, indent=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import Any
 
@@ -359,7 +360,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         traced = traced or bool(args.trace)
         _bench_graphs.print_graph_report(results["graphs"], out)
     path = args.json or f"bench-{args.which}.json"
-    _bench.write_json(args.which, results, path)
+    _bench.write_json(args.which, results, path, "opsched " + shlex.join(args.argv))
     print(f"\nresults written to {path}", file=out)
     if traced:
         print(f"timeline of one measured run written to {args.trace}", file=out)
@@ -406,7 +407,9 @@ def _run_warm() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status (2: a usage error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
     command = args.command
     try:
         if command == "trace":

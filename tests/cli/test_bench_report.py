@@ -1,0 +1,58 @@
+"""docs/benchmarks.md and the README's summary are generated from a result file, and current."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opsched.cli.bench_report import (
+    SUMMARY_BEGIN,
+    SUMMARY_END,
+    generate,
+    readme_with_summary,
+    render_page,
+    render_summary,
+)
+from opsched.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _latest() -> Path:
+    return sorted((ROOT / "docs" / "benchmarks").glob("*.json"))[-1]
+
+
+def test_the_page_and_the_readme_summary_are_those_of_the_latest_result_file():
+    assert generate(_latest(), ROOT, check=True) == []
+
+
+def test_a_quick_run_renders_every_section_it_has(tmp_path, capsys):
+    assert main(["bench", "all", "--quick", "--json", str(tmp_path / "q.json")]) == 0
+    doc = json.loads((tmp_path / "q.json").read_text())
+    assert doc["command"].startswith("opsched bench all --quick --json ")
+    page = render_page(doc, "q.json")
+    for heading in ("## Method", "## Results", "### Throughput", "### Graphs", "### Kernels"):
+        assert heading in page
+    assert "target" not in page and "reached" not in page
+    summary = render_summary(doc, "q.json")
+    assert summary.startswith(SUMMARY_BEGIN) and summary.endswith(SUMMARY_END)
+    assert "| 256 coroutines, tiny GroupNormalizationGrad | its two-phase call |" in summary
+
+
+def test_a_stale_readme_is_found_and_rewritten(tmp_path):
+    (tmp_path / "docs" / "benchmarks").mkdir(parents=True)
+    result = tmp_path / "docs" / "benchmarks" / "run.json"
+    result.write_text(_latest().read_text())
+    (tmp_path / "docs" / "benchmarks.md").write_text("old\n")
+    (tmp_path / "README.md").write_text(f"# x\n\n{SUMMARY_BEGIN}\nold\n{SUMMARY_END}\n")
+    assert sorted(generate(result, tmp_path, check=True)) == ["README.md", "docs/benchmarks.md"]
+    assert sorted(generate(result, tmp_path)) == ["README.md", "docs/benchmarks.md"]
+    assert generate(result, tmp_path, check=True) == []
+    assert "old" not in (tmp_path / "README.md").read_text()
+
+
+def test_a_readme_without_markers_is_refused():
+    with pytest.raises(ValueError, match="no .*bench-summary"):
+        readme_with_summary("# a readme\n", "table")
