@@ -38,7 +38,7 @@ TIMINGS = {
     "a before/after timing": re.compile(
         r"\d(?:\.\d+)?\s*(?:us|ms|ns|s|x|%)?\s*->\s*[\d.]+\s*(?:us|ms|ns|s|x|%)"
     ),
-    "a measured note": re.compile(r"\b[Mm]easured\b"),
+    "a measured note": re.compile(r"\b[Mm]easured[:,)]|\([Mm]easured|[Mm]easured (?:on|here)\b"),
 }
 
 
@@ -51,9 +51,12 @@ def _files() -> list[Path]:
 
 
 def _library() -> list[Path]:
+    """The library's modules (the benchmarks of the CLI measure, and say so) and the pages
+    that describe it (figures there come from docs/benchmarks.md, which is generated)."""
     found = [p for folder in ("opsched", "kernels") for p in (ROOT / folder).rglob("*.py")]
     unique = {p.resolve(): p for p in found if "cli" not in p.relative_to(ROOT).parts}
-    return sorted(unique.values())
+    pages = [p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md"]
+    return [*sorted(unique.values()), ROOT / "README.md", *sorted(pages)]
 
 
 def _hits(paths: list[Path], patterns: dict[str, re.Pattern[str]], skip_dates: bool) -> list:
