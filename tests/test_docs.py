@@ -8,6 +8,7 @@ instead of showing its error.)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,27 @@ def test_example_runs(example: CodeExample, tmp_path, monkeypatch):
     source = "\n" * (example.start_line) + example.source  # its lines, as in its file
     code = compile(source, str(example.path), "exec")
     exec(code, {"__name__": "__main__"})
+
+
+def _slug(heading: str) -> str:
+    """A Markdown heading's anchor, as GitHub makes it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (page.parent / target) if target else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+                continue
+            if anchor and path.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", path.read_text(), re.MULTILINE)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target}#{anchor}")
+    assert broken == []
