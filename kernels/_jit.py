@@ -40,6 +40,7 @@ the ``opsched.kernels`` logger says so once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -387,6 +388,16 @@ _log = logging.getLogger("opsched.kernels")
 
 #: Serialises compilation: two streams needing one entry point compile it once.
 _COMPILING = threading.RLock()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child's own compile lock: a thread of the parent may have held it at the
+    fork, and nobody in the child would ever let it go."""
+    global _COMPILING  # the one module lock, remade once per fork
+    _COMPILING = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 #: Whether numba found a writable cache directory (None: not asked yet).
 _disk_cache: list[bool | None] = [None]
 #: Every :class:`Loops` made, for :func:`warm`.

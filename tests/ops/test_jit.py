@@ -159,3 +159,18 @@ def test_fma_rounds_once_in_every_lane():
     _fma_all(a, a, c, out)
     assert (out == F32(2.0**-24)).all()
     assert (a * a + c == 0).all()  # numpy's two roundings: what fma must not do
+
+
+def test_a_fork_while_a_kernel_compiles_leaves_the_child_a_free_lock():
+    import os
+    import warnings
+
+    from opsched.kernels import _jit
+
+    with _jit._COMPILING, warnings.catch_warnings():  # another thread compiling, as the
+        warnings.simplefilter("ignore", DeprecationWarning)  # child sees it (3.12: threads)
+        pid = os.fork()
+        if pid == 0:  # the child: its own lock, free
+            os._exit(0 if _jit._COMPILING.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
