@@ -163,14 +163,29 @@ def test_fma_rounds_once_in_every_lane():
 
 def test_a_fork_while_a_kernel_compiles_leaves_the_child_a_free_lock():
     import os
+    import threading
     import warnings
 
     from opsched.kernels import _jit
 
-    with _jit._COMPILING, warnings.catch_warnings():  # another thread compiling, as the
-        warnings.simplefilter("ignore", DeprecationWarning)  # child sees it (3.12: threads)
-        pid = os.fork()
-        if pid == 0:  # the child: its own lock, free
-            os._exit(0 if _jit._COMPILING.acquire(timeout=5) else 1)
-    _, status = os.waitpid(pid, 0)
+    held, release = threading.Event(), threading.Event()
+
+    def compiling():  # another thread holds the lock across the fork
+        with _jit._COMPILING:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    held.wait(10)
+    try:
+        with warnings.catch_warnings():  # (3.12 warns of a fork with threads running)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: that thread is gone; its lock must not be
+            os._exit(0 if _jit._COMPILING.acquire(timeout=2) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
     assert os.waitstatus_to_exitcode(status) == 0
