@@ -25,7 +25,7 @@ from opsched.ops._framework import (
     framework_stacks,
 )
 
-__all__ = ["gnb_framework_batch"]
+__all__ = ["framework_dtypes", "gnb_framework_batch"]
 
 _OUTPUTS = ("dx", "dgamma", "dbeta")
 
@@ -48,14 +48,12 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
             for group in stack:
                 _deliver_empty(torch, group)
             continue
-        # Statistics and gamma in at least float32 (exact): aten then returns the
-        # per-sample dgamma / dbeta unrounded, and dx is unchanged.
-        wide = torch.promote_types(stat_dtype, torch.float32)
+        data, wide = framework_dtypes(torch, x0, stat_dtype)
         if _size(first) >= _STACK_MAX:  # large: alone, whatever it was launched with
-            _alone(torch, first, wide)
+            _alone(torch, first, data, wide)
             continue
         if len(stack) == 1 and len(stack[0]) == 1:  # small, by itself: the same calls, flat
-            _lone(torch, first, wide)
+            _lone(torch, first, data, wide)
             continue
         geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
         channels = [k * n * c for k, n, c in geometry]
@@ -76,10 +74,12 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
                 gamma = _wide(framework_stack(torch, [r.tensors["gamma"] for r in group]), wide)
                 gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
         dx, dgamma, dbeta = call(
-            operands["grad_out"], operands["input"], _wide(operands["mean"], wide),
-            _wide(operands["rstd"], wide), framework_cat(torch, gammas), 1, total, hxw,
-            groups, list(mask),
+            _wide(operands["grad_out"], data), _wide(operands["input"], data),
+            _wide(operands["mean"], wide), _wide(operands["rstd"], wide),
+            framework_cat(torch, gammas), 1, total, hxw, groups, list(mask),
         )  # fmt: skip
+        if dx is not None:
+            dx = _wide(dx, x0.dtype)  # computed wider on an accelerator: rounded once
         pieces = [
             v.view(-1).split([ch * each for ch in channels])
             if v is not None and len(stack) > 1
@@ -91,7 +91,27 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
             _deliver(torch, group, (pieces[0][i], *sums))
 
 
-def _alone(torch: Any, request: Any, wide: Any) -> None:
+def framework_dtypes(torch: Any, x: Any, stat_dtype: Any) -> tuple[Any, Any]:
+    """``(data, statistics)``: the dtypes a launch hands aten's GroupNormBackward its
+    ``grad_out`` / ``input`` and its ``mean`` / ``rstd`` / ``gamma`` in, for ``x`` (any
+    request of the launch) with statistics of ``stat_dtype``.
+
+    On the CPU the data keep their dtype and the statistics and gamma go in at least
+    float32 (exact): aten's CPU kernel takes mixed dtypes, and then returns the per-sample
+    dgamma / dbeta unrounded (dx is unchanged). aten's CUDA kernel reads every operand in
+    the input's dtype (``GroupNormBackwardKernelImplInternal<T>``), so an accelerator gets
+    one dtype for all: float32 for FLOAT16 and BFLOAT16 (computed in float32 and rounded
+    once into the outputs, as docs/operators.md says), float32 too where the statistics are
+    FLOAT beside half-precision data.
+    """
+    wide = torch.promote_types(stat_dtype, torch.float32)
+    if x.is_cpu:
+        return x.dtype, wide
+    compute = torch.promote_types(x.dtype, wide)
+    return compute, compute
+
+
+def _alone(torch: Any, request: Any, data: Any, wide: Any) -> None:
     """Run a large request as aten's own call on its own tensors and geometry (aten sums
     dgamma / dbeta over the samples itself), statistics and gamma widened as a stacked
     launch widens them; its results come in its own shapes (no view to make)."""
@@ -101,17 +121,17 @@ def _alone(torch: Any, request: Any, wide: Any) -> None:
         gamma = torch.ones(s["C"], dtype=wide, device=x.device)
     # aten reads every operand as contiguous whatever its strides: made so
     results = torch.ops.aten.native_group_norm_backward(
-        t["grad_out"].contiguous(), x.contiguous(), _wide(t["mean"], wide).contiguous(),
-        _wide(t["rstd"], wide).contiguous(), _wide(gamma, wide).contiguous(),
-        s["N"], s["C"], s["HxW"], s["group"], list(mask),
+        _wide(t["grad_out"], data).contiguous(), _wide(x, data).contiguous(),
+        _wide(t["mean"], wide).contiguous(), _wide(t["rstd"], wide).contiguous(),
+        _wide(gamma, wide).contiguous(), s["N"], s["C"], s["HxW"], s["group"], list(mask),
     )  # fmt: skip
-    stat_dtype = t["mean"].dtype
+    rounded = (x.dtype, t["mean"].dtype, t["mean"].dtype)  # dx, dgamma, dbeta
     for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
         if mask[i]:
-            framework_deliver(torch, t, name, result if i == 0 else _wide(result, stat_dtype))
+            framework_deliver(torch, t, name, _wide(result, rounded[i]))
 
 
-def _lone(torch: Any, request: Any, wide: Any) -> None:
+def _lone(torch: Any, request: Any, data: Any, wide: Any) -> None:
     """A small request launched by itself, in the stacked layout: the framework calls a
     stack of this one request makes, on the same values (so the same bits), without the
     stacking's per-group bookkeeping (a lone GroupNormBackward 4 x 64 x 8: 103-113 ->
@@ -126,11 +146,14 @@ def _lone(torch: Any, request: Any, wide: Any) -> None:
         gammas = torch.cat([_wide(gamma.contiguous(), wide).view(1, c)] * n, dim=1).view(-1)
     rows, stats = (1, total, hxw), (1, groups)
     dx, dgamma, dbeta = torch.ops.aten.native_group_norm_backward(
-        t["grad_out"].contiguous().view(rows), x.contiguous().view(rows),
+        _wide(t["grad_out"].contiguous().view(rows), data),
+        _wide(x.contiguous().view(rows), data),
         _wide(t["mean"].contiguous().view(stats), wide),
         _wide(t["rstd"].contiguous().view(stats), wide), gammas, 1, total, hxw, groups,
         list(mask),
     )  # fmt: skip
+    if dx is not None:
+        dx = _wide(dx, x.dtype)  # computed wider on an accelerator: rounded once
     sums = _sample_sums(torch, dgamma, dbeta, 1, n, c, stat_dtype)
     stat_shape = _stat_shape(request)
     shapes = (tuple(x.shape), stat_shape, stat_shape)
