@@ -162,8 +162,12 @@ class GroupNormalizationGrad(Operator):
         mean_, rstd_ = (_f32(torch, tensors[k], stats) for k in ("mean", "rstd"))
         xhat = (x_ - mean_).mul_(rstd_)
         dyg = dy_ * gamma_
-        s1 = dyg.sum(-1, keepdim=True)
-        s2 = dyg.mul_(xhat).sum(-1, keepdim=True)  # (dy * gamma) * xhat
+        # the CPU's serial sum adds a row in one order wherever it sits (framework_rows
+        # keeps every call serial); an accelerator's reduction picks its blocks by the
+        # whole call's shape, so there the order is a fixed tree of element-wise adds
+        row_sums = _serial_sums if x.is_cpu else tree_sums
+        s1 = row_sums(torch, dyg)
+        s2 = row_sums(torch, dyg.mul_(xhat))  # (dy * gamma) * xhat
         inner = (dy_ * m).sub_(s1).sub_(xhat.mul_(s2))  # m * dy - s1 - xhat * s2
         scale = (rstd_ / m) * gamma_
         if dx.dtype == torch.float32 and dx.is_contiguous():
@@ -320,6 +324,27 @@ class GroupNormalizationGrad(Operator):
 
 #: The GroupNormalizationGrad descriptor.
 GROUP_NORM_GRAD = GroupNormalizationGrad()
+
+
+def _serial_sums(torch: Any, rows: Any) -> Any:
+    """Each row's sum (the last axis), kept as an axis of one: aten's own reduction."""
+    return rows.sum(-1, keepdim=True)
+
+
+def tree_sums(torch: Any, rows: Any) -> Any:
+    """Each row's sum (the last axis, kept as an axis of one) in a fixed order on any
+    device: the upper half of the row added onto its lower half, element by element, until
+    one element is left (an odd element out rides along to the next level). Every add is
+    one element's, so a row's sum depends on its length alone, never on how many rows the
+    call holds or where the row sits: batch invariance where the framework's reductions
+    choose their blocks by the call's shape (CUDA's, NPU's). Pairwise, it is also more
+    accurate than a running sum."""
+    while rows.shape[-1] > 1:
+        m = rows.shape[-1]
+        half = m // 2
+        added = rows[..., :half] + rows[..., half : 2 * half]
+        rows = added if m % 2 == 0 else torch.cat((added, rows[..., 2 * half :]), -1)
+    return rows
 
 
 #: Requests of at least this many elements run alone, on their own tensors: copying them

@@ -85,3 +85,43 @@ def test_the_cpu_keeps_its_data_dtype_and_widens_only_the_statistics():
     meta = x.to("meta")
     assert framework_dtypes(torch, meta, torch.bfloat16) == (torch.float32, torch.float32)
     assert framework_dtypes(torch, meta.float(), torch.float32) == (torch.float32,) * 2
+
+
+@pytest.mark.parametrize("m", [16, 63, 64, 65, 100, 128, 129, 300])
+def test_tree_sums_give_a_row_its_bits_alone_and_in_any_stack(m):
+    import numpy as np
+
+    from opsched.ops.group_norm_grad import tree_sums
+
+    rng = np.random.default_rng(m)
+    row = torch.from_numpy(rng.standard_normal((1, 1, m)).astype(np.float32))
+    alone = tree_sums(torch, row)
+    assert alone.shape == (1, 1, 1)
+    exact = float(np.sum(row.numpy().astype(np.float64)))
+    assert abs(float(alone) - exact) <= 1e-5 * max(1.0, float(np.abs(row.numpy()).sum()))
+    for rows, at in ((2, 1), (6, 0), (6, 5), (37, 20)):
+        stack = torch.from_numpy(rng.standard_normal((rows, 1, m)).astype(np.float32))
+        stack[at] = row[0]
+        got = tree_sums(torch, stack)[at]
+        assert got.view(torch.int32).item() == alone.view(torch.int32).item()
+
+
+def test_group_norm_grad_sums_rows_by_the_tree_off_the_cpu():
+    from opsched.ops import GROUP_NORM_GRAD
+
+    x = torch.empty(3, 4, 5, 7, device="meta")  # rows of 35 elements
+    tensors = {"x": x, "dy": x, "gamma": x, "mean": x[:, :, 0, 0], "rstd": x[:, :, 0, 0]}
+    tensors["dx"] = torch.empty_like(x)
+    calls = []
+    real_cat = torch.cat
+
+    def cat(*args, **kwargs):  # the tree's odd-length levels join with cat
+        calls.append(args)
+        return real_cat(*args, **kwargs)
+
+    proxy = types.SimpleNamespace(
+        **{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")}
+    )
+    proxy.cat = cat
+    GROUP_NORM_GRAD.framework_call(proxy, tensors, {})
+    assert calls  # 35 is odd: the tree ran (the CPU's path never joins)
