@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from opsched._errors import InnerError, RuntimeLaunchError
+from opsched._errors import InnerError, RuntimeLaunchError, SchedulerClosedError
 from opsched.core.batching import MIN_SPREAD_BYTES, Batch, RequestQueue, form_batches
 from opsched.core.config import SchedulerConfig
 from opsched.core.loop import LoopEvent, LoopHandle
@@ -99,6 +99,9 @@ class Dispatcher:
         self.pending = False
         if self.closed:
             return
+        if self.device.lost is not None and len(self.queue):
+            self._fail_queued_on_lost_device()
+            return
         queue, tracer = self.queue, self.tracer
         if tracer is not None:
             self._trace_counters()
@@ -143,6 +146,16 @@ class Dispatcher:
         self.room()  # launched requests left the queue: backpressured callers go on
         if tracer is not None:
             self._trace_counters()
+        self._check_quiet()
+
+    def _fail_queued_on_lost_device(self) -> None:
+        """The device was lost for good: fail what is queued, with its cause, instead of
+        launching it into the same error."""
+        assert self.device.lost is not None
+        error = device_lost(self.device.name, self.device.lost)
+        for request in self.queue.drain():
+            finish(request, RequestState.FAILED, self.counters, error)
+        self.room()
         self._check_quiet()
 
     def _pop_next(self) -> None:
@@ -367,6 +380,17 @@ class Dispatcher:
 def _group_key(batch: Batch) -> int:
     """Batches started together: every part of one split request, else each batch alone."""
     return id(batch.requests[0]) if batch.part is not None else id(batch)
+
+
+def device_lost(name: str, cause: BaseException) -> SchedulerClosedError:
+    """The error of a request refused or failed because the device was lost for good."""
+    msg = (
+        f"the scheduler's device {name} was lost to {type(cause).__name__}: {cause}; it "
+        "accepts no requests: close it and restart the process"
+    )
+    error = SchedulerClosedError(msg)
+    error.__cause__ = cause
+    return error
 
 
 def launch_error(request: Request, cause: BaseException) -> BaseException:

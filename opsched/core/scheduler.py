@@ -39,7 +39,7 @@ from opsched.core.admission import Admission
 from opsched.core.batching import RequestQueue
 from opsched.core.checks import Checks
 from opsched.core.config import SchedulerConfig
-from opsched.core.dispatch import Dispatcher
+from opsched.core.dispatch import Dispatcher, device_lost
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
 from opsched.core.here import run_here, run_on_loop, runs_here, runs_on_loop
@@ -164,6 +164,7 @@ class Scheduler:
             cacheable
             and type(priority) is int
             and self._state is SchedulerState.OPEN
+            and self.device.lost is None
             and self._admission.has_room()
         ):
             # The common case: a call seen before, room in the queue. One cache lookup,
@@ -372,6 +373,9 @@ class Scheduler:
         if self._state is not SchedulerState.OPEN:
             msg = f"the scheduler is {self._state.value}; it accepts no {what}"
             raise SchedulerClosedError(msg)
+        lost = self.device.lost
+        if lost is not None:
+            raise device_lost(self.device.name, lost)
 
     async def _serve(self) -> None:
         """Service task: the one timer, for ``max_delay_us`` and for the earliest deadline

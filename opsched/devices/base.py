@@ -163,6 +163,9 @@ class Device(abc.ABC):
     accepts_tensors: bool = attrs.field(default=False, kw_only=True)
     #: What a caller may pass as an array, for error messages.
     array_kinds: str = attrs.field(default="a numpy.ndarray", kw_only=True)
+    #: The error that lost the device for good (an accelerator's sticky fault), else None:
+    #: the scheduler then refuses new requests and fails those queued, with this cause.
+    lost: BaseException | None = attrs.field(default=None, init=False)
 
     # ------------------------------------------------------------------------ faults
 

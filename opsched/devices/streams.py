@@ -156,8 +156,17 @@ class ThreadStream(Stream):
             self._thread.join()
             self._thread = None
 
+    @property
+    def worker(self) -> int | None:
+        """The identity of the stream's worker thread (None once closed)."""
+        return self._thread.ident if self._thread is not None else None
+
+    def _started(self) -> None:
+        """Runs first in the worker thread, before any launch (a hook)."""
+
     def _worker(self) -> None:
         _lower_priority()
+        self._started()
         while (item := self._queue.get()) is not None:
             kind, a, b = item
             if kind == "run":
@@ -201,11 +210,24 @@ class FrameworkStream(ThreadStream):
     """
 
     framework: Any = attrs.field(default=None, kw_only=True)
+    #: Binds the worker thread to the device and to ``framework`` (its current device and
+    #: stream), once, before its first launch: every launch the thread issues then goes
+    #: there without a context switch per launch, and never touches another device.
+    bind: Callable[[], None] | None = attrs.field(default=None, kw_only=True)
+    #: What ``bind`` raised, if it did: every launch on the stream fails with it.
+    bind_error: BaseException | None = attrs.field(default=None, init=False)
     _enqueued: int = attrs.field(default=0, init=False)  # by the loop thread
     _issued: int = attrs.field(default=0, init=False)  # by the worker, under _cond
     _issued_event: Any = attrs.field(default=None, init=False)
     _pending: bool = attrs.field(default=False, init=False)
     _cond: threading.Condition = attrs.field(factory=threading.Condition, init=False)
+
+    def _started(self) -> None:
+        if self.bind is not None:
+            try:
+                self.bind()
+            except Exception as exc:  # reported by every launch, never lost in the thread
+                self.bind_error = exc
 
     def enqueue(self, work: Work, on_done: Done) -> None:
         self._enqueued += 1

@@ -46,15 +46,16 @@ ImportError that says how to install it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
 
 from opsched._errors import GraphExecutionError, ParamInvalidError
-from opsched._log import WARNING, enabled, get_logger
+from opsched._log import ERROR, WARNING, enabled, get_logger
 from opsched.devices import torch_ops
 from opsched.devices.base import (
     _NUMPY_OF,
@@ -96,6 +97,9 @@ class TorchDevice(Device):
     #: ``split_min_bytes``): they get their outputs before the launch.
     split_min_bytes: int = attrs.field(default=8 << 20, kw_only=True)
     _torch: Any = attrs.field(default=None, init=False)
+    #: The framework's module for the device's kind (``torch.cuda``, ``torch.npu``; None on
+    #: the CPU): streams, events, synchronisation.
+    _backend: Any = attrs.field(default=None, init=False)
     #: Whether ``torch_device`` is the CPU, read once: ``torch.device.type`` costs 0.4 us
     #: a read, and :meth:`bind` asks for every request.
     _on_cpu: bool = attrs.field(default=False, init=False)
@@ -105,6 +109,8 @@ class TorchDevice(Device):
 
         self._torch = torch
         self._on_cpu = self.torch_device is not None and self.torch_device.type == "cpu"
+        if self.torch_device is not None and not self._on_cpu:
+            self._backend = getattr(torch, self.torch_device.type, None)
         # the checks see a tensor's shape and dtype only (its device is checked at bind)
         register_array_type(torch.Tensor)
 
@@ -159,7 +165,10 @@ class TorchDevice(Device):
         # on an accelerator each stream's thread issues onto its framework stream, and
         # graph edges wait there; the CPU has no framework streams
         threads: list[Stream] = (
-            [FrameworkStream(i, framework=f) for i, f in enumerate(framework)]
+            [
+                FrameworkStream(i, framework=f, bind=_binder(backend, torch_device, f))
+                for i, f in enumerate(framework)
+            ]
             if framework
             else [ThreadStream(i) for i in range(streams)]
         )
@@ -305,6 +314,8 @@ class TorchDevice(Device):
             for name, (shape, dtype) in spec.items():
                 if tensors[name] is None:
                     tensors[name] = self.empty(shape, dtype)
+        if self._backend is not None:  # the stream the caller works on, now (thread-local)
+            tensors = OnStream(tensors, self._backend.current_stream(where))
         if numpy_in or caller_out:
             return tensors, _to_numpy(op, caller_out or {})
         return tensors, None
@@ -322,7 +333,8 @@ class TorchDevice(Device):
         op: Operator = requests[0].op
         if batch.part is not None:  # one part of a split request: its views, same id
             r = requests[0]
-            requests = [_Part(r.id, r.op, batch.part[0], batch.part[1])]
+            views = OnStream(batch.part[0], getattr(r.tensors, "stream", None))
+            requests = [_Part(r.id, r.op, views, batch.part[1])]
         stream = batch.stream
 
         def work() -> tuple[dict[int, BaseException], float, float]:
@@ -344,16 +356,33 @@ class TorchDevice(Device):
         """Run ``requests`` as one batch-invariant framework launch on ``stream``
         (:meth:`Operator.framework_batch`); return the failures by request id. An injected
         fault fails that request only; when the launch raises, each request runs alone in
-        the same layout (the same bits), so only the request that fails gets the error."""
-        errors: dict[int, BaseException] = {}
+        the same layout (the same bits), so only the request that fails gets the error.
+
+        On an accelerator the launch first waits, on the device, for the streams its
+        callers worked on when they submitted (their inputs may still be being written
+        there), marks its results used by those streams (``record_stream``: the caching
+        allocator then keeps a result's memory until the caller's later kernels are done
+        with it), and its thread sleeps on a blocking event until the kernels finish. A
+        device error that surfaces there (an asynchronous fault) fails the launch's
+        requests with the device's message; when the device then fails a trivial call too,
+        the error is sticky: the device is lost (:attr:`lost`), and every later launch
+        fails at once with that cause."""
+        if self.lost is not None:
+            return {r.id: _lost_error(self.lost) for r in requests}
         framework = self.framework_streams[stream] if self.framework_streams else None
+        issuer = self.streams[stream]
+        if isinstance(issuer, FrameworkStream) and issuer.bind_error is not None:
+            return {r.id: issuer.bind_error for r in requests}
+        errors: dict[int, BaseException] = {}
         context: Any = contextlib.nullcontext()
+        callers: list[Any] = []
         if framework is not None:
-            backend = getattr(self._torch, self.torch_device.type)
-            # Inputs were made on the device's default stream (the caller's work, numpy
-            # copied in): this stream starts after what is queued there now.
-            framework.wait_stream(backend.default_stream(self.torch_device))
-            context = backend.stream(framework)
+            backend = self._backend
+            callers = _caller_streams(requests, backend.default_stream(self.torch_device))
+            for caller in callers:  # this launch starts after what they queued so far
+                framework.wait_stream(caller)
+            if not (isinstance(issuer, ThreadStream) and issuer.worker == threading.get_ident()):
+                context = backend.stream(framework)  # not the stream's own bound thread
         if self._faulty is None:  # no fault injector: no call a request
             live = list(requests)
         else:
@@ -366,7 +395,7 @@ class TorchDevice(Device):
                 else:
                     live.append(r)
         # outputs are written in place, never recorded: grad mode off for the launch (as
-        # torch.no_grad(), which costs twice as much a launch: 2.4 against 1.2 us)
+        # torch.no_grad(), at half its cost a launch)
         torch = self._torch
         grad = torch.is_grad_enabled()
         if grad:
@@ -375,16 +404,53 @@ class TorchDevice(Device):
             with context:
                 self._launch(op, live, errors)
                 if framework is not None:
-                    _used_by_default_stream(backend.default_stream(self.torch_device), live, op)
-                    event = framework.record_event()
-                    issuer = self.streams[stream]
-                    if isinstance(issuer, FrameworkStream):  # consumers may queue behind it
-                        issuer.issued(event)
-                    event.synchronize()  # this stream's thread waits; the loop does not
+                    self._finish_on_device(op, framework, issuer, callers, live, errors)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
         return errors
+
+    def _finish_on_device(
+        self,
+        op: Operator,
+        framework: Any,
+        issuer: Stream,
+        callers: list[Any],
+        live: list[Any],
+        errors: dict[int, BaseException],
+    ) -> None:
+        """An accelerator launch's end: results marked used by the callers' streams, a
+        blocking event recorded (other streams' graph consumers may queue behind it), and
+        this thread asleep until it completes; a device error there fails the launch."""
+        for caller in callers:
+            _used_by(caller, live, op, self.record_stream)
+        event = self._backend.Event(blocking=True)  # its synchronize sleeps, never spins
+        event.record(framework)
+        if isinstance(issuer, FrameworkStream):
+            issuer.issued(event)
+        try:
+            event.synchronize()  # this stream's thread waits; the loop does not
+        except Exception as exc:  # an asynchronous device error surfaces here
+            for r in live:
+                errors.setdefault(r.id, exc)
+            if self._sticky():
+                self.lost = exc
+                if enabled(ERROR):
+                    _log.error("device lost", device=self.name, error=f"{exc}")
+
+    def _sticky(self) -> bool:
+        """Whether the device fails a trivial call too, after an error: it is lost (a
+        sticky CUDA error fails every later call of the process's context)."""
+        try:
+            self._backend.synchronize(self.torch_device)
+        except Exception:  # the device keeps failing: the error is sticky
+            return True
+        return False
+
+    @staticmethod
+    def record_stream(tensor: Any, stream: Any) -> None:
+        """Mark ``tensor``'s memory used by ``stream`` (``Tensor.record_stream``)."""
+        tensor.record_stream(stream)
 
     def _launch(self, op: Operator, live: list[Any], errors: dict[int, BaseException]) -> None:
         """The framework calls of :meth:`execute`: ``live`` as one launch; when it raises,
@@ -408,14 +474,59 @@ class TorchDevice(Device):
                 )  # fmt: skip
 
 
-def _used_by_default_stream(default: Any, requests: Sequence[Any], op: Operator) -> None:
-    """Mark the memory of results a launch allocated on its own framework stream as used
-    by the device's default stream (``Tensor.record_stream``), where the caller works on
-    them: else, once the caller freed one, the caching allocator could hand its block to
-    this stream's next launch while the caller's kernels still read it. Once per block
-    (the results of a launch are views of a few stacked outputs). Outputs the caller gave
-    or that were allocated at bind came from the default stream already; marking them too
-    is harmless."""
+class OnStream(dict[str, Any]):
+    """A request's tensors on an accelerator, with the framework stream its caller was
+    working on when it submitted (``stream``; None where it was not captured)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, tensors: Mapping[str, Any], stream: Any) -> None:
+        super().__init__(tensors)
+        self.stream = stream
+
+
+def _caller_streams(requests: Sequence[Any], default: Any) -> list[Any]:
+    """The distinct streams the requests' callers worked on (the device's default stream
+    for a request that recorded none), in order."""
+    found: list[Any] = []
+    for r in requests:
+        stream = getattr(r.tensors, "stream", None)
+        if stream is None:
+            stream = default
+        if not any(stream == s for s in found):
+            found.append(stream)
+    return found
+
+
+def _binder(backend: Any, device: Any, framework: Any) -> Callable[[], None]:
+    """Bind the calling thread (a stream's worker) to ``device`` and ``framework``: its
+    current device (``set_device``: a thread that never sets it would use device 0, and
+    on NPU fail) and its current stream, once."""
+
+    def bind() -> None:
+        backend.set_device(device)
+        backend.set_stream(framework)
+
+    return bind
+
+
+def _lost_error(cause: BaseException) -> BaseException:
+    """What a launch on a lost device fails with: the device's own error, named."""
+    error = RuntimeError(
+        f"the device was lost to an earlier error ({type(cause).__name__}: {cause}); it "
+        "fails every call now: close this scheduler and restart the process"
+    )
+    error.__cause__ = cause
+    return error
+
+
+def _used_by(stream: Any, requests: Sequence[Any], op: Operator, record: Any) -> None:
+    """Mark the memory of a launch's results as used by ``stream``, where a caller works on
+    them (``record``: ``Tensor.record_stream``): else, once the caller freed one, the
+    caching allocator could hand its block to this stream's next launch while the caller's
+    kernels still read it. Once per block (the results of a launch are views of a few
+    stacked outputs). Outputs the caller gave, or allocated at bind, came from its stream
+    already; marking them too is harmless."""
     seen: set[int] = set()
     for r in requests:
         for name in op.outputs:
@@ -425,7 +536,7 @@ def _used_by_default_stream(default: Any, requests: Sequence[Any], op: Operator)
             block = tensor.untyped_storage().data_ptr()
             if block not in seen:
                 seen.add(block)
-                tensor.record_stream(default)
+                record(tensor, stream)
 
 
 def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:

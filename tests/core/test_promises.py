@@ -233,3 +233,24 @@ print("done")
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n" and proc.stderr == ""
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+async def test_a_lost_device_refuses_new_requests_and_fails_the_queued_with_its_cause(device):
+    import opsched
+
+    rng = np.random.default_rng(7)
+    blocker = small_glu(rng)
+    lost = RuntimeError("CUDA error: an illegal memory access was encountered")
+    async with held_stream(device, blocker) as (sched, gate, first):
+        queued = sched.glu_backward_nowait(*small_glu(rng))
+        assert await anyio.to_thread.run_sync(gate.entered.wait, 10)  # the launch started
+        sched.device.lost = lost  # what an accelerator's sticky fault sets
+        with pytest.raises(opsched.SchedulerClosedError, match="was lost to RuntimeError: CUDA"):
+            await sched.glu_backward(*small_glu(rng))
+        gate.open()
+        await first  # it was running: it finishes
+        with pytest.raises(opsched.SchedulerClosedError) as caught:
+            await queued
+        assert caught.value.__cause__ is lost
+        sched.device.lost = None  # (the cpu device is fine: let the block close)

@@ -125,3 +125,217 @@ def test_group_norm_grad_sums_rows_by_the_tree_off_the_cpu():
     proxy.cat = cat
     GROUP_NORM_GRAD.framework_call(proxy, tensors, {})
     assert calls  # 35 is odd: the tree ran (the CPU's path never joins)
+
+
+# ------------------------------------------------------- streams, events, device errors
+
+
+class _FakeEvent:
+    def __init__(self, backend, blocking: bool) -> None:
+        self.backend, self.blocking, self.recorded_on = backend, blocking, None
+
+    def record(self, stream) -> None:
+        self.recorded_on = stream
+
+    def synchronize(self) -> None:
+        self.backend.synchronized.append(self)
+        if self.backend.fault is not None:
+            raise self.backend.fault
+
+
+class _FakeFramework:
+    """A framework stream: records what it was told to wait for."""
+
+    def __init__(self) -> None:
+        self.waited_streams: list = []
+
+    def wait_stream(self, stream) -> None:
+        self.waited_streams.append(stream)
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _FakeBackend:
+    """``torch.cuda`` as a launch uses it, recording every call."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.threading = threading
+        self.current, self.default = "caller stream", "default stream"
+        self.fault: BaseException | None = None
+        self.sticky = False
+        self.bound: list = []
+        self.switches: list = []
+        self.events: list = []
+        self.synchronized: list = []
+
+    def current_stream(self, device):
+        return self.current
+
+    def default_stream(self, device):
+        return self.default
+
+    def set_device(self, device) -> None:
+        self.bound.append(("device", device, self.threading.get_ident()))
+
+    def set_stream(self, stream) -> None:
+        self.bound.append(("stream", stream, self.threading.get_ident()))
+
+    def stream(self, framework):
+        import contextlib
+
+        self.switches.append(framework)
+        return contextlib.nullcontext()
+
+    def Event(self, blocking: bool = False):  # torch's name
+        event = _FakeEvent(self, blocking)
+        self.events.append(event)
+        return event
+
+    def synchronize(self, device) -> None:
+        if self.sticky:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _accelerator(monkeypatch, streams: int = 1):
+    """A TorchDevice on ``meta`` tensors whose framework is the fake backend."""
+    from opsched.devices.streams import FrameworkStream
+    from opsched.devices.torch_device import TorchDevice, _binder
+
+    backend = _FakeBackend()
+    framework = [_FakeFramework() for _ in range(streams)]
+    where = torch.device("meta")
+    threads = [
+        FrameworkStream(i, framework=f, bind=_binder(backend, where, f))
+        for i, f in enumerate(framework)
+    ]
+    device = TorchDevice(
+        "torch:meta", threads, inline_capable=False, accepts_tensors=True,
+        torch_device=where, framework_streams=framework,
+    )  # fmt: skip
+    device._backend = backend
+    marked: list = []
+    monkeypatch.setattr(TorchDevice, "record_stream", staticmethod(lambda t, s: marked.append(s)))
+    return device, backend, framework, marked
+
+
+def _glu_requests(streams: list[Any]) -> list[Any]:
+    from opsched.devices.torch_device import OnStream
+    from opsched.ops import GLU_BACKWARD
+
+    made = []
+    for i, stream in enumerate(streams):
+        tensors = {
+            "grad_out": torch.empty(4, 8, device="meta"),
+            "self": torch.empty(4, 16, device="meta"),
+            "out": None,
+        }
+        made.append(types.SimpleNamespace(
+            id=i, op=GLU_BACKWARD, tensors=OnStream(tensors, stream), scalars={"dim": -1}
+        ))  # fmt: skip
+    return made
+
+
+def test_a_launch_waits_for_its_callers_streams_and_marks_its_results_used_there(monkeypatch):
+    from opsched.ops import GLU_BACKWARD
+
+    device, backend, (framework,), marked = _accelerator(monkeypatch)
+    try:
+        requests = _glu_requests(["stream A", "stream B", "stream A", None])
+        assert device.execute(GLU_BACKWARD, requests, 0) == {}
+        # each caller's stream once, the default stream for the request that named none
+        assert framework.waited_streams == ["stream A", "stream B", "default stream"]
+        assert set(marked) == {"stream A", "stream B", "default stream"}
+        (event,) = backend.events
+        assert event.blocking and event.recorded_on is framework  # sleeps, never spins
+        assert backend.synchronized == [event]
+        assert backend.switches == [framework]  # not the stream's thread: its context
+    finally:
+        device.close()
+
+
+def test_a_stream_thread_binds_its_device_and_stream_once_and_launches_without_switching(
+    monkeypatch,
+):
+    import threading
+
+    from opsched.ops import GLU_BACKWARD
+
+    device, backend, (framework,), marked = _accelerator(monkeypatch)
+    done = threading.Event()
+    threads: list[int] = []
+
+    def work():
+        threads.append(threading.get_ident())
+        return device.execute(GLU_BACKWARD, _glu_requests(["stream A"]), 0), 0.0, 0.0
+
+    try:
+        for _ in range(3):
+            device.streams[0].enqueue(work, lambda result, error: None)
+        device.streams[0].enqueue(lambda: (done.set(), 0.0, 0.0), lambda r, e: None)
+        assert done.wait(10)
+    finally:
+        device.close()
+    worker = threads[0]
+    assert set(threads) == {worker}
+    assert backend.bound == [
+        ("device", torch.device("meta"), worker),
+        ("stream", framework, worker),
+    ]  # once, in the worker, before its launches
+    assert backend.switches == []  # bound: no context switch a launch
+
+
+def test_the_caller_stream_is_captured_when_a_request_is_bound(monkeypatch):
+    from opsched.devices.torch_device import OnStream
+    from opsched.ops import GLU_BACKWARD
+
+    device, backend, _, _ = _accelerator(monkeypatch)
+    try:
+        backend.current = "the caller's side stream"
+        tensors = {
+            "grad_out": torch.empty(4, 8, device="meta"),
+            "self": torch.empty(4, 16, device="meta"),
+            "out": None,
+        }
+        bound, _ = device.bind(GLU_BACKWARD, tensors, {"dim": -1}, {}, 1024)
+    finally:
+        device.close()
+    assert isinstance(bound, OnStream) and bound.stream == "the caller's side stream"
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_a_device_error_at_the_event_fails_the_launch_and_a_sticky_one_loses_the_device(
+    monkeypatch, sticky
+):
+    from opsched.ops import GLU_BACKWARD
+
+    device, backend, _, _ = _accelerator(monkeypatch)
+    fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    try:
+        backend.fault, backend.sticky = fault, sticky
+        errors = device.execute(GLU_BACKWARD, _glu_requests(["s", "s"]), 0)
+        assert errors == {0: fault, 1: fault}
+        assert device.lost is (fault if sticky else None)
+        backend.fault = None
+        later = device.execute(GLU_BACKWARD, _glu_requests(["s"]), 0)
+    finally:
+        device.close()
+    if sticky:  # every later launch fails at once, naming the first error
+        assert "was lost to an earlier error (RuntimeError: CUDA error" in str(later[0])
+        assert later[0].__cause__ is fault
+    else:
+        assert later == {}
+
+
+def test_a_stream_whose_binding_failed_fails_its_launches_with_that_error(monkeypatch):
+    from opsched.ops import GLU_BACKWARD
+
+    device, backend, _, _ = _accelerator(monkeypatch)
+    try:
+        device.streams[0].bind_error = RuntimeError("NPU error 107002: context is empty")
+        errors = device.execute(GLU_BACKWARD, _glu_requests(["s"]), 0)
+    finally:
+        device.close()
+    assert "107002" in str(errors[0])

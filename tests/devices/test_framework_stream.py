@@ -103,19 +103,19 @@ class _FakeTensor:
         self.marks.append((self.block, stream))
 
 
-def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_default_stream():
+def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_callers_stream():
     from types import SimpleNamespace
 
-    from opsched.devices.torch_device import _used_by_default_stream
+    from opsched.devices.torch_device import TorchDevice, _used_by
     from opsched.ops import GROUP_NORM_BACKWARD
 
     marks: list = []
-    default = object()
+    caller = object()
     # two requests whose results are views of two stacked blocks, one output not asked for
     requests = [
         SimpleNamespace(tensors={"dx": _FakeTensor(1, marks), "dgamma": _FakeTensor(2, marks),
                                  "dbeta": None})
         for _ in range(2)
     ]  # fmt: skip
-    _used_by_default_stream(default, requests, GROUP_NORM_BACKWARD)
-    assert marks == [(1, default), (2, default)]  # each block once, on the default stream
+    _used_by(caller, requests, GROUP_NORM_BACKWARD, TorchDevice.record_stream)
+    assert marks == [(1, caller), (2, caller)]  # each block once, on the caller's stream
