@@ -34,6 +34,14 @@ _STDERR: list[int] = []
 
 def pytest_configure(config):
     _STDERR.append(os.dup(2))
+    device = os.environ.get("OPSCHED_TEST_DEVICE")
+    if device:  # the torch-device tests run there: it must open, or nothing they say counts
+        from opsched.devices import make_device
+
+        try:
+            make_device(device, 1).close()
+        except Exception as exc:
+            pytest.exit(f"OPSCHED_TEST_DEVICE={device!r} cannot be opened: {exc}", returncode=4)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 
 import ml_dtypes
@@ -94,11 +95,44 @@ def uses(t, array: np.ndarray) -> bool:
     return _address(t) is not None and t.data_ptr() == array.__array_interface__["data"][0]
 
 
-_TORCH = ["torch:cpu"] if importlib.util.find_spec("torch") else []
-#: The devices the scheduler behaviour tests run on (torch:cpu where torch is installed).
+#: The torch device the torch-device tests run on: ``OPSCHED_TEST_DEVICE`` (e.g.
+#: ``torch:cuda``, ``torch:npu:0``), torch:cpu by default.
+TORCH_DEVICE = os.environ.get("OPSCHED_TEST_DEVICE", "torch:cpu")
+#: Whether that is the CPU (tests of what only torch:cpu does skip elsewhere).
+ON_TORCH_CPU = TORCH_DEVICE == "torch:cpu"
+_TORCH = [TORCH_DEVICE] if importlib.util.find_spec("torch") else []
+#: The devices the scheduler behaviour tests run on (the torch device where torch is
+#: installed).
 DEVICES = ["cpu", "reference", *_TORCH]
 #: Those with stream threads: a test may hold a launch at a gate without blocking the loop.
-THREADED_DEVICES = ["cpu", *_TORCH]
+#: The gates find a request by its arrays' memory, which an accelerator's copy of a numpy
+#: array does not keep: the torch device joins them on the CPU only.
+THREADED_DEVICES = ["cpu", *(_TORCH if ON_TORCH_CPU else [])]
+
+
+def torch_device():  # -> torch.device
+    """The torch device of :data:`TORCH_DEVICE` (torch imported)."""
+    import torch
+
+    spec = TORCH_DEVICE.removeprefix("torch:")
+    if spec.startswith("npu"):
+        import torch_npu  # noqa: F401 - registers the device
+
+    return torch.device(spec)
+
+
+def on_device(array):  # -> torch.Tensor
+    """A numpy array as a tensor on the test device (a view of it on the CPU)."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor if ON_TORCH_CPU else tensor.to(torch_device())
+
+
+def host(tensor) -> np.ndarray:
+    """A tensor's values as a numpy array (copied from an accelerator)."""
+    return tensor.detach().cpu().numpy()
+
 
 #: (rtol, atol) of docs/operators.md per dtype. A torch device's result and the numpy oracle are
 #: each

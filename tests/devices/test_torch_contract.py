@@ -4,6 +4,7 @@ an output that overlaps an input, sparse tensors, GroupNormBackward's masked out
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import numpy as np
 import pytest
@@ -11,10 +12,11 @@ import pytest
 import opsched
 import opsched.sync
 from tests.helpers import assert_same_bits, rand
+from tests.sched_helpers import TORCH_DEVICE, host, on_device, torch_device
 
 torch = pytest.importorskip("torch")
 
-DEVICE = "torch:cpu"
+DEVICE = TORCH_DEVICE
 
 
 def _aliased(shape, dtype, kind, overlap):
@@ -30,16 +32,16 @@ def _aliased(shape, dtype, kind, overlap):
         out = buffer.reshape(-1)[cols // 2 : cols // 2 + rows * cols].reshape(shape)
     g = rand(rng, (rows, cols // 2), dtype)
     if kind == "tensor":
-        base = torch.from_numpy(buffer)
+        base = on_device(buffer)
         x = base[:rows]
         out = x if overlap == "same" else base.view(-1)[cols // 2 : cols // 2 + rows * cols]
         out = out.view(shape)
-        g = torch.from_numpy(g)
+        g = on_device(g)
     return g, x, out
 
 
 def _bits(value):
-    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    return host(value) if hasattr(value, "numpy") else np.asarray(value)
 
 
 @pytest.mark.parametrize("overlap", ["same", "shifted"])
@@ -80,9 +82,10 @@ def test_a_sparse_tensor_is_refused_at_the_call_naming_its_argument(layout):
     def sparse(t):
         return t.to_sparse() if layout == "coo" else t.to_sparse_csr()
 
-    g, x = torch.ones(4, 8), torch.ones(4, 16)
-    dense = [torch.ones(2, 4, 6) for _ in range(3)]
-    stats = [torch.ones(2, 4), torch.ones(2, 4)]
+    ones = functools.partial(torch.ones, device=torch_device())
+    g, x = ones(4, 8), ones(4, 16)
+    dense = [ones(2, 4, 6) for _ in range(3)]
+    stats = [ones(2, 4), ones(2, 4)]
 
     async def main():
         async with opsched.open_scheduler(device=DEVICE) as sched:

@@ -1,7 +1,9 @@
 """The torch devices: data in and out, the framework's operators, errors, streams.
 
-The scheduler's behaviour tests (test_scheduler, test_graph, test_sync) also run on
-torch:cpu; this module covers what only a torch device does.
+The scheduler's behaviour tests (test_scheduler, test_graph, test_sync) also run on the
+torch device; this module covers what only a torch device does. Both run on the device
+``OPSCHED_TEST_DEVICE`` names (torch:cpu by default); tests of what only torch:cpu does
+(numpy requests kept as numpy, blocking calls in the caller's thread) skip elsewhere.
 """
 
 from __future__ import annotations
@@ -19,11 +21,23 @@ import pytest
 import opsched
 from opsched import InnerError, ParamInvalidError
 from tests.helpers import gn_inputs, rand
-from tests.sched_helpers import assert_result, beside_a_ready_task, solo_glu
+from tests.sched_helpers import (
+    ON_TORCH_CPU,
+    TORCH_DEVICE,
+    assert_result,
+    beside_a_ready_task,
+    host,
+    on_device,
+    solo_glu,
+    torch_device,
+)
 
 torch = pytest.importorskip("torch")
 
 F32 = np.dtype(np.float32)
+DEVICE = TORCH_DEVICE
+#: What only torch:cpu does (its numpy host path, calls in the caller's thread).
+cpu_only = pytest.mark.skipif(not ON_TORCH_CPU, reason="what only torch:cpu does")
 
 
 def test_results_come_back_as_the_kind_of_the_inputs():
@@ -31,19 +45,19 @@ def test_results_come_back_as_the_kind_of_the_inputs():
     g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
+        async with opsched.open_scheduler(device=DEVICE) as sched:
             as_numpy = await sched.glu_backward(g, x)
-            as_torch = await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x))
-            mixed = await sched.glu_backward(torch.from_numpy(g), x)  # a tensor: torch out
+            as_torch = await sched.glu_backward(on_device(g), on_device(x))
+            mixed = await sched.glu_backward(on_device(g), x)  # a tensor: torch out
             return as_numpy, as_torch, mixed
 
     as_numpy, as_torch, mixed = asyncio.run(main())
     assert isinstance(as_numpy, np.ndarray)
     assert isinstance(as_torch, torch.Tensor) and isinstance(mixed, torch.Tensor)
-    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
+    expected = torch.ops.aten.glu_backward(on_device(g), on_device(x), -1)
     assert torch.equal(as_torch, expected) and torch.equal(mixed, expected)
-    assert torch.equal(torch.from_numpy(as_numpy), expected)
-    assert_result("torch:cpu", as_numpy, solo_glu(g, x, -1))
+    assert torch.equal(on_device(as_numpy), expected)
+    assert_result(DEVICE, as_numpy, solo_glu(g, x, -1))
 
 
 @pytest.mark.parametrize("tensors", [False, True], ids=["numpy inputs", "tensor inputs"])
@@ -51,17 +65,17 @@ def test_numpy_out_is_written_and_returned(tensors):
     # the caller's numpy out= is what comes back, written, whatever kind the inputs are
     rng = np.random.default_rng(1)
     g, x = rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)
-    args = (torch.from_numpy(g), torch.from_numpy(x)) if tensors else (g, x)
+    args = (on_device(g), on_device(x)) if tensors else (g, x)
     out = np.zeros((4, 16), F32)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
+        async with opsched.open_scheduler(device=DEVICE) as sched:
             return await sched.glu_backward(*args, out=out)
 
     assert asyncio.run(main()) is out
-    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
-    assert torch.equal(torch.from_numpy(out), expected)
-    assert_result("torch:cpu", out, solo_glu(g, x, -1))
+    expected = torch.ops.aten.glu_backward(on_device(g), on_device(x), -1)
+    assert torch.equal(on_device(out), expected)
+    assert_result(DEVICE, out, solo_glu(g, x, -1))
 
 
 def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
@@ -76,10 +90,8 @@ def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
     before = [(g.copy(), x.copy()) for g, x in pool]
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
-            tensors = [
-                await sched.glu_backward(torch.from_numpy(g), torch.from_numpy(x)) for g, x in pool
-            ]
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
+            tensors = [await sched.glu_backward(on_device(g), on_device(x)) for g, x in pool]
             launches = sched.statistics().launches
             calls = [sched.glu_backward(*pool[j]) for j in picks]
             calls += [sched.glu_backward(*pool[j], out=o) for j, o in enumerate(outs)]
@@ -90,7 +102,7 @@ def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
     assert launches < len(got) // 4
     for j, result in zip([*picks, 0, 1], got, strict=True):
         assert type(result) is np.ndarray
-        assert result.tobytes() == tensors[j].numpy().tobytes()
+        assert result.tobytes() == host(tensors[j]).tobytes()
     assert got[-2] is outs[0] and got[-1] is outs[1]
     assert np.isnan(big[:, 1::2]).all()  # the strided out's gaps untouched
     for (g, x), (g0, x0) in zip(pool, before, strict=True):
@@ -98,6 +110,7 @@ def test_numpy_calls_fuse_as_numpy_and_give_the_tensor_calls_bits():
         assert not any(np.shares_memory(r, a) for r in got for a in (g, x))
 
 
+@cpu_only
 @pytest.mark.parametrize("shape", [(3, 16), (64, 128)], ids=["stacked", "alone"])
 def test_a_lone_numpy_call_writes_its_out_in_place_or_by_copy(shape):
     # one blocking call at a time: each launch holds one request, run through the lone
@@ -105,10 +118,10 @@ def test_a_lone_numpy_call_writes_its_out_in_place_or_by_copy(shape):
     # out= is written by the launch itself, a strided one copied into
     rng = np.random.default_rng(4)
     g, x = rand(rng, (shape[0], shape[1] // 2), F32), rand(rng, shape, F32)
-    want = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1).numpy()
+    want = host(torch.ops.aten.glu_backward(on_device(g), on_device(x), -1))
     flat = np.full(shape, np.nan, F32)
     wide = np.full((shape[0], 2 * shape[1]), np.nan, F32)
-    with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+    with opsched.sync.open_scheduler(device=DEVICE, streams=1) as sched:
         plain = sched.glu_backward(g, x)
         into_flat = sched.glu_backward(g, x, out=flat)
         into_strided = sched.glu_backward(g, x, out=wide[:, 1::2])
@@ -118,6 +131,7 @@ def test_a_lone_numpy_call_writes_its_out_in_place_or_by_copy(shape):
     assert into_strided.base is wide
 
 
+@cpu_only
 @pytest.mark.parametrize("shape", [(2, 4, 6), (4, 8, 300)], ids=["small", "large"])
 def test_a_lone_numpy_group_norm_call_writes_its_out_in_place_or_by_copy(shape):
     # the lone numpy paths of both group-norm operators: each output as the tensor call's
@@ -131,11 +145,11 @@ def test_a_lone_numpy_group_norm_call_writes_its_out_in_place_or_by_copy(shape):
         "group_norm_backward": (dy, x, mean, rstd, rand(rng, (c,), F32), n, c, hxw, c),
     }
     for name, args in calls.items():
-        tensors = tuple(torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args)
-        with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+        tensors = tuple(on_device(a) if isinstance(a, np.ndarray) else a for a in args)
+        with opsched.sync.open_scheduler(device=DEVICE, streams=1) as sched:
             call = getattr(sched, name)
             want = call(*tensors)
-            want = tuple(w.numpy() for w in (want if isinstance(want, tuple) else (want,)))
+            want = tuple(host(w) for w in (want if isinstance(want, tuple) else (want,)))
             plain = call(*args)
             flat = tuple(np.full(w.shape, np.nan, F32) for w in want)
             wide = tuple(np.full((*w.shape[:-1], 2 * w.shape[-1]), np.nan, F32) for w in want)
@@ -152,11 +166,12 @@ def test_a_lone_numpy_group_norm_call_writes_its_out_in_place_or_by_copy(shape):
         assert all(np.isnan(w[..., ::2]).all() for w in wide)
 
 
+@cpu_only
 def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     from opsched.devices import make_device
     from opsched.ops import GLU_BACKWARD, HostOperands
 
-    device = make_device("torch:cpu", 2)
+    device = make_device(DEVICE, 2)
     g, x = np.ones((2, 4), F32), np.ones((2, 8), F32)
     spec = {"out": ((2, 8), F32)}
 
@@ -166,7 +181,7 @@ def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
 
     host = bound(grad_out=g, self=x, out=None)
     assert type(host) is HostOperands and host["self"] is x
-    mixed = bound(grad_out=torch.from_numpy(g), self=x, out=None)
+    mixed = bound(grad_out=on_device(g), self=x, out=None)
     assert type(mixed) is dict and isinstance(mixed["self"], torch.Tensor)
     data, _ = device.bind(GLU_BACKWARD, {"grad_out": g, "self": x, "out": None}, {"dim": -1},
                           spec, device.split_min_bytes)  # fmt: skip
@@ -174,12 +189,13 @@ def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     device.close()
 
 
+@cpu_only
 def test_a_tensor_on_another_device_is_param_invalid():
     g = torch.empty((4, 8), device="meta")
     x = torch.empty((4, 16))
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
+        async with opsched.open_scheduler(device=DEVICE) as sched:
             await sched.glu_backward(g, x)
 
     with pytest.raises(ParamInvalidError, match=r"grad_out is on meta; the scheduler's device"):
@@ -187,17 +203,20 @@ def test_a_tensor_on_another_device_is_param_invalid():
 
 
 def test_product_checks_apply_on_torch_devices():
+    zeros = functools.partial(torch.zeros, device=torch_device())
+
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", product="atlas-training") as s:
+        async with opsched.open_scheduler(device=DEVICE, product="atlas-training") as s:
             with pytest.raises(ParamInvalidError, match="on atlas-training GluBackward takes"):
-                await s.glu_backward(torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 4))
-            x = torch.zeros(2, 2, 4)
+                await s.glu_backward(zeros(2, 2, dtype=torch.bfloat16), zeros(2, 4))
+            x = zeros(2, 2, 4)
             with pytest.raises(InnerError, match="GroupNormalizationGrad is not available"):
-                await s.group_norm_grad(x, x, x, torch.zeros(2, 2), torch.ones(2, 2))
+                await s.group_norm_grad(x, x, x, zeros(2, 2), zeros(2, 2) + 1)
 
     asyncio.run(main())
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("gamma", "mask"),
@@ -215,10 +234,10 @@ def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bi
     bits = torch.int16 if kind == torch.bfloat16 else torch.int32
 
     def request():
-        dy, x = (torch.from_numpy(rand(rng, (2, 4, 6), F32)).to(kind) for _ in range(2))
-        mean = torch.from_numpy(rand(rng, (2, 2), F32)).to(kind)
-        rstd = torch.from_numpy((rng.random((2, 2)) + 0.5).astype(F32)).to(kind)
-        g = torch.from_numpy(rand(rng, (4,), F32)).to(kind) if gamma else None
+        dy, x = (on_device(rand(rng, (2, 4, 6), F32)).to(kind) for _ in range(2))
+        mean = on_device(rand(rng, (2, 2), F32)).to(kind)
+        rstd = on_device((rng.random((2, 2)) + 0.5).astype(F32)).to(kind)
+        g = on_device(rand(rng, (4,), F32)).to(kind) if gamma else None
         return dy, x, mean, rstd, g, 2, 4, 6, 2, mask
 
     mine, others = request(), [request() for _ in range(5)]
@@ -226,7 +245,7 @@ def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bi
         torch.full(shape, float("nan"), dtype=kind) if want else None
         for shape, want in zip(((2, 4, 6), (4,), (4,)), mask, strict=True)
     )
-    with opsched.sync.open_scheduler(device="torch:cpu", streams=1) as sched:
+    with opsched.sync.open_scheduler(device=DEVICE, streams=1) as sched:
         alone = sched.group_norm_backward(*mine)
         into = sched.group_norm_backward(*mine, out=outs)
     assert [v is None for v in alone] == [not m for m in mask]
@@ -238,7 +257,7 @@ def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bi
             calls = [sched.group_norm_backward(*r) for r in (*others[:2], mine, *others[2:])]
             return await asyncio.gather(*calls)
 
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
             return (await beside_a_ready_task(all_of(sched)))[2]
 
     together = asyncio.run(batched())
@@ -251,16 +270,16 @@ def test_group_norm_backward_fuses_into_one_aten_launch():
     rng = np.random.default_rng(2)
     requests = []
     for n in (1, 2, 3, 2):
-        dy, x = (torch.from_numpy(rand(rng, (n, 4, 5), F32)) for _ in range(2))
-        mean = torch.from_numpy(rand(rng, (n, 2), F32))
-        rstd = torch.from_numpy((rng.random((n, 2)) + 0.5).astype(F32))
-        requests.append((dy, x, mean, rstd, torch.from_numpy(rand(rng, (4,), F32)), n, 4, 5, 2))
+        dy, x = (on_device(rand(rng, (n, 4, 5), F32)) for _ in range(2))
+        mean = on_device(rand(rng, (n, 2), F32))
+        rstd = on_device((rng.random((n, 2)) + 0.5).astype(F32))
+        requests.append((dy, x, mean, rstd, on_device(rand(rng, (4,), F32)), n, 4, 5, 2))
 
     async def main():
         async def all_of(sched):
             return await asyncio.gather(*(sched.group_norm_backward(*r) for r in requests))
 
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
             outs = await beside_a_ready_task(all_of(sched))  # (queued: none runs at submit)
             return outs, sched.statistics()
 
@@ -278,15 +297,15 @@ def test_large_requests_split_across_streams_where_their_operator_allows():
     GroupNormBackward (its dgamma / dbeta reduce over every sample) runs whole, as aten's
     own call on its own tensors: the same bits."""
     rng = np.random.default_rng(5)
-    g, x = (torch.from_numpy(rand(rng, shape, F32)) for shape in ((64, 256), (64, 512)))
-    dy, xn = (torch.from_numpy(rand(rng, (4, 8, 1024), F32)) for _ in range(2))
-    mean = torch.from_numpy(rand(rng, (4, 4), F32))
-    rstd = torch.from_numpy((rng.random((4, 4)) + 0.5).astype(F32))
-    gnb = (dy, xn, mean, rstd, torch.from_numpy(rand(rng, (8,), F32)), 4, 8, 1024, 4)
+    g, x = (on_device(rand(rng, shape, F32)) for shape in ((64, 256), (64, 512)))
+    dy, xn = (on_device(rand(rng, (4, 8, 1024), F32)) for _ in range(2))
+    mean = on_device(rand(rng, (4, 4), F32))
+    rstd = on_device((rng.random((4, 4)) + 0.5).astype(F32))
+    gnb = (dy, xn, mean, rstd, on_device(rand(rng, (8,), F32)), 4, 8, 1024, 4)
     config = {"fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 16}
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=2, **config) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=2, **config) as sched:
             glu = await sched.glu_backward(g, x)
             glu_launches = sched.statistics().launches
             norm = await sched.group_norm_backward(*gnb)
@@ -303,13 +322,13 @@ def test_large_requests_split_across_streams_where_their_operator_allows():
 
 def test_graph_with_tensor_constants_returns_tensors():
     rng = np.random.default_rng(3)
-    x, dy, gamma, mean, rstd = (torch.from_numpy(a) for a in gn_inputs(rng, (2, 3, 8), F32))
-    gate = torch.from_numpy(rand(rng, (2, 3, 16), F32))
+    x, dy, gamma, mean, rstd = (on_device(a) for a in gn_inputs(rng, (2, 3, 8), F32))
+    gate = on_device(rand(rng, (2, 3, 16), F32))
     graph = opsched.Graph()
     out = graph.glu_backward(graph.group_norm_grad(x, dy, gamma, mean, rstd), gate)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
+        async with opsched.open_scheduler(device=DEVICE) as sched:
             return await sched.run(graph, [out])
 
     (result,) = asyncio.run(main())
@@ -329,7 +348,7 @@ def test_one_thread_per_stream_whatever_the_launches():
     before = set(threading.enumerate())  # (another test's default scheduler may live on)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=2) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=2) as sched:
             await asyncio.gather(*(sched.glu_backward(g, x) for g, x in work))
             new = [t for t in threading.enumerate() if t not in before]
             return [t.name for t in new], sched.statistics()
@@ -401,7 +420,7 @@ def _stress(**options):
     from opsched.cli.stress import StressOptions, run_stress
 
     out = io.StringIO()
-    return run_stress(StressOptions(device="torch:cpu", **options), out), out.getvalue()
+    return run_stress(StressOptions(device=DEVICE, **options), out), out.getvalue()
 
 
 def test_stress_on_torch_cpu_checks_every_result_against_the_request_alone():
@@ -413,6 +432,7 @@ def test_stress_on_torch_cpu_checks_every_result_against_the_request_alone():
     assert "0 wrong" in text and "faulted" in text
 
 
+@cpu_only
 def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatch):
     from opsched.ops.glu_backward import GluBackward
 
@@ -431,6 +451,7 @@ def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatc
     assert "not bit-identical to the solo call" in text
 
 
+@cpu_only
 def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(monkeypatch):
     # every request runs fine alone: each gets its result from its own launch, and the
     # failed fused launch is a warning, not silence
@@ -450,13 +471,13 @@ def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(monk
     args = [(rand(rng, (3, 8), F32), rand(rng, (3, 16), F32)) for _ in range(12)]
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
             return await asyncio.gather(*(sched.glu_backward(g, x) for g, x in args))
 
     with structlog.testing.capture_logs() as logs:
         results = asyncio.run(main())
     for (g, x), r in zip(args, results, strict=True):
-        assert_result("torch:cpu", r, solo_glu(g, x, -1))
+        assert_result(DEVICE, r, solo_glu(g, x, -1))
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert warnings
     for w in warnings:
@@ -473,33 +494,33 @@ def test_graph_placeholders_take_tensors_on_a_torch_device():
     g = rand(rng, (2, 4), F32)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu") as sched:
-            (as_tensor,) = await sched.run(graph, [out], inputs={grad: torch.from_numpy(g)})
+        async with opsched.open_scheduler(device=DEVICE) as sched:
+            (as_tensor,) = await sched.run(graph, [out], inputs={grad: on_device(g)})
             (as_array,) = await sched.run(graph, [out], inputs={grad: g})
             with pytest.raises(ParamInvalidError, match="has shape"):
-                await sched.run(graph, [out], inputs={grad: torch.zeros(3, 4)})
+                await sched.run(graph, [out], inputs={grad: on_device(np.zeros((3, 4), F32))})
             return as_tensor, as_array
 
     as_tensor, as_array = asyncio.run(main())
     assert isinstance(as_tensor, torch.Tensor) and isinstance(as_array, np.ndarray)
-    assert torch.equal(as_tensor, torch.from_numpy(as_array))
-    expected = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(gate), -1)
+    assert torch.equal(as_tensor, on_device(as_array))
+    expected = torch.ops.aten.glu_backward(on_device(g), on_device(gate), -1)
     assert torch.equal(as_tensor, expected)
 
 
-def test_demo_runs_on_torch_cpu(tmp_path):
+def test_demo_runs_on_the_torch_device(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "opsched", "demo", "--device", "torch:cpu"],
+        [sys.executable, "-m", "opsched", "demo", "--device", DEVICE],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("results bit-identical to solo launches: True") == 2
 
 
-def test_the_accelerator_check_script_passes_on_torch_cpu(tmp_path):
+def test_the_accelerator_check_script_passes_on_the_torch_device(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
     proc = subprocess.run(
-        [sys.executable, "-O", str(script), "torch:cpu"],  # its checks survive -O
+        [sys.executable, "-O", str(script), DEVICE],  # its checks survive -O
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -534,7 +555,7 @@ def test_the_accelerator_check_script_fails_a_wrong_device_by_name(monkeypatch, 
     real = torch_ops.glu_backward
     # the framework's own call, as the check sees it, now disagrees with the scheduler's
     monkeypatch.setattr(script.t, "glu_backward", lambda g, x, dim: real(g, x, dim) + 1)
-    assert script.main("torch:cpu") == 1
+    assert script.main(DEVICE) == 1
     out = capsys.readouterr().out
     assert (
         "FAIL  three operators, fused, each = its own framework call: CheckFailed: "
@@ -567,7 +588,7 @@ def test_memory_statistics_come_from_the_framework_allocator(monkeypatch):
     monkeypatch.setattr(TorchDevice, "_allocator", lambda self: fake)
 
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
             stats = sched.memory_stats()
             sched.reset_peak_stats()
             sched.empty_cache()
@@ -579,9 +600,10 @@ def test_memory_statistics_come_from_the_framework_allocator(monkeypatch):
     assert fake.calls[:3] == ["memory_stats", "reset_peak_memory_stats", "empty_cache"]
 
 
+@cpu_only
 def test_on_the_cpu_torch_has_no_allocator_to_report():
     async def main():
-        async with opsched.open_scheduler(device="torch:cpu", streams=1) as sched:
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
             await sched.glu_backward(torch.ones(2, 4), torch.ones(2, 8))
             sched.reset_peak_stats()
             sched.empty_cache()

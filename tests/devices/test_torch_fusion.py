@@ -1,6 +1,10 @@
 """Fused launches on torch:cpu: batch invariance bit for bit, and the tolerance of
 docs/operators.md against the framework's own call on each request.
 
+These hold the CPU kernels' own rules (intra-op threads, serial calls, numpy requests kept
+numpy), so they run on torch:cpu whatever ``OPSCHED_TEST_DEVICE`` says; batch invariance on
+an accelerator is checked by ``scripts/check_torch_device.py``, which the suite runs there.
+
 A request's bits must not depend on the requests it was launched with, or on its position:
 each pooled request is first launched alone through the device, then in random batches
 (shapes mixed, positions shuffled, repeats allowed) with two intra-op threads, and must come
