@@ -24,14 +24,15 @@ The same scheduler drives the framework's operators on its own devices:
   stacked output. Large requests are split across idle streams as on the numpy devices (tensor
   views).
 - **Streams**: one worker thread per stream (an honest emulation on the CPU, where torch
-  has no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes`` run inline
-  on an idle stream, which saves the hop to the stream's thread). On CUDA / NPU that thread issues
-  the launch on its own framework stream (after the device's default stream, where the inputs were
-  made), then records a framework event and
-  blocks on it: completion reaches the event loop from one thread per stream, never one
-  per launch, and a launch's tensors (held by its requests) stay alive until that event
-  has completed. Results the launch allocated on its stream are marked used by the
-  default stream (``record_stream``), where the caller works on them.
+  has no streams; there, as on the numpy cpu device, launches up to ``inline_max_bytes``
+  run inline on an idle stream, which saves the hop to the stream's thread). On CUDA / NPU
+  each thread binds itself once to the device and to its own framework stream, waits on
+  the device for the streams its requests' callers submitted from, issues the launch,
+  marks its results used by those streams (``record_stream``), and sleeps on a blocking
+  event: completion reaches the event loop from one thread per stream, never one per
+  launch, and a launch's tensors (held by its requests) stay alive until the event has
+  completed. A device error there fails the launch; a sticky one loses the device
+  (:attr:`Device.lost`).
 - **Graph edges** across streams wait on the device there (:class:`FrameworkStream`): a
   consumer's stream waits only until its producer's kernels are issued, then makes its
   framework stream ``wait_event`` the producer's framework event, so the consumer's launch
