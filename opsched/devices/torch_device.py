@@ -423,8 +423,7 @@ class TorchDevice(Device):
         """An accelerator launch's end: results marked used by the callers' streams, a
         blocking event recorded (other streams' graph consumers may queue behind it), and
         this thread asleep until it completes; a device error there fails the launch."""
-        for caller in callers:
-            _used_by(caller, live, op, self.record_stream)
+        _used_by(self._backend.default_stream(self.torch_device), live, op, self.record_stream)
         event = self._backend.Event(blocking=True)  # its synchronize sleeps, never spins
         event.record(framework)
         if isinstance(issuer, FrameworkStream):
@@ -521,22 +520,25 @@ def _lost_error(cause: BaseException) -> BaseException:
     return error
 
 
-def _used_by(stream: Any, requests: Sequence[Any], op: Operator, record: Any) -> None:
-    """Mark the memory of a launch's results as used by ``stream``, where a caller works on
-    them (``record``: ``Tensor.record_stream``): else, once the caller freed one, the
-    caching allocator could hand its block to this stream's next launch while the caller's
-    kernels still read it. Once per block (the results of a launch are views of a few
-    stacked outputs). Outputs the caller gave, or allocated at bind, came from its stream
-    already; marking them too is harmless."""
-    seen: set[int] = set()
+def _used_by(default: Any, requests: Sequence[Any], op: Operator, record: Any) -> None:
+    """Mark the memory of each request's results as used by the stream its caller worked on
+    (``default`` where it recorded none; ``record``: ``Tensor.record_stream``): else, once
+    the caller freed one, the caching allocator could hand its block to this stream's next
+    launch while the caller's kernels still read it. Once per block and stream (the results
+    of a launch are views of a few stacked outputs). Outputs the caller gave, or allocated
+    at bind, came from its stream already; marking them too is harmless."""
+    seen: set[tuple[int, int]] = set()
     for r in requests:
+        stream = getattr(r.tensors, "stream", None)
+        if stream is None:
+            stream = default
         for name in op.outputs:
             tensor = r.tensors.get(name)
             if tensor is None:
                 continue
-            block = tensor.untyped_storage().data_ptr()
-            if block not in seen:
-                seen.add(block)
+            key = (tensor.untyped_storage().data_ptr(), id(stream))
+            if key not in seen:
+                seen.add(key)
                 record(tensor, stream)
 
 

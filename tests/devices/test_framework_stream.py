@@ -119,3 +119,18 @@ def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_callers_str
     ]  # fmt: skip
     _used_by(caller, requests, GROUP_NORM_BACKWARD, TorchDevice.record_stream)
     assert marks == [(1, caller), (2, caller)]  # each block once, on the caller's stream
+
+
+def test_each_result_is_marked_used_by_its_own_callers_stream_only():
+    from types import SimpleNamespace
+
+    from opsched.devices.torch_device import OnStream, TorchDevice, _used_by
+    from opsched.ops import GLU_BACKWARD
+
+    marks: list = []
+    requests = [
+        SimpleNamespace(tensors=OnStream({"out": _FakeTensor(block, marks)}, stream))
+        for block, stream in ((1, "stream A"), (2, "stream B"), (3, None))
+    ]
+    _used_by("default", requests, GLU_BACKWARD, TorchDevice.record_stream)
+    assert marks == [(1, "stream A"), (2, "stream B"), (3, "default")]
