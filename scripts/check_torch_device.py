@@ -270,7 +270,8 @@ def main(device: str, quick: bool = False) -> int:
             done.set()
             await beat
         worst = max(lags) * 1e3
-        require(worst < 100, f"the event loop stalled {worst:.1f} ms while launches ran")
+        if not quick:  # (a timing: judged on the device, reported in the suite's quick run)
+            require(worst < 100, f"the event loop stalled {worst:.1f} ms while launches ran")
         return f"max lag {worst:.2f} ms over {len(lags)} beats while {len(work)} launches ran"
 
     check("the event loop's lag while launches wait on the device", lambda: asyncio.run(lag()))
