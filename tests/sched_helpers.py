@@ -95,6 +95,12 @@ def uses(t, array: np.ndarray) -> bool:
     return _address(t) is not None and t.data_ptr() == array.__array_interface__["data"][0]
 
 
+def small_glu(rng: np.random.Generator, rows: int = 4, cols: int = 8):
+    """A small FLOAT GluBackward call: ``(grad_out, self)``, ``self`` of ``(rows, cols)``."""
+    f32 = np.dtype(np.float32)
+    return rand(rng, (rows, cols // 2), f32), rand(rng, (rows, cols), f32)
+
+
 #: The torch device the torch-device tests run on: ``OPSCHED_TEST_DEVICE`` (e.g.
 #: ``torch:cuda``, ``torch:npu:0``), torch:cpu by default.
 TORCH_DEVICE = os.environ.get("OPSCHED_TEST_DEVICE", "torch:cpu")

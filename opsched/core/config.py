@@ -133,17 +133,17 @@ class SchedulerConfig:
             ValueError, TypeError: as :meth:`from_toml`.
         """
         path = pathlib.Path(source)
-        if not path.exists() and isinstance(source, str) and source in cls.profiles():
+        if path.exists():
+            return cls.from_toml(path)
+        if isinstance(source, str) and source in cls.profiles():
             profile = importlib.resources.files("opsched.configs").joinpath(f"{source}.toml")
             with importlib.resources.as_file(profile) as found:
                 return cls.from_toml(found)
-        if not path.exists():
-            msg = (
-                f"{source}: no such file, nor a profile of opsched's (profiles: "
-                f"{', '.join(cls.profiles())})"
-            )
-            raise FileNotFoundError(msg)
-        return cls.from_toml(path)
+        msg = (
+            f"{source}: no such file, nor a profile of opsched's (profiles: "
+            f"{', '.join(cls.profiles())})"
+        )
+        raise FileNotFoundError(msg)
 
     @staticmethod
     def profiles() -> list[str]:

@@ -376,11 +376,11 @@ class TorchDevice(Device):
             return {r.id: issuer.bind_error for r in requests}
         errors: dict[int, BaseException] = {}
         context: Any = contextlib.nullcontext()
-        callers: list[Any] = []
+        default: Any = None
         if framework is not None:
             backend = self._backend
-            callers = _caller_streams(requests, backend.default_stream(self.torch_device))
-            for caller in callers:  # this launch starts after what they queued so far
+            default = backend.default_stream(self.torch_device)
+            for caller in _caller_streams(requests, default):  # after what they queued
                 framework.wait_stream(caller)
             if not (isinstance(issuer, ThreadStream) and issuer.worker == threading.get_ident()):
                 context = backend.stream(framework)  # not the stream's own bound thread
@@ -405,7 +405,7 @@ class TorchDevice(Device):
             with context:
                 self._launch(op, live, errors)
                 if framework is not None:
-                    self._finish_on_device(op, framework, issuer, callers, live, errors)
+                    self._finish_on_device(op, framework, issuer, default, live, errors)
         finally:
             if grad:
                 torch.set_grad_enabled(True)
@@ -416,14 +416,15 @@ class TorchDevice(Device):
         op: Operator,
         framework: Any,
         issuer: Stream,
-        callers: list[Any],
+        default: Any,
         live: list[Any],
         errors: dict[int, BaseException],
     ) -> None:
-        """An accelerator launch's end: results marked used by the callers' streams, a
-        blocking event recorded (other streams' graph consumers may queue behind it), and
-        this thread asleep until it completes; a device error there fails the launch."""
-        _used_by(self._backend.default_stream(self.torch_device), live, op, self.record_stream)
+        """An accelerator launch's end: results marked used by their callers' streams
+        (``default`` for a request that recorded none), a blocking event recorded (other
+        streams' graph consumers may queue behind it), and this thread asleep until it
+        completes; a device error there fails the launch."""
+        _used_by(default, live, op, self.record_stream)
         event = self._backend.Event(blocking=True)  # its synchronize sleeps, never spins
         event.record(framework)
         if isinstance(issuer, FrameworkStream):
@@ -485,14 +486,18 @@ class OnStream(dict[str, Any]):
         self.stream = stream
 
 
+def _stream_of(request: Any, default: Any) -> Any:
+    """The stream ``request``'s caller worked on when it submitted, else ``default``."""
+    stream = getattr(request.tensors, "stream", None)
+    return default if stream is None else stream
+
+
 def _caller_streams(requests: Sequence[Any], default: Any) -> list[Any]:
     """The distinct streams the requests' callers worked on (the device's default stream
     for a request that recorded none), in order."""
     found: list[Any] = []
     for r in requests:
-        stream = getattr(r.tensors, "stream", None)
-        if stream is None:
-            stream = default
+        stream = _stream_of(r, default)
         if not any(stream == s for s in found):
             found.append(stream)
     return found
@@ -529,9 +534,7 @@ def _used_by(default: Any, requests: Sequence[Any], op: Operator, record: Any) -
     at bind, came from its stream already; marking them too is harmless."""
     seen: set[tuple[int, int]] = set()
     for r in requests:
-        stream = getattr(r.tensors, "stream", None)
-        if stream is None:
-            stream = default
+        stream = _stream_of(r, default)
         for name in op.outputs:
             tensor = r.tensors.get(name)
             if tensor is None:

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from opsched import RequestState, RequestWithdrawnError
-from tests.sched_helpers import THREADED_DEVICES, assert_result, held_stream, settle, solo_glu
+from tests.sched_helpers import (
+    THREADED_DEVICES,
+    assert_result,
+    held_stream,
+    settle,
+    small_glu,
+    solo_glu,
+)
 
 pytestmark = pytest.mark.anyio  # every test on asyncio and on trio (conftest)
-
-F32 = np.float32
-
-
-def small_glu(rng, rows=4, cols=8):
-    x = rng.standard_normal((rows, cols)).astype(F32)
-    return rng.standard_normal((rows, cols // 2)).astype(F32), x
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)

@@ -43,6 +43,7 @@ from tests.sched_helpers import (
     random_glu,
     random_gn,
     settle,
+    small_glu,
     solo_glu,
     solo_gn,
 )
@@ -51,10 +52,6 @@ pytestmark = pytest.mark.anyio  # every test on asyncio and on trio (conftest)
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
-
-
-def small_glu(rng, rows=4, cols=8):
-    return rand(rng, (rows, cols // 2), F32), rand(rng, (rows, cols), F32)
 
 
 def assert_adds_up(stats):
