@@ -23,6 +23,8 @@
    peak per in-flight request (``tracemalloc``).
 10. Medium requests (64 KiB to 1 MiB) against torch's operator per request
    (:mod:`opsched.cli.bench_medium`).
+11. Calls: the Python functions one request enters on each path, in steady state
+   (:mod:`opsched.cli.bench_calls`): a count, not a time.
 
 On a torch device the scheduler is given torch tensors (a torch user's calls), and (1)'s
 torch line compares it with the framework's call once per request.
@@ -47,6 +49,7 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
+from opsched.cli.bench_calls import bench_calls, print_calls
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import bench_medium, on_device, print_medium
 from opsched.cli.bench_paths import (
@@ -371,7 +374,7 @@ def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str,
 #: Every part, in the order they run.
 PARTS = (
     "throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps", "paths", "memory",
-    "medium",
+    "medium", "calls",
 )  # fmt: skip
 
 
@@ -413,6 +416,8 @@ def bench_scheduler(
         result["memory"] = bench_memory(target, clients * per_client // 4)
     if "medium" in parts:
         result["medium"] = bench_medium(target, repeats)
+    if "calls" in parts and target.device == "cpu":
+        result["calls"] = bench_calls()
     return result
 
 
@@ -505,3 +510,6 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         )
     if "medium" in r:
         print_medium(r["medium"], line, out)
+    if "calls" in r:
+        print("11. ", end="", file=out)
+        print_calls(r["calls"], out)

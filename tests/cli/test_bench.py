@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from opsched.cli.bench_calls import CALL_PATHS, _counting, bench_calls, print_calls
 from opsched.cli.bench_floors import FLOORS
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
@@ -102,6 +103,32 @@ def test_scheduler_benchmark_small():
     out = io.StringIO()
     print_scheduler_report(result, out)
     assert "1. throughput" in out.getvalue() and "5. steady state" in out.getvalue()
+
+
+def test_the_call_counter_counts_each_python_call_once():
+    def leaf() -> None:
+        pass
+
+    def branch() -> None:
+        leaf()
+        leaf()
+
+    with _counting() as read:
+        before = read()
+        for _ in range(100):
+            branch()
+        counted = read() - before
+    assert counted == 300
+
+
+def test_the_calls_benchmark_reports_every_path():
+    figures = bench_calls(requests=64)
+    assert list(figures) == list(CALL_PATHS)
+    # a request enters at least its entry point, the checks, the kernel and the wake-up
+    assert all(calls > 5 for calls in figures.values())
+    out = io.StringIO()
+    print_calls(figures, out)
+    assert all(path in out.getvalue() for path in CALL_PATHS)
 
 
 def test_paths_benchmark_reports_every_operator_and_path():

@@ -1,0 +1,145 @@
+"""Python calls per request: how many Python functions one request enters, path by path.
+
+Each path serves tiny GluBackward requests (``self`` 8x64, FLOAT) in steady state (after a
+warm-up round of the same requests) while a profiler counts the Python function calls
+(``sys.setprofile`` 'call' events) of every thread the scheduler runs: the caller's, the
+event loop's and the streams'. A row is those calls divided by the requests served. The
+profiler is installed before the scheduler is opened, so the threads it starts count too.
+
+- ``1 coroutine``: one coroutine awaiting ``sched.glu_backward`` request after request.
+- ``module-level``: the same through ``opsched.glu_backward`` (the default scheduler).
+- ``256 coroutines``: 256 coroutines each awaiting its share.
+- ``blocking sync``: one thread calling ``sched.glu_backward`` on the sync facade.
+- ``sync futures``: one thread queuing a burst with ``submit_glu_backward``, then waiting.
+
+Counting is deterministic up to the scheduler's own choices (how many requests a launch
+fuses), so the figures hardly move between runs; they are not times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+import numpy as np
+
+import opsched
+import opsched.sync
+from opsched.cli.bench_paths import glu_inputs
+
+__all__ = ["CALL_PATHS", "bench_calls", "print_calls"]
+
+#: The paths, in the order they run.
+CALL_PATHS = ("1 coroutine", "module-level", "256 coroutines", "blocking sync", "sync futures")
+
+
+@contextmanager
+def _counting() -> Iterator[Callable[[], int]]:
+    """Count Python calls in this thread and every thread started inside the block;
+    yields a function returning the count so far."""
+    counter = itertools.count()
+    tick = counter.__next__  # atomic in CPython: threads may count at once
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            tick()
+
+    reads = itertools.count(1)
+
+    def read() -> int:
+        # each read ticks twice itself: its own call, and the ``next`` that reads
+        return next(counter) - 2 * next(reads)
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        yield read
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
+async def _one_coroutine(call: Callable[..., Any], inputs: list[Any]) -> None:
+    for g, x in inputs:
+        await call(g, x)
+
+
+async def _many(call: Callable[..., Any], inputs: list[Any], clients: int) -> None:
+    async def client(k: int) -> None:
+        for g, x in inputs[k::clients]:
+            await call(g, x)
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+
+
+def _async_path(path: str, inputs: list[Any]) -> float:
+    """Calls per request of an async path (its own ``asyncio.run``)."""
+    result: list[float] = []
+
+    async def main() -> None:
+        if path == "module-level":
+            call = opsched.glu_backward
+            await _one_coroutine(call, inputs)  # warm-up (and the default scheduler made)
+            with _counting() as read:
+                before = read()
+                await _one_coroutine(call, inputs)
+                result.append((read() - before) / len(inputs))
+            return
+        with _counting() as read:
+            async with opsched.open_scheduler() as sched:
+                call = sched.glu_backward
+                run: Callable[[], Any]
+                if path == "1 coroutine":
+                    run = lambda: _one_coroutine(call, inputs)  # noqa: E731
+                else:
+                    run = lambda: _many(call, inputs, 256)  # noqa: E731
+                await run()  # warm-up
+                before = read()
+                await run()
+                result.append((read() - before) / len(inputs))
+
+    asyncio.run(main())
+    return result[0]
+
+
+def _sync_path(path: str, inputs: list[Any]) -> float:
+    """Calls per request of a path of the sync facade."""
+    with _counting() as read, opsched.sync.open_scheduler() as sched:
+
+        def run() -> None:
+            if path == "blocking sync":
+                for g, x in inputs:
+                    sched.glu_backward(g, x)
+            else:
+                futures = [sched.submit_glu_backward(g, x) for g, x in inputs]
+                for f in futures:
+                    f.result()
+
+        run()  # warm-up
+        before = read()
+        run()
+        return (read() - before) / len(inputs)
+
+
+def bench_calls(requests: int = 2048) -> dict[str, float]:
+    """Python calls per request of each path (:data:`CALL_PATHS`)."""
+    inputs = glu_inputs(np.random.default_rng(0), requests)
+    figures: dict[str, float] = {}
+    for path in CALL_PATHS:
+        if path in ("blocking sync", "sync futures"):
+            figures[path] = _sync_path(path, inputs)
+        else:
+            figures[path] = _async_path(path, inputs)
+    return figures
+
+
+def print_calls(figures: dict[str, float], out: TextIO) -> None:
+    """One line per path."""
+    print("Python calls per request, tiny GLU 8x64 FLOAT, steady state (all threads)", file=out)
+    for path, calls in figures.items():
+        print(f"   {path:<20}{calls:6.1f}", file=out)
