@@ -68,17 +68,31 @@ def _located() -> None:
     """A function of this package: numba locates the package's cache directory by it."""
 
 
-def refresh_package() -> None:
-    """:func:`refresh` for this package's cache directory, as numba locates it (beside the
-    modules, under ``NUMBA_CACHE_DIR``, or in the user's cache directory)."""
-    try:
-        from numba.core.caching import FunctionCache
+def cache_dir(internals: bool) -> Path:
+    """The package's cache directory as numba locates it (beside the modules, under
+    ``NUMBA_CACHE_DIR``, or in the user's cache directory), asking numba's cache machinery
+    where ``internals`` allows (``_jit.NUMBA_INTERNALS``). Without it: ``__pycache__``
+    beside the modules, numba's choice for a writable tree, which is where an edit of a
+    source (a working tree, an editable install) meets its stale kernels."""
+    if internals:
+        try:
+            from numba.core.caching import FunctionCache
 
-        cache_dir = Path(FunctionCache(_located).cache_path)
+            return Path(FunctionCache(_located).cache_path)
+        except Exception:  # a numba whose cache machinery moved: the public guess
+            pass
+    return _PACKAGE / "__pycache__"
+
+
+def refresh_package(internals: bool) -> None:
+    """:func:`refresh` for this package's cache directory (:func:`cache_dir`). The
+    fingerprint names the sources and whether the kernels were built with numba's
+    internals (``internals``): the two builds never load each other's machine code."""
+    try:
         modules = [path.stem for path in _PACKAGE.glob("*.py")]
-        refresh(cache_dir, sources_fingerprint(), modules)
+        mode = "internals" if internals else "public"
+        refresh(cache_dir(internals), f"{sources_fingerprint()} {mode}", modules)
     except Exception:
         # Never keep the kernels from loading: no writable cache directory (numba does not
-        # cache there either), or a numba whose cache machinery moved (then its own
-        # invalidation alone applies).
+        # cache there either); numba's own invalidation alone applies.
         return

@@ -50,9 +50,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
-from numba.np.arrayobj import make_array, populate_array
 
 from ._cache import refresh_package
 from ._common import flat_rows
@@ -89,6 +87,34 @@ __all__ = [
 
 U32 = np.uint32
 F32 = np.float32
+
+#: The numba releases whose internals :func:`lanes` and :func:`fold` build on (its
+#: ``cgutils`` and array structures) were checked against.
+NUMBA_CHECKED = ((0, 60), (0, 68))
+
+
+def _numba_internals() -> bool:
+    """Whether :func:`lanes` and :func:`fold` may use numba's internals: a checked
+    release, and ``OPSCHED_PUBLIC_ONLY`` not set (then, or past the gate, they are the
+    public loops below: the same bits, slower)."""
+    if os.environ.get("OPSCHED_PUBLIC_ONLY", "") not in ("", "0"):
+        return False
+    try:
+        major, minor = (int(p) for p in numba.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    low, high = NUMBA_CHECKED
+    return low <= (major, minor) <= high
+
+
+#: See :func:`_numba_internals`; part of the kernels' cache fingerprint (``._cache``).
+NUMBA_INTERNALS = _numba_internals()
+if NUMBA_INTERNALS:
+    try:
+        from numba.core import cgutils
+        from numba.np.arrayobj import make_array, populate_array
+    except ImportError:  # moved in this release after all: the public loops
+        NUMBA_INTERNALS = False
 
 
 def _f32_bits_typing(typingctx: Any, x: Any) -> Any:
@@ -262,7 +288,14 @@ def _lanes_typing(typingctx: Any) -> Any:
     return array(), codegen
 
 
-lanes: Any = intrinsic(_lanes_typing)
+@numba.njit(inline="always")
+def _heap_lanes() -> Any:
+    """:func:`lanes` without numba's internals: a zeroed heap array."""
+    return np.zeros(LANES, F32)
+
+
+#: A zeroed float32 array of LANES elements for a row's sums.
+lanes: Any = intrinsic(_lanes_typing) if NUMBA_INTERNALS else _heap_lanes
 
 
 def _fold_typing(typingctx: Any, acc: Any) -> Any:
@@ -288,7 +321,20 @@ def _fold_typing(typingctx: Any, acc: Any) -> Any:
     return types.float32(acc), codegen
 
 
-fold: Any = intrinsic(_fold_typing)
+@numba.njit(inline="always")
+def _scalar_fold(acc: Any) -> Any:
+    """:func:`fold` without numba's internals: the same adds in the same tree, one lane at
+    a time (consumes ``acc``: callers take fresh lanes for each row)."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        for j in range(width):
+            acc[j] = acc[j] + acc[j + width]
+    return acc[0]
+
+
+#: The sum of a :func:`lanes` array in the fixed tree.
+fold: Any = intrinsic(_fold_typing) if NUMBA_INTERNALS else _scalar_fold
 
 
 @numba.njit(inline="always")
@@ -410,7 +456,8 @@ def _compile(func: Callable[..., Any], signature: Any) -> Any:
     exception), never ``fastmath``. Caller holds :data:`_COMPILING`."""
     options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
     if _disk_cache[0] is None:
-        refresh_package()  # before the first load from the cache: stale entries removed
+        # before the first load from the cache: stale entries removed
+        refresh_package(NUMBA_INTERNALS)
     if _disk_cache[0] is not False:
         try:
             compiled = numba.njit([signature], cache=True, **options)(func)

@@ -44,6 +44,17 @@ def pytest_configure(config):
             pytest.exit(f"OPSCHED_TEST_DEVICE={device!r} cannot be opened: {exc}", returncode=4)
 
 
+def pytest_collection_modifyitems(config, items):
+    """With the public fallbacks forced (``OPSCHED_PUBLIC_ONLY``, tests/test_public_fallback.py),
+    the tests of what the gated internals do are skipped: nothing uses them."""
+    if os.environ.get("OPSCHED_PUBLIC_ONLY", "") in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="OPSCHED_PUBLIC_ONLY: the gated internals are not used")
+    for item in items:
+        if item.get_closest_marker("internals"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def hang_ends_the_run(request):
     """A backstop behind pytest-timeout: its signal raises inside whatever code runs, and

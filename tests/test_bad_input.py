@@ -328,11 +328,11 @@ FORK_LOCK_CHILD = textwrap.dedent(
     from opsched.core import requests
 
     # a thread of the parent (here, its only one) holds the futures' module lock at the fork
-    with requests._CONDITION_MADE:
+    with requests._CONDITION_MADE, requests._CLAIMS:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: a future settled and read there must not wait for it
-            future = requests.RequestFuture()
+            future = requests.new_request_future()
             future.settle(np.ones(2), None)
             os.write(write, b"ok" if future.result(timeout=0).shape == (2,) else b"no")
             os._exit(0)

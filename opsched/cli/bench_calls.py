@@ -61,7 +61,7 @@ def _counting() -> Iterator[Callable[[], int]]:
         yield read
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
 
 async def _one_coroutine(call: Callable[..., Any], inputs: list[Any]) -> None:

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from opsched._compat import ANYIO_INTERNALS, PYTHON_INTERNALS
+
 __all__ = ["FUTURE", "LoopEvent", "LoopHandle", "ThreadEvent", "current_loop", "upgrade_waiter"]
 
 #: The type of the bare asyncio future a request's only awaiting task waits on
@@ -221,7 +223,8 @@ def current_loop() -> LoopHandle:
     except RuntimeError:
         msg = "opsched's async API must be called from a running asyncio or trio event loop"
         raise RuntimeError(msg) from None
-    ready = getattr(loop, "_ready", None)
+    # asyncio's ready queue, where its internals are the checked ones (opsched._compat)
+    ready = getattr(loop, "_ready", None) if PYTHON_INTERNALS else None
 
     # the ready queue's own __len__: no Python frame a call
     ready_count = ready.__len__ if ready is not None else (lambda: UNKNOWN_READY)
@@ -251,8 +254,11 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
     a plain function that reads the task's scope chain (anyio's own test, done
     synchronously); the caller then yields to the loop only when a scope really was
     cancelled, where anyio's ``checkpoint_if_cancelled`` is a coroutine per call (~7 us).
-    An anyio without those internals gets "always": every wait then checkpoints.
+    Past the gate (:data:`opsched._compat.ANYIO_INTERNALS`), or in an anyio without those
+    internals, the check says "always": every wait then checkpoints.
     """
+    if not ANYIO_INTERNALS:
+        return _always
     try:
         from anyio._backends._asyncio import _task_states
 
@@ -263,7 +269,7 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
     # internals are as expected: the WeakKeyDictionary's own dict (keys: weak references,
     # equal to a new reference to the same task), and asyncio's current task per loop.
     states = getattr(_task_states, "data", None)
-    tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    tasks = getattr(asyncio.tasks, "_current_tasks", None) if PYTHON_INTERNALS else None
     if not isinstance(states, dict) or not isinstance(tasks, dict):
         states = tasks = None
     current_task = asyncio.current_task

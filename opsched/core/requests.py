@@ -18,21 +18,32 @@ import os
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from opsched._compat import PYTHON_INTERNALS
 from opsched._errors import RequestWithdrawnError, SchedulerClosedError
 from opsched._log import ERROR, INFO, enabled, get_logger
 from opsched.core.loop import FUTURE, LoopEvent
 from opsched.core.stats import Counters
 from opsched.ops import Operator
 
+if TYPE_CHECKING or PYTHON_INTERNALS:  # (the lean future's states: opsched._compat)
+    from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
+
 if TYPE_CHECKING:
     from opsched.core.scheduler import Scheduler
 
-__all__ = ["Pending", "Request", "RequestFuture", "RequestState", "finish"]
+__all__ = [
+    "LeanRequestFuture",
+    "Pending",
+    "Request",
+    "RequestFuture",
+    "RequestState",
+    "finish",
+    "new_request_future",
+]
 
 _log = get_logger("opsched.scheduler")
 
@@ -93,20 +104,90 @@ _CONDITION_MADE = threading.Lock()
 def _new_lock_in_child() -> None:
     """A forked child's own :data:`_CONDITION_MADE`: a thread of the parent may have held
     it at the fork, and nobody in the child would ever let it go."""
-    global _CONDITION_MADE  # the one module lock, remade once per fork
+    global _CONDITION_MADE, _CLAIMS  # the module's locks, remade once per fork
     _CONDITION_MADE = threading.Lock()
+    _CLAIMS = threading.Lock()
 
+
+#: Guards the one call of ``set_running_or_notify_cancel`` a :class:`RequestFuture` gets
+#: (a second call raises): its owner's ``cancel()`` and the loop's :meth:`settle` race.
+_CLAIMS = threading.Lock()
 
 os.register_at_fork(after_in_child=_new_lock_in_child)
-
-#: A future's states once it has an outcome (``Future.done()``).
-_DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 
 
 class RequestFuture(Future[Any]):
     """What a submission from a thread returns: a ``concurrent.futures.Future`` whose
     ``cancel()`` also withdraws its queued request (posted to the loop). No done-callback
     per request: it would keep the request, and its arrays, as long as the future lives.
+
+    This class drives ``Future`` through its public methods only. Where the gate allows
+    (:data:`opsched._compat.PYTHON_INTERNALS`), submissions make the leaner
+    :class:`LeanRequestFuture` instead (:data:`new_request_future`).
+    """
+
+    __slots__ = ("_claimed", "_request", "_withdraw", "checked", "withdrawn")
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The checked request, from submission until the loop queues it (the inbox holds
+        #: the future alone).
+        self.checked: Any = None
+        #: Set on the loop once the request is queued, with the request it withdraws
+        #: (called with it); both cleared when the request has an outcome.
+        self._withdraw: Callable[[Any], object] | None = None
+        self._request: Any = None
+        #: Set by :meth:`cancel` before it looks at ``_withdraw``: read by the loop, after
+        #: it set ``_withdraw``, without taking the future's lock (one sees the other).
+        self.withdrawn = False
+        self._claimed = False
+
+    def _claim(self) -> bool:
+        """``set_running_or_notify_cancel`` once: True when the future may take its
+        outcome, False when its owner cancelled it (its waiters are told, once)."""
+        with _CLAIMS:
+            if self._claimed:
+                return False
+            self._claimed = True
+        return self.set_running_or_notify_cancel()
+
+    def settle(self, result: Any, error: BaseException | None) -> None:
+        """Give the future its request's outcome (loop thread): ``error`` when not None,
+        else ``result``; nothing when its owner cancelled it first."""
+        if not self._claim():
+            return
+        if error is None:
+            self.set_result(result)
+        else:
+            self.set_exception(error)
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        # No executor will pick it up to notify the waiters of concurrent.futures.wait and
+        # as_completed: do it now, as an executor would.
+        self._claim()
+        self._withdrawn_by_owner()
+        return True
+
+    def _withdrawn_by_owner(self) -> None:
+        """The owner cancelled: withdraw the queued request (on the loop)."""
+        self.withdrawn = True
+        withdraw, request = self._withdraw, self._request
+        if withdraw is not None:
+            self._withdraw = self._request = None
+            withdraw(request)
+
+
+#: A future's states once it has an outcome (``Future.done()``).
+_DONE_STATES = (
+    frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)) if PYTHON_INTERNALS else frozenset()
+)
+
+
+class LeanRequestFuture(RequestFuture):
+    """A :class:`RequestFuture` that is one object until something waits on it (behind
+    the gate :data:`opsched._compat.PYTHON_INTERNALS`: it sets ``Future``'s own fields).
 
     A burst of submissions holds thousands of futures at once, and every tracked object
     they hold makes the garbage collector's full passes, which walk the whole heap, come
@@ -122,11 +203,10 @@ class RequestFuture(Future[Any]):
     """
 
     __slots__ = (
-        "_cond", "_done_callbacks", "_exception", "_request", "_result", "_state",
-        "_waiter_list", "_withdraw", "checked", "withdrawn",
+        "_cond", "_done_callbacks", "_exception", "_result", "_state", "_waiter_list",
     )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # (not Future.__init__: its fields are set here, leaner)
         # Future.__init__'s fields (the same in every supported Python), its condition lazy
         self._cond: _FutureCondition | None = None
         self._state = PENDING
@@ -146,6 +226,7 @@ class RequestFuture(Future[Any]):
         #: Set by :meth:`cancel` before it looks at ``_withdraw``: read by the loop, after
         #: it set ``_withdraw``, without taking the future's lock (one sees the other).
         self.withdrawn = False
+        self._claimed = False
 
     @property
     def _condition(self) -> _FutureCondition:  # type: ignore[override]  # Future's attribute
@@ -224,7 +305,7 @@ class RequestFuture(Future[Any]):
             self._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own
 
     def cancel(self) -> bool:
-        if not super().cancel():  # done-callbacks run in there, without the lock held
+        if not Future.cancel(self):  # done-callbacks run in there, without the lock held
             return False
         with self._condition:  # of concurrent cancel() calls, one notifies
             if self._state == CANCELLED:
@@ -232,12 +313,14 @@ class RequestFuture(Future[Any]):
                 # as_completed): do it now, as an executor would. A second cancel() finds
                 # it notified already and says True.
                 self.set_running_or_notify_cancel()
-        self.withdrawn = True
-        withdraw, request = self._withdraw, self._request
-        if withdraw is not None:
-            self._withdraw = self._request = None
-            withdraw(request)
+        self._withdrawn_by_owner()
         return True
+
+
+#: The future a submission from a thread gets: the lean one where the gate allows.
+new_request_future: Callable[[], RequestFuture] = (
+    LeanRequestFuture if PYTHON_INTERNALS else RequestFuture
+)
 
 
 @attrs.define(eq=False, slots=True)

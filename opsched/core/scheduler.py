@@ -44,7 +44,14 @@ from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
 from opsched.core.here import run_here, run_on_loop, runs_here, runs_on_loop
 from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
-from opsched.core.requests import Pending, Request, RequestFuture, RequestState, finish
+from opsched.core.requests import (
+    Pending,
+    Request,
+    RequestFuture,
+    RequestState,
+    finish,
+    new_request_future,
+)
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer
 from opsched.devices import Device
@@ -232,7 +239,7 @@ class Scheduler:
         except BaseException:
             self._admission.refused_in_thread()
             raise
-        future = RequestFuture()
+        future = new_request_future()
         if not self._admission.put_threadsafe(checked, future, self._drain_inbox):
             future.checked = None  # nothing will queue it: let go of its arrays
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))

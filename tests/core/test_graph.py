@@ -613,6 +613,7 @@ async def test_failure_fails_downstream_and_independent_branches_complete(device
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", THREADED_DEVICES)  # (the reference device never does)
+@pytest.mark.usefixtures("runs_at_submit")
 async def test_a_run_on_an_idle_scheduler_runs_its_nodes_at_submit_in_order(device):
     # Nothing else to run: each node is its solo launch in the loop thread, a consumer
     # after its producer, none queued; a failed node fails what depends on it unlaunched.
@@ -650,6 +651,7 @@ async def test_a_run_on_an_idle_scheduler_runs_its_nodes_at_submit_in_order(devi
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("device", THREADED_DEVICES)
+@pytest.mark.usefixtures("runs_at_submit")
 async def test_a_node_run_at_submit_past_the_deadline_expires_before_its_consumers_exist(device):
     # A node that would run at submit expires unlaunched once the run's deadline has
     # passed, as in the queue: its consumer is never submitted, so it fails with the run

@@ -939,6 +939,7 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)
+@pytest.mark.usefixtures("runs_at_submit")
 async def test_a_lone_request_on_an_idle_scheduler_runs_at_submit(device):
     # Nothing else to run: the request is its solo launch at once, never queued; the
     # launch is counted (stream 0, which was idle) and logged like any other.
@@ -991,6 +992,7 @@ async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting,
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (trio says only "none" or "many")
+@pytest.mark.usefixtures("runs_at_submit")
 async def test_a_request_runs_at_submit_while_at_most_few_others_are_ready(anyio_backend):
     # With FEW_READY callbacks ready on the loop the request still runs at submit (it is
     # finished when the call returns); with one more it is queued for the dispatcher.
@@ -1011,6 +1013,7 @@ async def test_a_request_runs_at_submit_while_at_most_few_others_are_ready(anyio
     assert stats.queued_peak == 1 and stats.launches == 2
 
 
+@pytest.mark.usefixtures("runs_at_submit")
 async def test_a_request_run_at_submit_fails_alone_and_expires_without_a_launch():
     rng = np.random.default_rng(32)
     bad, good = small_glu(rng), small_glu(rng)
