@@ -31,10 +31,10 @@ import numpy as np
 from opsched import ops
 from opsched.core import scheduler as _core
 from opsched.core.config import SchedulerConfig
+from opsched.core.engine import Engine, SchedulerState
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.loop import current_loop
 from opsched.core.requests import Pending
-from opsched.core.scheduler import SchedulerState
 from opsched.core.trace import Tracer
 from opsched.devices import make_device
 from opsched.ops import Operator, entry_point
@@ -118,7 +118,7 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return sched.submit(
+        return sched._engine.submit(
             ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
@@ -151,7 +151,7 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return sched.submit(
+        return sched._engine.submit(
             ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
@@ -195,7 +195,7 @@ class Scheduler(_core.Scheduler):
 
         Raises: as :meth:`submit`.
         """
-        return sched.submit(
+        return sched._engine.submit(
             ops.GROUP_NORM_BACKWARD,
             (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
             out,
@@ -276,9 +276,10 @@ def resolve_config(
     return base.evolve(overrides) if overrides else base
 
 
-def _new_scheduler(
+def _new_engine(
     config: SchedulerConfig, device: str, trace: str | os.PathLike[str] | None = None
-) -> Scheduler:
+) -> Engine:
+    """An open engine on a new device (the device's streams closed again on failure)."""
     dev = make_device(
         device,
         config.streams,
@@ -291,14 +292,14 @@ def _new_scheduler(
     tracer = None
     try:
         tracer = Tracer(trace, dev.name, len(dev.streams)) if trace is not None else None
-        scheduler = Scheduler(config, dev, current_loop(), tracer=tracer)
+        engine = Engine(config, dev, current_loop(), tracer=tracer)
     except BaseException:  # a bad trace path or product: stop the streams already started
         dev.close()
         if tracer is not None:
             tracer.write()
         raise
-    scheduler._open()
-    return scheduler
+    engine.open()
+    return engine
 
 
 @asynccontextmanager
@@ -326,8 +327,9 @@ async def open_scheduler(
     Raises:
         ValueError, TypeError: a bad config value or an unknown setting or device.
     """
-    scheduler = _new_scheduler(resolve_config(config, overrides), device, trace)
-    _start_service(scheduler, scheduler._serve)
+    engine = _new_engine(resolve_config(config, overrides), device, trace)
+    scheduler = Scheduler(engine)
+    _start_service(engine, engine.serve)
     token = _current.set(scheduler)
     try:
         yield scheduler
@@ -339,7 +341,7 @@ async def open_scheduler(
         await scheduler.aclose()
     finally:
         _forget_current(token, scheduler)
-        scheduler._close_now()  # no-op unless a cancellation interrupted the drain
+        engine.close_now()  # no-op unless a cancellation interrupted the drain
 
 
 def _forget_current(token: contextvars.Token[Scheduler | None], scheduler: Scheduler) -> None:
@@ -378,32 +380,32 @@ def _scheduler_here() -> Scheduler:
     loop = current_loop()
     scheduler = _defaults.get(loop.key)
     if scheduler is None or scheduler.state is not SchedulerState.OPEN:
-        scheduler = _new_scheduler(SchedulerConfig(), "cpu")
-        _defaults[loop.key] = scheduler
+        engine = _new_engine(SchedulerConfig(), "cpu")
+        scheduler = _defaults[loop.key] = Scheduler(engine)
 
         async def serve() -> None:
             try:
-                await scheduler._serve()
+                await engine.serve()
             finally:  # the loop is ending: close without waiting
                 _defaults.pop(loop.key, None)
-                scheduler._close_now()
+                engine.close_now()
 
-        _start_service(scheduler, serve)
+        _start_service(engine, serve)
     return scheduler
 
 
-def _start_service(scheduler: Scheduler, serve: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _start_service(engine: Engine, serve: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run ``serve`` in the background of the running loop, outside any task group.
 
     A plain task on asyncio (cancelled by ``asyncio.run`` at its end), a system task on
     trio (cancelled when the main task returns). The task returns once the scheduler closes.
     """
-    if scheduler._loop.library == "trio":
+    if engine.loop.library == "trio":
         import trio
 
         trio.lowlevel.spawn_system_task(serve, name="opsched scheduler service")
     else:
-        scheduler._service = asyncio.get_running_loop().create_task(
+        engine.service = asyncio.get_running_loop().create_task(
             serve(), name="opsched scheduler service"
         )
 

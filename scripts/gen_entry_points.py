@@ -161,8 +161,9 @@ def scheduler_methods(op: Operator) -> list[str]:
     ``_nowait`` twin, typed from it)."""
     i, params = "    ", [_param(op, p) for p in op.parameters] + _keywords(op)
     call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
-    # A plain function returning submit()'s coroutine (awaited the same way): a coroutine
-    # of its own would be one more made and resumed a request.
+    # A plain function returning the engine's coroutine (awaited the same way): a
+    # coroutine of its own, or a hop through the face's submit(), would be one more call
+    # a request.
     returns = f"Coroutine[Any, Any, {op.result_annotation}]"
     lines = _signature(op.method, "sched", params, returns, i)
     lines += _doc(
@@ -177,7 +178,7 @@ def scheduler_methods(op: Operator) -> list[str]:
         ],
         i * 2,
     )
-    lines += _call("return sched.submit(", call, i * 2)
+    lines += _call("return sched._engine.submit(", call, i * 2)
     lines.append("")
     lines.append(f"{i}{op.method}_nowait = _nowait({_const(op)}, {op.method})")
     return lines

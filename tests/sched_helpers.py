@@ -210,7 +210,7 @@ async def beside_a_ready_task(awaitable):
     would run at submit."""
     import anyio
 
-    from opsched.core.here import FEW_READY
+    from opsched.core.engine import FEW_READY
 
     go = anyio.Event()
     error: Exception | None = None

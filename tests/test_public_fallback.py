@@ -34,7 +34,7 @@ INTERNAL_MODULES = ("numba.core", "numba.np", "numba.cpython", "numba.misc")
 SUITES = (
     "tests/core",
     "tests/test_sync.py",
-    "tests/test_sync_here.py",
+    "tests/test_sync_in_caller.py",
     "tests/test_module_api.py",
     "tests/test_bad_input.py",
     "tests/test_bits.py",

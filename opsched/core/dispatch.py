@@ -16,8 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,6 +28,9 @@ from opsched.core.requests import Request, RequestState, finish
 from opsched.core.stats import Counters
 from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
 from opsched.devices import Device, Prepared
+
+if TYPE_CHECKING:
+    from opsched.core.engine import Engine
 
 __all__ = ["Dispatcher", "launch_error"]
 
@@ -43,23 +45,18 @@ class _Launch:
 
 @attrs.define(eq=False)
 class Dispatcher:
-    """One scheduler's dispatcher (see the module docstring).
+    """One engine's dispatcher (see the module docstring): it reads the engine's config,
+    device, loop, queue, counters and tracer, and calls back its :meth:`Engine.expired`
+    (a request whose deadline passed), :meth:`Engine.room` (requests left the queue) and
+    :meth:`Engine.arm_timer` (a dispatch wanted at an instant)."""
 
-    Args:
-        expired: finishes a request whose deadline passed (the scheduler's).
-        room: called after requests left the queue (wakes parked submitters).
-        arm_timer: asks for a dispatch at a ``time.monotonic()`` instant.
-    """
-
-    config: SchedulerConfig
-    device: Device
-    loop: LoopHandle
-    queue: RequestQueue
-    counters: Counters
-    tracer: Tracer | None
-    expired: Callable[[Request], None]
-    room: Callable[[], None]
-    arm_timer: Callable[[float], None]
+    engine: Engine
+    config: SchedulerConfig = attrs.field(init=False)
+    device: Device = attrs.field(init=False)
+    loop: LoopHandle = attrs.field(init=False)
+    queue: RequestQueue = attrs.field(init=False)
+    counters: Counters = attrs.field(init=False)
+    tracer: Tracer | None = attrs.field(init=False)
     #: Requests inside launches now.
     running: int = attrs.field(default=0, init=False)
     #: Launches started and not yet handed back.
@@ -78,6 +75,9 @@ class Dispatcher:
     _inline: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
+        engine = self.engine
+        self.config, self.device, self.loop = engine.config, engine.device, engine.loop
+        self.queue, self.counters, self.tracer = engine.queue, engine.counters, engine.tracer
         self._idle = list(range(len(self.device.streams)))
         self._inline = self.device.inline_capable and self.config.inline_max_bytes > 0
 
@@ -123,9 +123,9 @@ class Dispatcher:
             finally:
                 queue.taken = None
             for request in expired:
-                self.expired(request)
+                self.engine.expired(request)
             if wake_at is not None:
-                self.arm_timer(wake_at)
+                self.engine.arm_timer(wake_at)
             if not batches:
                 break
             groups = [list(g) for _, g in itertools.groupby(batches, key=_group_key)]
@@ -143,7 +143,7 @@ class Dispatcher:
                 if len(queue):
                     self.schedule()
                 break
-        self.room()  # launched requests left the queue: backpressured callers go on
+        self.engine.room()  # launched requests left the queue: backpressured callers go on
         if tracer is not None:
             self._trace_counters()
         self._check_quiet()
@@ -155,7 +155,7 @@ class Dispatcher:
         error = device_lost(self.device.name, self.device.lost)
         for request in self.queue.drain():
             finish(request, RequestState.FAILED, self.counters, error)
-        self.room()
+        self.engine.room()
         self._check_quiet()
 
     def _pop_next(self) -> None:

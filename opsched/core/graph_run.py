@@ -34,12 +34,11 @@ from opsched._errors import (
 )
 from opsched.core.checks import deadline_of, priority_of
 from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
-from opsched.core.here import past_deadline, run_on_loop, runs_on_loop
-from opsched.core.requests import Request, RequestState, finish
+from opsched.core.requests import Request, RequestState, finish, past_deadline
 from opsched.devices import Device, Event, meta_of
 
 if TYPE_CHECKING:
-    from opsched.core.scheduler import Scheduler
+    from opsched.core.engine import Engine
 
 __all__ = ["GraphRun", "NodeState", "run_graph"]
 
@@ -127,7 +126,8 @@ class GraphRun:
     #: then can a node have producers to wait for (inline launches record none).
     events: bool = False
     #: Node requests to run where they were submitted, in order (nothing queued or
-    #: running: :func:`~opsched.core.here.runs_on_loop`); :func:`_run_here` runs them.
+    #: running: :meth:`~opsched.core.engine.Engine.runs_at_submit`); :func:`_run_at_submit` runs
+    #: them.
     here: collections.deque[Request] = attrs.field(factory=collections.deque)
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
@@ -315,11 +315,11 @@ def _upstream_error(node: Node, failed: _NodeRun) -> BaseException:
     return error
 
 
-# ------------------------------------------------------------ the scheduler's side of runs
+# ------------------------------------------------------------ the engine's side of runs
 
 
 async def run_graph(
-    sched: Scheduler,
+    engine: Engine,
     graph: GraphBuilder,
     outputs: Sequence[Node],
     inputs: Mapping[Node | Placeholder, Any] | None,
@@ -328,22 +328,22 @@ async def run_graph(
     timeout: float | None,
 ) -> list[Any]:
     """:meth:`Scheduler.run`: see it for the arguments and errors."""
-    done = sched._loop.new_event()
-    run = _start(sched, graph, outputs, inputs, priority, deadline, timeout, done.set)
+    done = engine.loop.new_event()
+    run = _start(engine, graph, outputs, inputs, priority, deadline, timeout, done.set)
     try:
         # Its deadline is each node's: the scheduler expires a node still queued then
         # (which fails what depends on it); launched ones finish.
         await done.wait()
-        loop = sched._loop
+        loop = engine.loop
         if loop.cancelled is not None and loop.cancelled():
             await loop.checkpoint()
     except BaseException:
-        _withdraw(sched, run)
+        _withdraw(engine, run)
         raise
     given = itertools.chain(  # read only by a device that converts results (torch)
         (inputs or {}).values(), (v for node in graph.nodes for v in node.args.values())
     )
-    convert = sched.device.graph_converter(given)
+    convert = engine.device.graph_converter(given)
     try:
         outs = run.result()
     except GraphExecutionError as exc:
@@ -356,7 +356,7 @@ async def run_graph(
 
 
 def _start(
-    sched: Scheduler,
+    engine: Engine,
     graph: GraphBuilder,
     outputs: Sequence[Node],
     inputs: Mapping[Node | Placeholder, Any] | None,
@@ -365,7 +365,7 @@ def _start(
     timeout: float | None,
     done: Any,
 ) -> GraphRun:
-    sched._require_open("graph runs")
+    engine.require_open("graph runs")
     if not isinstance(graph, GraphBuilder):
         msg = f"run: graph must be an opsched.Graph, got {type(graph).__qualname__}"
         raise TypeError(msg)
@@ -377,59 +377,52 @@ def _start(
         if not isinstance(node, Node) or node.graph is not graph:
             msg = f"run: output {node!r} is not a node of this graph"
             raise ValueError(msg)
-    graph.check_on(sched._product)
-    device = sched.device
+    graph.check_on(engine.product)
+    device = engine.device
     given, plan = check_inputs(
         graph, outputs, dict(inputs or {}), device.accepts_tensors, device.array_kinds
     )
-
-    def drop(request: Request, error: BaseException) -> None:
-        """Fail a queued node request whose producer failed (it never launches)."""
-        if request.state is RequestState.QUEUED:
-            sched._queue.discard(request, RequestState.FAILED)
-            finish(request, RequestState.FAILED, sched._counters, error)
-            sched._wake_space()
 
     run = GraphRun(
         graph,
         outputs,
         priority_of(priority),
         deadline_of(deadline, timeout),
-        functools.partial(_submit_node, sched),
+        functools.partial(_submit_node, engine),
         device.intermediate,
-        functools.partial(sched._dispatcher.release, what="a graph intermediate"),
+        functools.partial(engine.dispatcher.release, what="a graph intermediate"),
         done,
-        drop,
+        engine.drop,
         fresh=device.empty,
     )
-    sched._counters.graph_runs += 1
+    engine.counters.graph_runs += 1
     try:
         run.start(given, plan)
     except BaseException:  # a node could not be submitted (no memory for its output, say):
-        _withdraw(sched, run)  # the caller gets the error; what was queued is withdrawn
+        _withdraw(engine, run)  # the caller gets the error; what was queued is withdrawn
         raise
     if run.here:
-        _run_here(sched, run)
+        _run_at_submit(engine, run)
     return run
 
 
-def _withdraw(sched: Scheduler, run: GraphRun) -> None:
+def _withdraw(engine: Engine, run: GraphRun) -> None:
     """Stop ``run``: its nodes not yet launched never will be, its queued requests leave
     the queue, those it was to run at submit end unrun (their nodes end cancelled,
     releasing what they held)."""
     for request in run.cancel():
         if request.state is RequestState.QUEUED:
-            sched._abandon(request)
+            engine.abandon(request)
     while run.here:
-        finish(run.here.popleft(), RequestState.CANCELLED, sched._counters)
+        finish(run.here.popleft(), RequestState.CANCELLED, engine.counters)
 
 
-def _run_here(sched: Scheduler, run: GraphRun) -> None:
+def _run_at_submit(engine: Engine, run: GraphRun) -> None:
     """Run the nodes :func:`_submit_node` gave to ``run`` (:attr:`GraphRun.here`) one after
     another, each as its solo launch, in the loop thread: a node's consumers join the list
     when it is launched, behind it. A node whose producer failed meanwhile fails without a
     launch."""
-    here, counters = run.here, sched._counters
+    here, counters = run.here, engine.counters
     try:
         while here:
             request = here.popleft()
@@ -447,10 +440,10 @@ def _run_here(sched: Scheduler, run: GraphRun) -> None:
             if past_deadline(request):
                 # expired before its launch, as in the queue: never declared launched, so
                 # its consumers are never submitted (they fail with the run, not as requests)
-                run_on_loop(sched, request)  # (expires it)
+                engine.run_at_submit(request)  # (expires it)
                 continue
             run.launched(node_run, None)
-            run_on_loop(sched, request)
+            engine.run_at_submit(request)
     except Exception as exc:  # a bug here fails the run's nodes still to run, never hangs it
         while here:
             error = InnerError.caused_by("graph run: running a node failed", exc)
@@ -459,25 +452,25 @@ def _run_here(sched: Scheduler, run: GraphRun) -> None:
 
 
 def _submit_node(
-    sched: Scheduler, run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]
+    engine: Engine, run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]
 ) -> Request:
     """Queue a graph node. Its checks ran when it was added; a run binds arrays of exactly
     the checked geometry, so nothing is checked again."""
     node = node_run.node
-    device = sched.device
+    device = engine.device
     if type(device).admit is not Device.admit:  # the host devices take arrays as they are
         outputs = node.op.outputs
         tensors = {
             n: v if v is None or n in outputs else device.admit(node.name, n, v)
             for n, v in tensors.items()
         }
-    request = sched._record(
+    request = engine.record(
         node.op, tensors, node.scalars, node.key, node.units, node.nbytes,
         run.priority, run.deadline, node.signature,
     )  # fmt: skip
     request.graph = (run, node_run)
     request.waits = waits or None
-    counters = sched._counters
+    counters = engine.counters
     counters.submitted += 1
     counters.graph_nodes += 1
     try:  # as for callers: a node alone over the workspace cap fails
@@ -491,14 +484,14 @@ def _submit_node(
         return request
     if not request.nbytes:  # an empty tensor: done at once, without a launch
         run.launched(node_run, None)
-        sched._finish_empty(request)
+        engine.finish_empty(request)
         return request
-    if not waits and runs_on_loop(sched, request):  # nothing queued or running
+    if not waits and engine.runs_at_submit(request):  # nothing queued or running
         request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
         run.here.append(request)
         return request
-    sched._enqueue(request)  # (a node still queued at the run's deadline expires)
-    sched._dispatcher.schedule()
+    engine.enqueue(request)  # (a node still queued at the run's deadline expires)
+    engine.dispatcher.schedule()
     return request
 
 

@@ -16,6 +16,7 @@ import collections
 import enum
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ if TYPE_CHECKING or PYTHON_INTERNALS:  # (the lean future's states: opsched._com
     from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 
 if TYPE_CHECKING:
-    from opsched.core.scheduler import Scheduler
+    from opsched.core.engine import Engine
 
 __all__ = [
     "LeanRequestFuture",
@@ -43,6 +44,7 @@ __all__ = [
     "RequestState",
     "finish",
     "new_request_future",
+    "past_deadline",
 ]
 
 _log = get_logger("opsched.scheduler")
@@ -397,6 +399,11 @@ class Request:
         raise self.error
 
 
+def past_deadline(request: Request) -> bool:
+    """Whether ``request``'s deadline has passed (then it is never launched)."""
+    return request.deadline is not None and request.deadline <= time.monotonic()
+
+
 def finish(
     request: Request,
     state: RequestState,
@@ -469,10 +476,10 @@ class Pending:
     awaits it after that raises :class:`~opsched.RequestWithdrawnError`.
     """
 
-    __slots__ = ("_request", "_scheduler")
+    __slots__ = ("_engine", "_request")
 
-    def __init__(self, scheduler: Scheduler, request: Request) -> None:
-        self._scheduler = scheduler
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self._engine = engine
         self._request = request
 
     @property
@@ -486,7 +493,7 @@ class Pending:
 
     async def wait(self) -> Any:
         """Wait for the result; see :meth:`Scheduler.submit` for what it raises."""
-        return await self._scheduler._wait(self._request)
+        return await self._engine.wait(self._request)
 
     def __await__(self) -> Any:
         return self.wait().__await__()

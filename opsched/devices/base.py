@@ -155,7 +155,7 @@ class Device(abc.ABC):
 
     #: Whether small launches may run inline on an idle stream (no thread hop).
     inline_capable: bool = attrs.field(default=True, kw_only=True)
-    #: Whether :meth:`run_here` can run a lone request in the calling thread.
+    #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.
     reported_product: str | None = attrs.field(default=None, kw_only=True)
@@ -243,7 +243,7 @@ class Device(abc.ABC):
         workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
         workspace beyond the cap when nothing in flight could return any."""
 
-    def run_here(self, request: LaunchRequest) -> None:
+    def run_solo(self, request: LaunchRequest) -> None:
         """Run one request now, in the calling thread, exactly as its solo launch would
         (only where :attr:`runs_in_caller`): the sync facade's lone blocking calls."""
         msg = f"{self.name} cannot run a request in the calling thread"

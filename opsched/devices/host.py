@@ -50,7 +50,7 @@ _log = get_logger("opsched.device")
 Outcome = tuple[dict[int, BaseException], float, float]
 
 
-#: Plans :meth:`HostDevice.run_here` keeps, in each of its two caches (cleared when full).
+#: Plans :meth:`HostDevice.run_solo` keeps, in each of its two caches (cleared when full).
 _PLANS_KEPT = 1024
 
 #: Graph intermediates at least this large come from the workspace pool, which reuses
@@ -67,7 +67,7 @@ POOLED_INTERMEDIATE_BYTES = 64 << 10
 LONE_BYTES = 128 << 10
 
 #: A batch of at most this many requests runs each on its own arrays with its solo plan
-#: (:meth:`HostDevice.run_here`: the same bits), one after another inside the launch: a
+#: (:meth:`HostDevice.run_solo`: the same bits), one after another inside the launch: a
 #: fused launch's gather, scatter, workspace block and executor cost a few dozen numpy and
 #: Python calls whatever the batch's size, more than a dozen solo launches of tiny
 #: requests; from about 16 requests on, the fused launch costs less.
@@ -148,9 +148,9 @@ class HostDevice(Device):
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
-    #: Plans of :meth:`run_here`, by geometry (a dict: safe to share between threads).
+    #: Plans of :meth:`run_solo`, by geometry (a dict: safe to share between threads).
     _plans: dict[Hashable, Any] = attrs.field(factory=dict, init=False)
-    #: :meth:`run_here`'s plans of requests whose outputs the launch allocates, with the
+    #: :meth:`run_solo`'s plans of requests whose outputs the launch allocates, with the
     #: outputs' shapes and dtypes and the launch's runner (or None), by signature and the
     #: inputs' strides.
     _fresh_plans: dict[Hashable, tuple[Any, _Made, Any]] = attrs.field(factory=dict, init=False)
@@ -240,7 +240,7 @@ class HostDevice(Device):
 
     runs_in_caller: bool = attrs.field(default=True, kw_only=True)
 
-    def run_here(self, request: Any) -> None:
+    def run_solo(self, request: Any) -> None:
         """The solo launch of ``request`` in the calling thread: the same plan and kernel
         as :meth:`_prepare_solo` (so the same bits), a fresh workspace instead of the
         pool's (the pool belongs to the loop thread), plans cached by geometry.
@@ -430,7 +430,7 @@ class HostDevice(Device):
         self, lone: list[Any], fused: Callable[[dict[int, BaseException]], None] | None
     ) -> Callable[[], Outcome]:
         """A fused batch's launch: each of its ``lone`` requests on its own arrays
-        (:meth:`run_here`: its solo plan, the same bits; a failure fails that request
+        (:meth:`run_solo`: its solo plan, the same bits; a failure fails that request
         only), then ``fused``, the gather-compute-scatter of the rest (None: no rest)."""
 
         def work() -> Outcome:
@@ -438,7 +438,7 @@ class HostDevice(Device):
             errors: dict[int, BaseException] = {}
             for request in lone:
                 try:
-                    self.run_here(request)
+                    self.run_solo(request)
                 except Exception as exc:  # the launch boundary of one request
                     errors[request.id] = exc
             if fused is not None:
@@ -562,7 +562,7 @@ def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout
 
 
 def _remember(plans: dict[Hashable, Any], key: Hashable, entry: Any) -> None:
-    """Keep ``entry`` under ``key`` in one of :meth:`HostDevice.run_here`'s caches."""
+    """Keep ``entry`` under ``key`` in one of :meth:`HostDevice.run_solo`'s caches."""
     if len(plans) >= _PLANS_KEPT:
         plans.clear()
     plans[key] = entry

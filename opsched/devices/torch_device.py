@@ -345,7 +345,7 @@ class TorchDevice(Device):
 
         return Prepared(work)
 
-    def run_here(self, request: Any) -> None:
+    def run_solo(self, request: Any) -> None:
         """The solo launch of ``request`` in the calling thread (torch:cpu only, where a
         launch is the framework's calls in whatever thread makes them): the same
         :meth:`execute` as on a stream, so the same bits."""

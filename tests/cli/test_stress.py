@@ -14,7 +14,7 @@ import pytest
 from opsched.cli.stress import StressOptions, run_stress
 from opsched.cli.stress.driver import _replay_command
 from opsched.core import dispatch
-from opsched.core.scheduler import Scheduler
+from opsched.core.engine import Engine
 from opsched.devices.host import HostDevice
 from opsched.devices.pool import WorkspacePool
 from opsched.devices.streams import ThreadStream
@@ -95,7 +95,7 @@ def broken(monkeypatch, what: str) -> None:
         monkeypatch.setattr(dispatch, "finish", twice)
     elif what == "corrupts":
         # one wrong element in some GluBackward results, gathered or run on their own arrays
-        real_scatter, real_here = GluBackward.scatter, HostDevice.run_here
+        real_scatter, real_here = GluBackward.scatter, HostDevice.run_solo
 
         def spoil(request):
             if request.op.name == "GluBackward" and request.id % 13 == 3:
@@ -108,23 +108,23 @@ def broken(monkeypatch, what: str) -> None:
             for r in requests:
                 spoil(r)
 
-        def run_here(self, request):
+        def run_solo(self, request):
             real_here(self, request)
             spoil(request)
 
         monkeypatch.setattr(GluBackward, "scatter", scatter)
-        monkeypatch.setattr(HostDevice, "run_here", run_here)
+        monkeypatch.setattr(HostDevice, "run_solo", run_solo)
     elif what == "counts a refusal twice":
-        real_checked = Scheduler._checked_counted
+        real_checked = Engine._checked_counted
 
         def counted(self, op, *args):
             try:
                 return real_checked(self, op, *args)
             except Exception:
-                self._counters.rejected += 1  # counted twice: the sums still add up
+                self.counters.rejected += 1  # counted twice: the sums still add up
                 raise
 
-        monkeypatch.setattr(Scheduler, "_checked_counted", counted)
+        monkeypatch.setattr(Engine, "_checked_counted", counted)
     elif what == "leaks":
         real = WorkspacePool.release
         calls = {"n": 0}
@@ -259,7 +259,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
 
     def negated_runner(self, plan, tensors):  # the usual launch of blocking / two-phase calls
         launch = real_runner(self, plan, tensors)
-        if launch is None or graphs_only:  # (graph nodes: in run_here, below)
+        if launch is None or graphs_only:  # (graph nodes: in run_solo, below)
             return launch
 
         def perturbed(t, workspace):
@@ -268,14 +268,14 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
 
         return perturbed
 
-    real_here = HostDevice.run_here
+    real_here = HostDevice.run_solo
 
     def here(self, request):  # a lone request run where it was made: graph nodes too
         real_here(self, request)
         if graphs_only and request.graph is not None and request.op.name == "GluBackward":
             wrong(request.tensors["out"])
 
-    monkeypatch.setattr(HostDevice, "run_here", here)
+    monkeypatch.setattr(HostDevice, "run_solo", here)
     monkeypatch.setattr(GluBackward, "run", negated)
     monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
     monkeypatch.setattr(GluBackward, "runner", negated_runner)

@@ -40,7 +40,7 @@ F32 = np.dtype(np.float32)
 #: ``None`` stands for the device's class.
 HOOKS = [
     (None, "check_fits", "before"),
-    (None, "run_here", "before"),
+    (None, "run_solo", "before"),
     (None, "prepare", "before"),
     (None, "release", "after"),
     (None, "intermediate", "before"),

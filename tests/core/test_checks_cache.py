@@ -21,7 +21,7 @@ async def test_a_repeated_call_is_served_by_the_call_cache_and_stays_exact():
     g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
     async with opsched.open_scheduler(streams=1) as sched:
         first = await sched.glu_backward(g, x)
-        assert sched._checks.known(GLU_BACKWARD, (g, x, -1), 0) is not None
+        assert sched._engine.checks.known(GLU_BACKWARD, (g, x, -1), 0) is not None
         g2, x2 = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
         second = await sched.glu_backward(g2, x2)
     assert_same_bits(first.view(np.uint32), solo_glu(g, x, -1).view(np.uint32))
@@ -39,7 +39,7 @@ async def test_a_known_shape_with_another_value_or_kind_is_checked_again():
             await sched.glu_backward(g, x, True)
         with pytest.raises(ParamInvalidError, match="dtype"):
             await sched.glu_backward(g.astype(np.float16), x)
-        assert sched._checks.known(GLU_BACKWARD, (g, x, 0), 0) is None
+        assert sched._engine.checks.known(GLU_BACKWARD, (g, x, 0), 0) is None
         assert sched.statistics().rejected == 3
 
 
@@ -52,7 +52,7 @@ async def test_calls_with_arrays_of_other_kinds_are_not_cached():
     out = np.empty_like(x)
     async with opsched.open_scheduler(streams=1) as sched:
         assert await sched.glu_backward(g, x, out=out) is out
-        assert sched._checks.known(GLU_BACKWARD, (g, x), 0, np.ma.masked_array(out)) is None
+        assert sched._engine.checks.known(GLU_BACKWARD, (g, x), 0, np.ma.masked_array(out)) is None
         with pytest.raises(TypeError, match="masked"):  # checked in full: refused
             await sched.glu_backward(g, x, out=np.ma.masked_array(out))
     sig = GROUP_NORM_BACKWARD.call_signature((g, x, g, g, None, 1, 2, 3, 1, (True, False, True)))
@@ -70,7 +70,7 @@ async def test_a_repeated_call_with_outputs_is_served_by_one_lookup_each_checked
     gnb = gnb_inputs(rng, 1)[0]
     dx, dx2 = np.empty_like(gnb[1]), np.empty_like(gnb[1])
     async with opsched.open_scheduler(streams=1) as sched:
-        checks = sched._checks
+        checks = sched._engine.checks
         assert checks.known(GLU_BACKWARD, (g, x), 0, out) is None
         assert await sched.glu_backward(g, x, out=out) is out
         assert checks.known(GLU_BACKWARD, (g2, x2), 0, other) is not None
@@ -154,7 +154,7 @@ async def test_group_norm_grad_hot_path_agrees_with_the_generic_one():
     assert op.call_signature(four) == Operator.call_signature(op, four)
     async with opsched.open_scheduler(streams=1) as sched:
         first = await sched.group_norm_grad(*args)
-        assert sched._checks.known(op, args, 0) is not None
+        assert sched._engine.checks.known(op, args, 0) is not None
         assert_same_bits(await sched.group_norm_grad(*args), first)
         for mixed in halves:
             with pytest.raises(ParamInvalidError, match="dtype"):
@@ -168,11 +168,11 @@ async def test_requests_of_one_geometry_share_one_signature_object():
     rng = np.random.default_rng(4)
     calls = [(rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)) for _ in range(3)]
     async with opsched.open_scheduler(streams=1) as sched:
-        full = [sched._checks.check(GLU_BACKWARD, {"grad_out": g, "self": x,
+        full = [sched._engine.checks.check(GLU_BACKWARD, {"grad_out": g, "self": x,
                                                    "out": np.empty_like(x)}, {"dim": -1}, 0, None)
                 for g, x in calls]  # fmt: skip
         await sched.glu_backward(*calls[0])  # remembered by the call
-        hot = [sched._checks.known(GLU_BACKWARD, (g, x, -1), 0) for g, x in calls]
+        hot = [sched._engine.checks.known(GLU_BACKWARD, (g, x, -1), 0) for g, x in calls]
     g, x = calls[1]
     fresh = GLU_BACKWARD.signature({"grad_out": g, "self": x, "out": x}, {"dim": -1})
     assert fresh == full[0].signature and fresh is not full[0].signature  # equal, not same

@@ -27,7 +27,7 @@ from opsched import (
 )
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
-from opsched.core.here import FEW_READY
+from opsched.core.engine import FEW_READY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
@@ -1002,7 +1002,7 @@ async def test_a_request_runs_at_submit_while_at_most_few_others_are_ready(anyio
     finished_at_submit = []
     async with opsched.open_scheduler() as sched:
         for ready, (g, x) in zip((FEW_READY, FEW_READY + 1), calls, strict=True):
-            await settle(lambda: sched._loop.ready() == 0)  # nothing else ready
+            await settle(lambda: sched._engine.loop.ready() == 0)  # nothing else ready
             for _ in range(ready):
                 loop.call_soon(int)
             pending = sched.glu_backward_nowait(g, x)

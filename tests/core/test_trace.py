@@ -129,7 +129,7 @@ def test_untraced_scheduler_records_nothing(tmp_path, monkeypatch):
 
     async def main():
         async with opsched.open_scheduler(streams=1) as sched:
-            assert sched._tracer is None
+            assert sched._engine.tracer is None
             await _mixed_workload(sched, np.random.default_rng(4))
 
     asyncio.run(main())
@@ -172,7 +172,7 @@ def test_a_long_run_streams_its_events_in_bounded_memory(tmp_path, monkeypatch):
         async with opsched.open_scheduler(streams=2, trace=path) as sched:
             for _ in range(20):
                 await _mixed_workload(sched, rng)
-                seen.append(len(sched._tracer._events))
+                seen.append(len(sched._engine.tracer._events))
             return sched.statistics()
 
     stats = asyncio.run(main())

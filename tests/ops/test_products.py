@@ -203,10 +203,10 @@ def test_stress_on_atlas_training_rejects_exactly_what_the_table_says():
 
 
 def test_stress_catches_a_scheduler_that_ignores_the_product(monkeypatch):
-    from opsched.core import scheduler as _scheduler
+    from opsched.core import engine as _engine
     from opsched.ops import products
 
-    monkeypatch.setattr(_scheduler, "resolve_product", lambda *a: products.GENERIC)
+    monkeypatch.setattr(_engine, "resolve_product", lambda *a: products.GENERIC)
     out = io.StringIO()
     status = run_stress(
         StressOptions(requests=1500, clients=8, sync_clients=1, product="atlas-training"), out
@@ -263,7 +263,7 @@ def test_the_product_is_read_from_the_framework_device_name(soc, product):
 
 
 def test_a_reporting_device_sets_the_product_and_a_contradiction_is_an_error():
-    from opsched._api import _new_scheduler
+    from opsched._api import _new_engine
     from opsched.devices.host import CpuDevice
 
     def fake_npu(name, streams, split_min_bytes, **limits):  # the torch devices' own
@@ -277,11 +277,11 @@ def test_a_reporting_device_sets_the_product_and_a_contradiction_is_an_error():
         real = api.make_device
         api.make_device = fake_npu
         try:
-            sched = _new_scheduler(SchedulerConfig(streams=1), "cpu")
-            assert sched._product.name == "atlas-training"  # generic: the device decides
-            sched._close_now()
+            engine = _new_engine(SchedulerConfig(streams=1), "cpu")
+            assert engine.product.name == "atlas-training"  # generic: the device decides
+            engine.close_now()
             with pytest.raises(ValueError, match="product='atlas-a2' contradicts the device"):
-                _new_scheduler(SchedulerConfig(streams=1, product="atlas-a2"), "cpu")
+                _new_engine(SchedulerConfig(streams=1, product="atlas-a2"), "cpu")
         finally:
             api.make_device = real
 

@@ -11,7 +11,7 @@ import pytest
 
 import opsched.sync
 from opsched import DeadlineExceededError, InjectedFault, RuntimeLaunchError, aclnn
-from opsched.core.scheduler import Scheduler
+from opsched.core.engine import Engine
 from tests.helpers import assert_close, assert_same_bits, rand
 from tests.sched_helpers import THREADED_DEVICES, Gate, assert_result, solo_glu, uses
 
@@ -61,7 +61,7 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
     gate = Gate(hold=blocker[1])
     g, x = args(3)
     queued = threading.Event()
-    real = Scheduler.submit_threadsafe
+    real = Engine.submit_threadsafe
 
     def submit(self, *a, **kw):
         future = real(self, *a, **kw)
@@ -69,7 +69,7 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
             queued.set()
         return future
 
-    monkeypatch.setattr(Scheduler, "submit_threadsafe", submit)
+    monkeypatch.setattr(Engine, "submit_threadsafe", submit)
     with opsched.sync.open_scheduler(streams=1, inline_max_bytes=0) as sched:
         sched.scheduler.device.inject_faults(gate)
         first = sched.submit_glu_backward(*blocker)  # holds the only stream

@@ -1,0 +1,637 @@
+"""The engine: every piece of a scheduler's state, and every way a request travels.
+
+One :class:`Engine` per scheduler owns the lifecycle, admission (the queue cap and the
+parked submitters), the checks' cache, the queue and its one timer, expiry, abandonment,
+the waits, and the choice of where a request's launch runs. The public
+:class:`~opsched.core.scheduler.Scheduler` is a face that hands each call to it; the
+:class:`~opsched.core.dispatch.Dispatcher` and graph runs use its methods below, never its
+fields' insides.
+
+A request travels one story (``docs/architecture.md``): the caller's call is checked
+(:class:`~opsched.core.checks.Checks`, one lookup for a call seen before), recorded (one
+:class:`~opsched.core.requests.Request`) and admitted; its launch then runs in one of three
+places, and that is the only difference between the routes:
+
+- **at submit, in the loop thread**, when nothing is queued or running, few other callbacks
+  are ready on the loop and the request is small (:meth:`Engine.runs_at_submit`): nothing
+  could join its launch, so it is its solo launch now;
+- **in the calling thread**, for a thread's blocking call on an idle scheduler
+  (:meth:`Engine.runs_in_thread`), the same solo launch there;
+- **from the queue**, otherwise: the dispatcher fuses it with what is queued and starts
+  the launch on an idle stream.
+
+Either way it ends through the one :func:`~opsched.core.requests.finish`, which wakes its
+waiter. Concurrency: all state changes on the loop thread inside methods that never
+await, except what threads hand over through admission's inbox and the solo launch of a
+thread's own blocking call (counted under admission's lock).
+
+The core knows devices only through :class:`~opsched.devices.Device` and operators only
+through their descriptions.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import attrs
+
+from opsched._errors import DeadlineExceededError, QueueFullError, SchedulerClosedError
+from opsched._log import enabled
+from opsched.core.admission import Admission
+from opsched.core.batching import Batch, RequestQueue
+from opsched.core.checks import Checks
+from opsched.core.config import SchedulerConfig
+from opsched.core.dispatch import Dispatcher, device_lost, launch_error
+from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
+from opsched.core.requests import (
+    Request,
+    RequestFuture,
+    RequestState,
+    finish,
+    new_request_future,
+    past_deadline,
+)
+from opsched.core.stats import Counters, SchedulerStatistics
+from opsched.core.trace import Tracer, log_launch
+from opsched.devices import Device
+from opsched.ops import Operator
+from opsched.ops.products import Product, resolve_product
+
+__all__ = ["FEW_READY", "Engine", "SchedulerState"]
+
+#: Every engine not yet collected, to orphan them in a forked child.
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+_PID = [os.getpid()]
+
+
+def _orphan_in_child() -> None:
+    parent, _PID[0] = _PID[0], os.getpid()
+    for engine in list(_LIVE):
+        engine.orphan(parent)
+
+
+os.register_at_fork(after_in_child=_orphan_in_child)
+
+#: A coroutine's request runs at submit while at most this many other callbacks are ready
+#: on the loop (:attr:`LoopHandle.ready`): at most a handful of requests could join its
+#: launch, whose batch would gain nothing from them (a device runs so small a batch's
+#: requests one after another on their own arrays anyway, or stacks them no faster), while
+#: the dispatcher's round and each waiter's wake-up cost more than the launch. A few
+#: clients calling in turn get about twice the requests a second they would if only an
+#: idle loop ran requests at submit; many clients fill the queue and are not affected.
+FEW_READY = 4
+
+
+class SchedulerState(enum.Enum):
+    """A scheduler's lifecycle."""
+
+    NOT_OPENED = "not opened"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@attrs.define(eq=False)
+class Engine:
+    """One scheduler's state and the paths of its requests (see the module docstring)."""
+
+    config: SchedulerConfig
+    device: Device
+    loop: LoopHandle
+    #: Records a timeline trace when set (``open_scheduler(trace=...)``).
+    tracer: Tracer | None = attrs.field(default=None, kw_only=True)
+    state: SchedulerState = attrs.field(default=SchedulerState.NOT_OPENED, init=False)
+    queue: RequestQueue = attrs.field(factory=RequestQueue, init=False)
+    admission: Admission = attrs.field(init=False)
+    checks: Checks = attrs.field(init=False)
+    counters: Counters = attrs.field(factory=Counters, init=False)
+    product: Product = attrs.field(init=False)
+    dispatcher: Dispatcher = attrs.field(init=False)
+    #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
+    service: Any = attrs.field(default=None, init=False)
+    _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+    _wake: LoopEvent | None = attrs.field(default=None, init=False)
+    _wake_at: float | None = attrs.field(default=None, init=False)
+    _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
+    #: ``self._withdraw_posted``, bound once: each queued thread request's future holds it
+    #: (a bound method per request would be one more object for the collector to walk).
+    _withdraw_hook: Any = attrs.field(default=None, init=False)
+    #: Set in a process forked from the one that made this engine: that process's pid.
+    _forked_from: int | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _LIVE.add(self)
+        self.product = resolve_product(
+            self.config.product, self.device.reported_product, self.device.name
+        )
+        self.admission = Admission(self.config.max_queued_requests, self.queue, self.loop)
+        self.checks = Checks(self.device, self.product)
+        self._withdraw_hook = self._withdraw_posted
+        self.dispatcher = Dispatcher(self)
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Start accepting requests (once)."""
+        if self.state is not SchedulerState.NOT_OPENED:
+            msg = f"scheduler is {self.state.value}; a scheduler opens once"
+            raise RuntimeError(msg)
+        self.state = SchedulerState.OPEN
+
+    def orphan(self, parent: int) -> None:
+        """In a forked child: this engine's loop and stream threads stayed in the parent
+        (``parent``), so every call must fail clearly instead of waiting for them."""
+        self._forked_from = parent
+        self.state = SchedulerState.CLOSED
+        # a parent thread may have held the admission lock at the fork: never touch it
+        self.admission = Admission(self.config.max_queued_requests, self.queue, self.loop)
+        self.admission.open = False
+
+    def require_open(self, what: str) -> None:
+        """Raise SchedulerClosedError unless the scheduler accepts ``what`` now."""
+        if self._forked_from is not None:
+            msg = (
+                f"this scheduler belongs to process {self._forked_from}; its threads did not "
+                f"survive the fork into process {os.getpid()}: open a new scheduler here"
+            )
+            raise SchedulerClosedError(msg)
+        if self.state is not SchedulerState.OPEN:
+            msg = f"the scheduler is {self.state.value}; it accepts no {what}"
+            raise SchedulerClosedError(msg)
+        lost = self.device.lost
+        if lost is not None:
+            raise device_lost(self.device.name, lost)
+
+    async def serve(self) -> None:
+        """The service task: the one timer, for ``max_delay_us`` and for the earliest
+        deadline of a queued request; returns when the scheduler closes."""
+        while self.state is not SchedulerState.CLOSED:
+            self._wake = self.loop.new_event()
+            if self._wake_at is None:
+                await self._wake.wait()
+            else:
+                with anyio.move_on_after(max(0.0, self._wake_at - time.monotonic())):
+                    await self._wake.wait()
+                self._wake_at = None
+                self._expire_due()
+                self.dispatcher.dispatch()
+
+    async def aclose(self, *, cancel_pending: bool = False) -> None:
+        """Refuse new requests, then drain (or fail) the pending ones."""
+        if self.state is SchedulerState.CLOSED:
+            return
+        self.state = SchedulerState.CLOSING
+        self.admission.close()
+        if cancel_pending:
+            self._fail_queued()
+        await self.dispatcher.drained()
+        self._shutdown()
+
+    def close_now(self) -> None:
+        """Close without waiting (the loop is ending): fail what is queued, stop streams."""
+        if self.state is SchedulerState.CLOSED:
+            return
+        self.state = SchedulerState.CLOSING
+        self.admission.close()
+        self._fail_queued()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.state = SchedulerState.CLOSED
+        self.dispatcher.closed = True
+        self.admission.close()  # parked submitters raise SchedulerClosedError
+        self.device.close()
+        if self.tracer is not None:
+            self.tracer.write()
+        if self._wake is not None:
+            self._wake.set()
+
+    def _fail_queued(self) -> None:
+        for request in self.queue.drain():
+            error = SchedulerClosedError("the scheduler was closed before it launched")
+            finish(request, RequestState.CANCELLED, self.counters, error)
+        self.room()
+
+    def statistics(self) -> SchedulerStatistics:
+        """A frozen snapshot of the counters (the loop's and the threads')."""
+        c, t = self.counters, self.admission.thread_counts
+        launches = c.launches + t.launches
+        return SchedulerStatistics(
+            submitted=c.submitted + t.submitted,
+            completed=c.completed + t.completed,
+            failed=c.failed + t.failed,
+            cancelled=c.cancelled,
+            expired=c.expired + t.expired,
+            rejected=c.rejected + self.admission.thread_refused,
+            queued=len(self.queue),
+            queued_peak=self.queue.peak,
+            running=self.dispatcher.running,
+            launches=launches,
+            requests_per_launch_mean=(c.served + t.served) / launches if launches else 0.0,
+            requests_per_launch_max=max(c.per_launch_max, t.per_launch_max),
+            backpressure_waits=c.backpressure_waits + self.admission.thread_waits,
+            graph_runs=c.graph_runs,
+            graph_nodes=c.graph_nodes,
+            finished_twice=c.finished_twice + t.finished_twice,
+            streams=tuple(s.statistics() for s in self.device.streams),
+            pool=self.device.memory_statistics(),
+            executor_cache=self.device.executor_statistics(),
+        )
+
+    # ----------------------------------------------------------------------- submission
+
+    async def submit(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Any:
+        """A coroutine's call, from its arguments to its result (the face's ``submit``)."""
+        if (
+            out is None
+            and deadline is None
+            and timeout is None
+            and type(priority) is int
+            and self.state is SchedulerState.OPEN
+            and self.device.lost is None
+            and self.admission.has_room()
+        ):
+            # The common case: a call seen before, room in the queue. One cache lookup,
+            # one record, one queue operation, then the wait.
+            known = self.checks.known(op, args, priority)
+            if known is not None:
+                return await self.wait(self.admit(known))
+        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
+        if not self.admission.has_room():
+            self.counters.backpressure_waits += 1
+            await self.admission.wait_for_room()
+            self.require_open("new requests")
+        return await self.wait(self.admit(checked))
+
+    def submit_nowait(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Request:
+        """Queue a call without waiting (the face wraps the record in a ``Pending``)."""
+        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
+        if not self.admission.has_room():
+            self.counters.rejected += 1
+            msg = f"{len(self.queue)} requests are queued (max_queued_requests)"
+            raise QueueFullError(msg)
+        return self.admit(checked)
+
+    def submit_threadsafe(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Future[Any]:
+        """A thread's call, checked in that thread and handed to the loop."""
+        if threading.get_ident() == self._loop_thread:
+            msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
+            raise RuntimeError(msg)
+        try:
+            checked = self._checked_call(op, args, out, priority, deadline, timeout)
+        except BaseException:
+            self.admission.refused_in_thread()
+            raise
+        future = new_request_future()
+        if not self.admission.put_threadsafe(checked, future, self._drain_inbox):
+            future.checked = None  # nothing will queue it: let go of its arrays
+            future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
+        return future
+
+    def call_threadsafe(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Any:
+        """A thread's blocking call: its solo launch in that thread when the scheduler is
+        idle (:meth:`runs_in_thread`), else submitted and waited for."""
+        if self.runs_in_thread():
+            return self._run_in_thread(op, args, out, priority, deadline, timeout)
+        return self.submit_threadsafe(op, args, out, priority, deadline, timeout).result()
+
+    def _checked_call(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> tuple[Any, ...]:
+        """A call's checked request (any thread; :meth:`Checks.call`)."""
+        self.require_open("new requests")
+        return self.checks.call(op, args, out, priority, deadline, timeout)
+
+    def _checked_counted(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> tuple[Any, ...]:
+        """A call checked on the loop thread, a refusal counted as rejected."""
+        try:
+            return self._checked_call(op, args, out, priority, deadline, timeout)
+        except BaseException:
+            self.counters.rejected += 1
+            raise
+
+    def record(
+        self,
+        op: Operator,
+        tensors: dict[str, Any],
+        scalars: dict[str, Any],
+        key: Any,
+        units: int,
+        nbytes: int,
+        priority: int,
+        deadline: float | None,
+        signature: Any,
+        convert: Any = None,
+    ) -> Request:
+        """A new request record of this engine (the fields of a checked call)."""
+        return Request(
+            next(self._ids), op, tensors, scalars, key, units, nbytes, priority, deadline,
+            time.monotonic(), signature, convert,
+        )  # fmt: skip
+
+    def admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
+        """Record a checked call and start its journey: finished at once when it has
+        nothing to compute, run now when it may (:meth:`runs_at_submit`), else queued.
+
+        ``future``: the request came from a thread, which holds that future; its dispatch
+        is deferred to after the whole drained burst.
+        """
+        request = self.record(*checked)
+        request.future = future
+        self.counters.submitted += 1
+        if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
+            self.finish_empty(request)
+            return request
+        # (queue.live first: a busy scheduler skips the call)
+        if future is None and not self.queue.live and self.runs_at_submit(request):
+            self.run_at_submit(request)  # nothing could join it: its solo launch, now
+            return request
+        self.enqueue(request)
+        if future is not None:
+            future._request, future._withdraw = request, self._withdraw_hook
+            if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
+                self.abandon(request)
+                return request
+            self.dispatcher.schedule()
+            return request
+        dispatcher = self.dispatcher
+        if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
+            return request
+        if not self.loop.ready():
+            dispatcher.dispatch()  # nobody else can join this batch: launch now, no loop hop
+        else:
+            dispatcher.schedule()  # others are about to submit: let them, then fuse
+        return request
+
+    def _drain_inbox(self) -> None:
+        """Queue every request submitted from threads since the last drain (loop thread)."""
+        for future in self.admission.take_inbox():
+            checked, future.checked = future.checked, None
+            assert checked is not None  # put_threadsafe set it
+            if self.state is not SchedulerState.OPEN:
+                future.set_exception(SchedulerClosedError("the scheduler was closed"))
+                continue
+            self.admit(checked, future)
+
+    def _withdraw_posted(self, request: Request) -> None:
+        """A thread's future was cancelled (any thread): withdraw its request on the loop."""
+        self.loop.post(self._abandon_cancelled, request)
+
+    def _abandon_cancelled(self, request: Request) -> None:
+        if not request.finished:
+            self.abandon(request)
+
+    # ------------------------------------------------------------------- where it runs
+
+    def _idle(self) -> bool:
+        """Nothing could join a new request's launch: nothing is queued or running (what a
+        busy scheduler fails first), and no trace or ``max_delay_us`` asks for the
+        dispatcher; the device can run a request in the calling thread."""
+        return (
+            not self.queue.live
+            and not self.dispatcher.inflight
+            and self.device.runs_in_caller
+            and self.tracer is None
+            and not self.config.max_delay_us
+        )
+
+    def runs_in_thread(self) -> bool:
+        """Whether a thread's lone request may run in that thread now (racy reads, as
+        hints: at worst a request that could have fused runs alone, with the same bits)."""
+        return (
+            self._idle()
+            and self.admission.open  # False once closing, closed or orphaned by a fork
+            and self.admission.inbox_empty()
+            and threading.get_ident() != self._loop_thread
+        )
+
+    def runs_at_submit(self, request: Request) -> bool:
+        """Whether a coroutine's (or a graph node's) new ``request`` may run at submit, in
+        the loop thread: at most :data:`FEW_READY` others are ready to run on the loop, the
+        scheduler is idle, and the request is one the dispatcher would launch alone and
+        inline (at most ``inline_max_bytes``, not split across streams). Its waiter still
+        yields to the loop once (others run between two requests of a client whose every
+        request runs at submit)."""
+        config = self.config
+        nbytes = request.nbytes
+        return (
+            self._idle()
+            and self.loop.ready() <= FEW_READY
+            and 0 < nbytes <= config.inline_max_bytes
+            and nbytes < config.split_min_bytes
+        )
+
+    def run_at_submit(self, request: Request) -> None:
+        """Run a recorded, not yet queued ``request`` now (:meth:`runs_at_submit` said so)
+        and finish it: its waiter finds it finished."""
+        request.launched_at = time.monotonic()
+        start = time.perf_counter()
+        state, error = self._solo_launch(request)
+        end = time.perf_counter()
+        counters = self.counters  # (it was counted as submitted when it was recorded)
+        launched = state is not RequestState.EXPIRED
+        if launched:  # a launch of stream 0, which is idle
+            counters.launched(1)
+            self.device.streams[0].ran(end - start)
+        finish(request, state, counters, error)
+        if launched and enabled():  # the dispatcher's launch event, as for any launch
+            batch = Batch([request], 0, request.key, fused=False)
+            log_launch(request.op, batch, (None, start, end) if error is None else None)
+
+    def _run_in_thread(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Any:
+        """A thread's lone blocking call (:meth:`runs_in_thread` said so), checked, run and
+        finished in that thread; returns its result or raises its error."""
+        admission = self.admission
+        try:
+            checked = self._checked_call(op, args, out, priority, deadline, timeout)
+        except BaseException:
+            admission.refused_in_thread()
+            raise
+        request = self.record(*checked)
+        counts = admission.thread_counts
+        state, error = self._solo_launch(request)
+        with admission.lock:  # submitted, launched and finished at once: one lock round
+            counts.submitted += 1
+            if request.nbytes and state is not RequestState.EXPIRED:
+                counts.launched(1)
+            finish(request, state, counts, error)
+        if error is not None:
+            raise error
+        return request.outcome()
+
+    def _solo_launch(self, request: Request) -> tuple[RequestState, BaseException | None]:
+        """The solo launch of ``request`` in this thread: how it ended, and its error."""
+        if past_deadline(request):
+            error = DeadlineExceededError(
+                f"{request.op.name}: the deadline had passed when the request was submitted; "
+                "it was not launched"
+            )
+            return RequestState.EXPIRED, error
+        if request.nbytes:
+            try:
+                self.device.run_solo(request)
+            except Exception as exc:
+                return RequestState.FAILED, launch_error(request, exc)
+        return RequestState.DONE, None
+
+    # ------------------------------------------------------------------------- waiting
+
+    async def wait(self, request: Request) -> Any:
+        """Wait for ``request``'s outcome in the calling task; a cancelled last waiter
+        withdraws it."""
+        loop = self.loop
+        request.waiting += 1
+        try:
+            if request.finished:  # finished inline at submit: still yield once
+                await loop.checkpoint()
+            elif request.waiter is None and loop.new_future:
+                # the common case: one task waits on a bare future (a deadline is the
+                # engine's: a request still queued then is expired, which wakes it)
+                request.waiter = future = loop.new_future()
+                await future
+            else:  # a second task (a Pending's), or on trio
+                await self._event(request).wait()
+            if loop.cancelled is not None and loop.cancelled():
+                await loop.checkpoint()
+        except BaseException:
+            request.waiting -= 1
+            if not request.finished and not request.waiting:  # its last waiter left
+                self.abandon(request)
+            raise
+        request.waiting -= 1
+        return request.returned()
+
+    def _event(self, request: Request) -> LoopEvent:
+        """The event a task waits on for ``request`` when it has a deadline or is not its
+        only waiter: its first waiter's, which a bare future's becomes."""
+        done = request.waiter
+        if done is None or isinstance(done, FUTURE):  # none yet, or the first's bare future
+            done = request.waiter = upgrade_waiter(done, self.loop.new_event)
+        return done
+
+    # ------------------------------------------------------------ queue, expiry, room
+
+    def finish_empty(self, request: Request) -> None:
+        """Finish a request of empty tensors at submit: nothing to launch. Its deadline
+        still holds: one already past expires, as it would in the queue."""
+        if past_deadline(request):
+            self.expired(request)
+        else:
+            finish(request, RequestState.DONE, self.counters)
+
+    def abandon(self, request: Request) -> None:
+        """The caller stopped waiting (cancellation)."""
+        if request.state is RequestState.QUEUED:
+            self.queue.discard(request, RequestState.CANCELLED)
+            finish(request, RequestState.CANCELLED, self.counters)
+            self.room()
+        else:
+            request.abandoned = True  # running: its launch finishes, the result is dropped
+
+    def drop(self, request: Request, error: BaseException) -> None:
+        """Fail a queued request that must never launch (a graph node whose producer
+        failed)."""
+        if request.state is RequestState.QUEUED:
+            self.queue.discard(request, RequestState.FAILED)
+            finish(request, RequestState.FAILED, self.counters, error)
+            self.room()
+
+    def _expire_due(self) -> None:
+        """Expire the queued requests whose deadline passed; arm the timer for the next."""
+        for request in self.queue.expire_due(time.monotonic()):
+            self.expired(request)
+        upcoming = self.queue.next_deadline()
+        if upcoming is not None:
+            self.arm_timer(upcoming)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue ``request``; its deadline sets the one timer if it is the earliest."""
+        self.queue.push(request)
+        if request.deadline is not None:
+            self.arm_timer(request.deadline)
+
+    def expired(self, request: Request) -> None:
+        """Finish a request whose deadline passed before its launch."""
+        late = time.monotonic() - (request.deadline or 0.0)
+        error = DeadlineExceededError(
+            f"{request.op.name}: the deadline passed {late * 1e3:.3f} ms ago while the "
+            "request was queued; it was not launched"
+        )
+        finish(request, RequestState.EXPIRED, self.counters, error)
+        self.room()
+
+    def room(self) -> None:
+        """Requests left the queue: wake as many parked submitters as there are free
+        slots (FIFO); queue what threads handed over if room is left."""
+        if self.admission.wake():
+            self._drain_inbox()
+
+    def arm_timer(self, wake_at: float) -> None:
+        """Have the service task dispatch at ``wake_at`` (``time.monotonic()``)."""
+        if self._wake_at is None or wake_at < self._wake_at:
+            self._wake_at = wake_at
+            if self._wake is not None:
+                self._wake.set()
