@@ -210,11 +210,21 @@ def glu_backward_runner(
     if not (grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous):
         return None
     loop = _LOOPS[kind.name]
+    row = 2 * half
+    if plan.dtype == kind.storage:  # float32: the arrays' own flat views
 
-    def run(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
-        loop(*_flat_args(kind, grad_out, self, out, outer, half))
+        def run(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
+            loop(grad_out.ravel(), 0, half, self.ravel(), 0, half, row, out.ravel(), 0, half,
+                 row, outer, half)  # fmt: skip
 
-    return run
+        return run
+    bits = kind.storage  # the half types: their flat views as raw 16-bit words
+
+    def run_bits(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
+        loop(grad_out.ravel().view(bits), 0, half, self.ravel().view(bits), 0, half, row,
+             out.ravel().view(bits), 0, half, row, outer, half)  # fmt: skip
+
+    return run_bits
 
 
 def _nothing(workspace: np.ndarray | None) -> None:

@@ -23,7 +23,7 @@ import contextvars
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 import anyio
 import numpy as np
@@ -46,6 +46,7 @@ __all__ = [
     "glu_backward",
     "group_norm_backward",
     "group_norm_grad",
+    "open_engine",
     "open_scheduler",
     "resolve_config",
     "run",
@@ -248,10 +249,19 @@ class Graph(GraphBuilder):
     # END GENERATED graph
 
 
-_current: contextvars.ContextVar[Scheduler | None] = contextvars.ContextVar(
+class _Opened(NamedTuple):
+    """An open scheduler: the face callers get, and the engine its calls go to."""
+
+    scheduler: Scheduler
+    engine: Engine
+
+
+#: The scheduler of the enclosing ``open_scheduler`` block (a context variable, so it
+#: follows tasks), and each loop's default.
+_current: contextvars.ContextVar[_Opened | None] = contextvars.ContextVar(
     "opsched_scheduler", default=None
 )
-_defaults: dict[Hashable, Scheduler] = {}
+_defaults: dict[Hashable, _Opened] = {}
 # A forked child has none of the parent's loops' default schedulers: it makes its own.
 os.register_at_fork(after_in_child=_defaults.clear)
 
@@ -327,12 +337,26 @@ async def open_scheduler(
     Raises:
         ValueError, TypeError: a bad config value or an unknown setting or device.
     """
+    async with open_engine(config, device, trace, overrides) as opened:
+        yield opened.scheduler
+
+
+@asynccontextmanager
+async def open_engine(
+    config: SchedulerConfig | str | os.PathLike[str] | None,
+    device: str,
+    trace: str | os.PathLike[str] | None,
+    overrides: dict[str, Any],
+) -> AsyncIterator[_Opened]:
+    """:func:`open_scheduler`, yielding the scheduler and its engine (the sync facade
+    hands its calls to the engine, as the generated methods do)."""
     engine = _new_engine(resolve_config(config, overrides), device, trace)
     scheduler = Scheduler(engine)
     _start_service(engine, engine.serve)
-    token = _current.set(scheduler)
+    opened = _Opened(scheduler, engine)
+    token = _current.set(opened)
     try:
-        yield scheduler
+        yield opened
     except BaseException:
         with anyio.CancelScope(shield=True):
             await scheduler.aclose(cancel_pending=True)
@@ -344,7 +368,7 @@ async def open_scheduler(
         engine.close_now()  # no-op unless a cancellation interrupted the drain
 
 
-def _forget_current(token: contextvars.Token[Scheduler | None], scheduler: Scheduler) -> None:
+def _forget_current(token: contextvars.Token[_Opened | None], scheduler: Scheduler) -> None:
     """Stop module-level calls here from using ``scheduler`` as its block ends. The block
     may end in another task than the one that entered it (an ``AsyncExitStack`` handed
     on, an abandoned block finalised when its loop ends): that task's context cannot
@@ -352,36 +376,39 @@ def _forget_current(token: contextvars.Token[Scheduler | None], scheduler: Sched
     try:
         _current.reset(token)
     except ValueError:  # the token belongs to another task's context
-        if _current.get() is scheduler:
+        here = _current.get()
+        if here is not None and here.scheduler is scheduler:
             old = token.old_value
             _current.set(None if old is contextvars.Token.MISSING else old)
 
 
 async def current_scheduler() -> Scheduler:
     """The scheduler module-level calls use here (creating the loop's default if needed)."""
-    return _scheduler_here()
+    return _here().scheduler
 
 
-def _scheduler_here() -> Scheduler:
-    """:func:`current_scheduler`, without a coroutine of its own: every module-level call
-    runs it."""
-    scheduler = _current.get()
-    if scheduler is not None and scheduler.state is SchedulerState.OPEN:
-        return scheduler
+def _here() -> _Opened:
+    """The scheduler module-level calls use here, and its engine: the enclosing
+    ``open_scheduler`` block's, else the running loop's default (made on first use). Every
+    module-level call runs it: one context-variable read in a block, one dict lookup
+    outside."""
+    opened = _current.get()
+    if opened is not None and opened.engine.state is SchedulerState.OPEN:
+        return opened
     # The running asyncio loop's default, found by the loop itself: current_loop() builds
     # a whole handle (about 6 us, as much again as the rest of a tiny request). On trio,
     # or with no loop running, asyncio has none and the handle decides.
     try:
-        scheduler = _defaults.get(asyncio.get_running_loop())
+        opened = _defaults.get(asyncio.get_running_loop())
     except RuntimeError:
-        scheduler = None
-    if scheduler is not None and scheduler.state is SchedulerState.OPEN:
-        return scheduler
+        opened = None
+    if opened is not None and opened.engine.state is SchedulerState.OPEN:
+        return opened
     loop = current_loop()
-    scheduler = _defaults.get(loop.key)
-    if scheduler is None or scheduler.state is not SchedulerState.OPEN:
+    opened = _defaults.get(loop.key)
+    if opened is None or opened.engine.state is not SchedulerState.OPEN:
         engine = _new_engine(SchedulerConfig(), "cpu")
-        scheduler = _defaults[loop.key] = Scheduler(engine)
+        opened = _defaults[loop.key] = _Opened(Scheduler(engine), engine)
 
         async def serve() -> None:
             try:
@@ -391,7 +418,7 @@ def _scheduler_here() -> Scheduler:
                 engine.close_now()
 
         _start_service(engine, serve)
-    return scheduler
+    return opened
 
 
 def _start_service(engine: Engine, serve: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -420,25 +447,78 @@ async def run(
     timeout: float | None = None,
 ) -> list[Any]:
     """Run a graph on the current scheduler; see :meth:`Scheduler.run`."""
-    return await _scheduler_here().run(
+    return await _here().scheduler.run(
         graph, outputs, inputs=inputs, priority=priority, deadline=deadline, timeout=timeout
     )
 
 
-def _module_level(
-    method: Callable[Concatenate[Scheduler, P], Coroutine[Any, Any, R]],
-) -> Callable[P, Coroutine[Any, Any, R]]:
-    """``method`` on the current scheduler (:func:`current_scheduler`)."""
-
-    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        return await method(_scheduler_here(), *args, **kwargs)
-
-    doc = f"{method.__name__} on the current scheduler; see :meth:`Scheduler.{method.__name__}`."
-    return entry_point(call, method, method.__name__, doc)
-
-
 # BEGIN GENERATED functions: scripts/gen_entry_points.py writes this; do not edit
-glu_backward = _module_level(Scheduler.glu_backward)
-group_norm_grad = _module_level(Scheduler.group_norm_grad)
-group_norm_backward = _module_level(Scheduler.group_norm_backward)
+def glu_backward(
+    grad_out: np.ndarray,
+    self: np.ndarray,
+    dim: int = -1,
+    *,
+    out: np.ndarray | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> Coroutine[Any, Any, np.ndarray]:
+    """GluBackward (``aclnnGluBackward``) on the current scheduler, found when it is called: see
+    :meth:`Scheduler.glu_backward`.
+    """
+    return _here().engine.submit(
+        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+    )
+
+
+def group_norm_grad(
+    x: np.ndarray,
+    dy: np.ndarray,
+    gamma: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> Coroutine[Any, Any, np.ndarray]:
+    """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``) on the current scheduler, found
+    when it is called: see :meth:`Scheduler.group_norm_grad`.
+    """
+    return _here().engine.submit(
+        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+    )
+
+
+def group_norm_backward(
+    grad_out: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    N: int,
+    C: int,
+    HxW: int,
+    group: int,
+    output_mask: Sequence[bool] = (True, True, True),
+    *,
+    out: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] | None = None,
+    priority: int = 0,
+    deadline: float | None = None,
+    timeout: float | None = None,
+) -> Coroutine[Any, Any, tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]:
+    """GroupNormBackward (``aclnnGroupNormBackward``) on the current scheduler, found when it is
+    called: see :meth:`Scheduler.group_norm_backward`.
+    """
+    return _here().engine.submit(
+        ops.GROUP_NORM_BACKWARD,
+        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+        out,
+        priority,
+        deadline,
+        timeout,
+    )
+
+
 # END GENERATED functions

@@ -34,10 +34,10 @@ import anyio.from_thread
 import numpy as np
 
 from opsched import ops
-from opsched._api import Graph, Scheduler
-from opsched._api import open_scheduler as _open_async
+from opsched._api import Graph, Scheduler, open_engine
 from opsched._errors import SchedulerClosedError
 from opsched.core.config import SchedulerConfig
+from opsched.core.engine import Engine
 from opsched.core.graph import Node
 from opsched.core.stats import SchedulerStatistics
 from opsched.ops import Operator, entry_point
@@ -158,9 +158,7 @@ def _threadsafe(
         facade._portal.check_thread()
         if named:  # operator arguments given by name
             args = op.bind(args, named)
-        return facade.scheduler.submit_threadsafe(
-            op, args, out, priority=priority, deadline=deadline, timeout=timeout
-        )
+        return facade._engine.submit_threadsafe(op, args, out, priority, deadline, timeout)
 
     doc = (
         f"Queue a {op.name}; the future resolves with its result (or raises its error).\n\n"
@@ -191,9 +189,7 @@ def _blocking(
         facade._portal.check_thread()
         if named:  # operator arguments given by name
             args = op.bind(args, named)
-        return facade.scheduler.call_threadsafe(
-            op, args, out, priority=priority, deadline=deadline, timeout=timeout
-        )
+        return facade._engine.call_threadsafe(op, args, out, priority, deadline, timeout)
 
     doc = f"Blocking :meth:`Scheduler.{op.method}` (same arguments and errors)."
     return cast(Any, entry_point(call, method, op.method, doc, first="facade"))
@@ -206,9 +202,11 @@ class SyncScheduler:
     ``submit_*(...).result()``. Requests submitted from many threads fuse together.
     """
 
-    def __init__(self, portal: _Portal, scheduler: Scheduler) -> None:
+    def __init__(self, portal: _Portal, scheduler: Scheduler, engine: Engine) -> None:
         self._portal = portal
         self._scheduler = scheduler
+        #: Where its calls go (the scheduler's engine), as the async methods' do.
+        self._engine = engine
 
     @property
     def scheduler(self) -> Scheduler:
@@ -256,22 +254,22 @@ class _Session(AbstractContextManager[SyncScheduler]):
     ) -> None:
         self._args = (config, device, trace, overrides)
         self._portal: _Portal | None = None
-        self._cm: AbstractContextManager[Scheduler] | None = None
+        self._cm: AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> SyncScheduler:
         config, device, trace, overrides = self._args
         portal = _Portal()
         try:
             cm = portal.portal.wrap_async_context_manager(
-                _open_async(config, device=device, trace=trace, **overrides)
+                open_engine(config, device, trace, overrides)
             )
-            scheduler = cm.__enter__()
+            opened = cm.__enter__()
         except BaseException:
             portal.close()
             raise
         self._portal, self._cm = portal, cm
         _OPEN.add(self)
-        return SyncScheduler(portal, scheduler)
+        return SyncScheduler(portal, opened.scheduler, opened.engine)
 
     def __exit__(self, *exc: Any) -> None:
         _OPEN.discard(self)

@@ -189,7 +189,21 @@ def graph_methods(op: Operator) -> list[str]:
 
 
 def module_functions(op: Operator) -> list[str]:
-    return [f"{op.method} = _module_level(Scheduler.{op.method})"]
+    """``opsched.<op>``: the method's signature, handing the call to the current
+    scheduler's engine as the method does (no hop through the method itself)."""
+    params = [_param(op, p) for p in op.parameters] + _keywords(op)
+    call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
+    returns = f"Coroutine[Any, Any, {op.result_annotation}]"
+    lines = _signature(op.method, None, params, returns, "")
+    lines += _doc(
+        [
+            f"{op.name} (``aclnn{op.name}``) on the current scheduler, found when it is "
+            f"called: see :meth:`Scheduler.{op.method}`."
+        ],
+        "    ",
+    )
+    lines += _call("return _here().engine.submit(", call, "    ")
+    return lines
 
 
 def sync_methods(op: Operator) -> list[str]:

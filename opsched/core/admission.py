@@ -35,7 +35,7 @@ class Admission:
     """The cap and the parked submitters of one scheduler."""
 
     __slots__ = (
-        "_cap", "_inbox", "_lock", "_loop", "_queue", "_waiters", "_woken", "open",
+        "_cap", "_loop", "_queue", "_waiters", "_woken", "inbox", "lock", "open",
         "thread_counts", "thread_refused", "thread_waits",
     )  # fmt: skip
 
@@ -43,10 +43,12 @@ class Admission:
         self._cap = cap
         self._queue = queue
         self._loop = loop
-        self._lock = threading.Lock()
+        #: Guards the inbox, the FIFO and the thread-side counters.
+        self.lock = threading.Lock()
         self._waiters: collections.deque[LoopEvent | ThreadEvent] = collections.deque()
-        #: Futures of checked requests from threads, each holding its request (``checked``).
-        self._inbox: collections.deque[RequestFuture] = collections.deque()
+        #: Futures of checked requests from threads, each holding its request (``checked``),
+        #: until the loop queues them (an empty inbox: no thread's request waits).
+        self.inbox: collections.deque[RequestFuture] = collections.deque()
         #: Slots held for submitters woken from the FIFO that have not queued yet.
         self._woken = 0
         #: False once the scheduler stops accepting requests.
@@ -59,18 +61,9 @@ class Admission:
         #: finished under the lock.
         self.thread_counts = Counters()
 
-    @property
-    def lock(self) -> threading.Lock:
-        """Guards the inbox, the FIFO and the thread-side counters."""
-        return self._lock
-
-    def inbox_empty(self) -> bool:
-        """Whether no thread's request waits to be queued (a racy read: a hint)."""
-        return not self._inbox
-
     def refused_in_thread(self) -> None:
         """Count a call from a thread that its checks refused (any thread)."""
-        with self._lock:
+        with self.lock:
             self.thread_refused += 1
 
     def has_room(self) -> bool:
@@ -94,20 +87,20 @@ class Admission:
         if not self.open:
             raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
         event = self._loop.new_event()
-        with self._lock:
+        with self.lock:
             self._waiters.append(event)
         try:
             await event.wait()
         except BaseException:
             if event.is_set():  # woken, then cancelled: hand its slot to the next waiter
-                with self._lock:
+                with self.lock:
                     self._woken -= 1
                 self.wake()
             else:
-                with self._lock:
+                with self.lock:
                     self._waiters.remove(event)
             raise
-        with self._lock:
+        with self.lock:
             self._woken -= 1  # the slot becomes its request's, queued before any await
         if not self.open:
             raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
@@ -123,14 +116,14 @@ class Admission:
         """
         parked: ThreadEvent | None = None
         while True:
-            with self._lock:
+            with self.lock:
                 if parked is not None:  # woken from the FIFO: its slot was held for it
                     self._woken -= 1
-                room = len(self._inbox) + len(self._queue) + self._woken < self._cap
+                room = len(self.inbox) + len(self._queue) + self._woken < self._cap
                 if not self.open or parked is not None or (room and not self._waiters):
                     future.checked = checked  # no pair per request: one object less to hold
-                    self._inbox.append(future)
-                    first = len(self._inbox) == 1
+                    self.inbox.append(future)
+                    first = len(self.inbox) == 1
                     break
                 self.thread_waits += 1
                 parked = ThreadEvent()
@@ -140,9 +133,9 @@ class Admission:
 
     def take_inbox(self) -> list[RequestFuture]:
         """Everything threads handed over since the last call (loop thread)."""
-        with self._lock:
-            items = list(self._inbox)
-            self._inbox.clear()
+        with self.lock:
+            items = list(self.inbox)
+            self.inbox.clear()
         return items
 
     def wake(self) -> bool:
@@ -152,20 +145,20 @@ class Admission:
         Returns:
             Whether room is left for the inbox after that.
         """
-        with self._lock:
-            free = self._cap - len(self._queue) - len(self._inbox) - self._woken
+        with self.lock:
+            free = self._cap - len(self._queue) - len(self.inbox) - self._woken
             waiters = self._waiters
             while free > 0 and waiters:
                 waiters.popleft().set()
                 self._woken += 1
                 free -= 1
-            return free > 0 and bool(self._inbox)
+            return free > 0 and bool(self.inbox)
 
     def close(self) -> None:
         """Refuse new requests and wake every parked submitter (they raise
         SchedulerClosedError, or find the scheduler closed)."""
         self.open = False
-        with self._lock:
+        with self.lock:
             while self._waiters:
                 self._waiters.popleft().set()
                 self._woken += 1

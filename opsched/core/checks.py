@@ -198,7 +198,9 @@ class Checks:
         tensors = op.arguments(args, out)[0]
         if out is not None:
             check_writable(op.name, op.outputs, tensors)
-        tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
+        convert = None
+        if not 0 < nbytes <= self._device.binds_as_given:  # (else it would change nothing)
+            tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
         return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
 
 

@@ -90,6 +90,13 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 #: idle loop ran requests at submit; many clients fill the queue and are not affected.
 FEW_READY = 4
 
+#: On asyncio, a coroutine's request that ran at submit returns without yielding to the
+#: loop (as ``await`` of a finished future does), except every this many in a row: then it
+#: yields once, so a client whose every request runs at submit never keeps the loop's other
+#: callbacks, timers and cancellations waiting longer than this many tiny launches. On
+#: trio every request is a checkpoint, as trio's own calls are.
+YIELD_EVERY = 8
+
 
 class SchedulerState(enum.Enum):
     """A scheduler's lifecycle."""
@@ -127,6 +134,16 @@ class Engine:
     _withdraw_hook: Any = attrs.field(default=None, init=False)
     #: Set in a process forked from the one that made this engine: that process's pid.
     _forked_from: int | None = attrs.field(default=None, init=False)
+    #: Whether requests may ever run in their caller (the device can; no trace and no
+    #: ``max_delay_us`` asks for the dispatcher): fixed when the engine is made.
+    _solo_capable: bool = attrs.field(default=False, init=False)
+    #: The largest request that runs at submit: one the dispatcher would launch alone and
+    #: inline (at most ``inline_max_bytes``, not split across streams).
+    _solo_max_bytes: int = attrs.field(default=0, init=False)
+    #: Requests run at submit since a waiter last yielded to the loop, and how many may
+    #: return without yielding (:data:`YIELD_EVERY` - 1 on asyncio, 0 on trio).
+    _unyielded: int = attrs.field(default=0, init=False)
+    _unyielded_max: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         _LIVE.add(self)
@@ -137,6 +154,12 @@ class Engine:
         self.checks = Checks(self.device, self.product)
         self._withdraw_hook = self._withdraw_posted
         self.dispatcher = Dispatcher(self)
+        config = self.config
+        self._solo_capable = (
+            self.device.runs_in_caller and self.tracer is None and not config.max_delay_us
+        )
+        self._solo_max_bytes = min(config.inline_max_bytes, config.split_min_bytes - 1)
+        self._unyielded_max = YIELD_EVERY - 1 if self.loop.library == "asyncio" else 0
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -272,7 +295,11 @@ class Engine:
             # one record, one queue operation, then the wait.
             known = self.checks.known(op, args, priority)
             if known is not None:
-                return await self.wait(self.admit(known))
+                request = self.admit(known)
+                if request.finished and self._unyielded < self._unyielded_max:
+                    self._unyielded += 1  # ran at submit: no yield this time (YIELD_EVERY)
+                    return request.returned()
+                return await self.wait(request)
         checked = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
@@ -346,7 +373,8 @@ class Engine:
         timeout: float | None,
     ) -> tuple[Any, ...]:
         """A call's checked request (any thread; :meth:`Checks.call`)."""
-        self.require_open("new requests")
+        if self.state is not SchedulerState.OPEN or self.device.lost is not None:
+            self.require_open("new requests")  # raises
         return self.checks.call(op, args, out, priority, deadline, timeout)
 
     def _checked_counted(
@@ -365,24 +393,10 @@ class Engine:
             self.counters.rejected += 1
             raise
 
-    def record(
-        self,
-        op: Operator,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        key: Any,
-        units: int,
-        nbytes: int,
-        priority: int,
-        deadline: float | None,
-        signature: Any,
-        convert: Any = None,
-    ) -> Request:
-        """A new request record of this engine (the fields of a checked call)."""
-        return Request(
-            next(self._ids), op, tensors, scalars, key, units, nbytes, priority, deadline,
-            time.monotonic(), signature, convert,
-        )  # fmt: skip
+    def record(self, checked: tuple[Any, ...]) -> Request:
+        """A new request record of this engine: its id, the time, the checked call's
+        fields (:class:`~opsched.core.checks.Checked`)."""
+        return Request(next(self._ids), time.monotonic(), *checked)
 
     def admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
         """Record a checked call and start its journey: finished at once when it has
@@ -391,7 +405,7 @@ class Engine:
         ``future``: the request came from a thread, which holds that future; its dispatch
         is deferred to after the whole drained burst.
         """
-        request = self.record(*checked)
+        request = Request(next(self._ids), time.monotonic(), *checked)  # (as record())
         request.future = future
         self.counters.submitted += 1
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
@@ -438,25 +452,16 @@ class Engine:
 
     # ------------------------------------------------------------------- where it runs
 
-    def _idle(self) -> bool:
-        """Nothing could join a new request's launch: nothing is queued or running (what a
-        busy scheduler fails first), and no trace or ``max_delay_us`` asks for the
-        dispatcher; the device can run a request in the calling thread."""
-        return (
-            not self.queue.live
-            and not self.dispatcher.inflight
-            and self.device.runs_in_caller
-            and self.tracer is None
-            and not self.config.max_delay_us
-        )
-
     def runs_in_thread(self) -> bool:
-        """Whether a thread's lone request may run in that thread now (racy reads, as
-        hints: at worst a request that could have fused runs alone, with the same bits)."""
+        """Whether a thread's lone request may run in that thread now: nothing is queued
+        or running, so nothing could join its launch (racy reads, as hints: at worst a
+        request that could have fused runs alone, with the same bits)."""
         return (
-            self._idle()
+            self._solo_capable
+            and not self.queue.live
+            and not self.dispatcher.inflight
             and self.admission.open  # False once closing, closed or orphaned by a fork
-            and self.admission.inbox_empty()
+            and not self.admission.inbox  # (a racy read: a hint)
             and threading.get_ident() != self._loop_thread
         )
 
@@ -467,13 +472,12 @@ class Engine:
         inline (at most ``inline_max_bytes``, not split across streams). Its waiter still
         yields to the loop once (others run between two requests of a client whose every
         request runs at submit)."""
-        config = self.config
-        nbytes = request.nbytes
         return (
-            self._idle()
+            self._solo_capable
+            and not self.queue.live
+            and not self.dispatcher.inflight
+            and 0 < request.nbytes <= self._solo_max_bytes
             and self.loop.ready() <= FEW_READY
-            and 0 < nbytes <= config.inline_max_bytes
-            and nbytes < config.split_min_bytes
         )
 
     def run_at_submit(self, request: Request) -> None:
@@ -510,7 +514,7 @@ class Engine:
         except BaseException:
             admission.refused_in_thread()
             raise
-        request = self.record(*checked)
+        request = Request(next(self._ids), time.monotonic(), *checked)  # (as record())
         counts = admission.thread_counts
         state, error = self._solo_launch(request)
         with admission.lock:  # submitted, launched and finished at once: one lock round
@@ -524,7 +528,7 @@ class Engine:
 
     def _solo_launch(self, request: Request) -> tuple[RequestState, BaseException | None]:
         """The solo launch of ``request`` in this thread: how it ended, and its error."""
-        if past_deadline(request):
+        if request.deadline is not None and past_deadline(request):
             error = DeadlineExceededError(
                 f"{request.op.name}: the deadline had passed when the request was submitted; "
                 "it was not launched"
@@ -546,6 +550,7 @@ class Engine:
         request.waiting += 1
         try:
             if request.finished:  # finished inline at submit: still yield once
+                self._unyielded = 0
                 await loop.checkpoint()
             elif request.waiter is None and loop.new_future:
                 # the common case: one task waits on a bare future (a deadline is the

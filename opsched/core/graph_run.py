@@ -128,7 +128,7 @@ class GraphRun:
     #: Node requests to run where they were submitted, in order (nothing queued or
     #: running: :meth:`~opsched.core.engine.Engine.runs_at_submit`); :func:`_run_at_submit` runs
     #: them.
-    here: collections.deque[Request] = attrs.field(factory=collections.deque)
+    at_submit: collections.deque[Request] = attrs.field(factory=collections.deque)
     _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
 
     def start(self, inputs: Mapping[Node | Placeholder, np.ndarray], plan: RunPlan) -> None:
@@ -401,7 +401,7 @@ def _start(
     except BaseException:  # a node could not be submitted (no memory for its output, say):
         _withdraw(engine, run)  # the caller gets the error; what was queued is withdrawn
         raise
-    if run.here:
+    if run.at_submit:
         _run_at_submit(engine, run)
     return run
 
@@ -413,19 +413,19 @@ def _withdraw(engine: Engine, run: GraphRun) -> None:
     for request in run.cancel():
         if request.state is RequestState.QUEUED:
             engine.abandon(request)
-    while run.here:
-        finish(run.here.popleft(), RequestState.CANCELLED, engine.counters)
+    while run.at_submit:
+        finish(run.at_submit.popleft(), RequestState.CANCELLED, engine.counters)
 
 
 def _run_at_submit(engine: Engine, run: GraphRun) -> None:
-    """Run the nodes :func:`_submit_node` gave to ``run`` (:attr:`GraphRun.here`) one after
+    """Run the nodes :func:`_submit_node` gave to ``run`` (:attr:`GraphRun.queue`) one after
     another, each as its solo launch, in the loop thread: a node's consumers join the list
     when it is launched, behind it. A node whose producer failed meanwhile fails without a
     launch."""
-    here, counters = run.here, engine.counters
+    queue, counters = run.at_submit, engine.counters
     try:
-        while here:
-            request = here.popleft()
+        while queue:
+            request = queue.popleft()
             node_run = request.graph[1]
             if run.failed:
                 runs = run.runs
@@ -444,10 +444,10 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
                 continue
             run.launched(node_run, None)
             engine.run_at_submit(request)
-    except Exception as exc:  # a bug here fails the run's nodes still to run, never hangs it
-        while here:
+    except Exception as exc:  # a bug queue fails the run's nodes still to run, never hangs it
+        while queue:
             error = InnerError.caused_by("graph run: running a node failed", exc)
-            finish(here.popleft(), RequestState.FAILED, counters, error)
+            finish(queue.popleft(), RequestState.FAILED, counters, error)
         raise
 
 
@@ -465,8 +465,8 @@ def _submit_node(
             for n, v in tensors.items()
         }
     request = engine.record(
-        node.op, tensors, node.scalars, node.key, node.units, node.nbytes,
-        run.priority, run.deadline, node.signature,
+        (node.op, tensors, node.scalars, node.key, node.units, node.nbytes, run.priority,
+         run.deadline, node.signature)
     )  # fmt: skip
     request.graph = (run, node_run)
     request.waits = waits or None
@@ -488,7 +488,7 @@ def _submit_node(
         return request
     if not waits and engine.runs_at_submit(request):  # nothing queued or running
         request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
-        run.here.append(request)
+        run.at_submit.append(request)
         return request
     engine.enqueue(request)  # (a node still queued at the run's deadline expires)
     engine.dispatcher.schedule()

@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol
 
 import attrs
@@ -118,6 +118,10 @@ class ThreadEvent:
         raise RuntimeError(msg)
 
 
+#: What a handle made without a loop waits on: nothing can await it (tests build such).
+_NO_LOOP = ThreadEvent()
+
+
 @attrs.frozen
 class LoopHandle:
     """Ways to reach the loop a scheduler lives on."""
@@ -139,7 +143,10 @@ class LoopHandle:
     #: task is runnable, else :data:`UNKNOWN_READY` (its statistics count the next batch's
     #: tasks, not the rest of the batch running now).
     ready: Callable[[], int] = lambda: UNKNOWN_READY  # always given
-    _checkpoint: Callable[[], Any] | None = None
+    #: An awaitable that yields to the loop once (and delivers a pending cancellation):
+    #: ``asyncio.sleep(0)`` or ``trio.lowlevel.checkpoint()``, called as it is (no
+    #: coroutine of ours around it: a request that ran at submit yields through it).
+    checkpoint: Callable[[], Awaitable[Any]] = lambda: _NO_LOOP.wait()  # always given
     #: A bare future of the loop (asyncio), for the one task awaiting a request without a
     #: deadline: half the cost of an event and its future (made, awaited, woken: 0.5 us a
     #: request). None where the loop has none (trio): then the request gets an event.
@@ -150,11 +157,6 @@ class LoopHandle:
     cancelled: Callable[[], bool] | None = None
     #: The loop's exception handler (asyncio's ``call_exception_handler``); None on trio.
     _handler: Callable[[dict[str, Any]], Any] | None = None
-
-    async def checkpoint(self) -> None:
-        """Yield to the loop once (and deliver a pending cancellation)."""
-        assert self._checkpoint is not None
-        await self._checkpoint()
 
     def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop ``delay`` seconds from now (call from the loop).
@@ -237,7 +239,7 @@ def current_loop() -> LoopHandle:
         loop.call_later,
         functools.partial(_AsyncioEvent, loop),
         ready_count,
-        _asyncio_checkpoint,
+        functools.partial(asyncio.sleep, 0),
         # asyncio's own futures only (FUTURE: what finish() wakes with set_result)
         loop.create_future if type(loop).create_future is _BASE_CREATE_FUTURE else None,
         _anyio_cancel_check(loop),
@@ -298,7 +300,3 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
 
 def _always() -> bool:
     return True
-
-
-async def _asyncio_checkpoint() -> None:
-    await asyncio.sleep(0)

@@ -336,6 +336,9 @@ class Request:
     """
 
     id: int
+    #: When it was recorded (``time.monotonic()``); then the fields of its checked call
+    #: (:class:`~opsched.core.checks.Checked`), in that order.
+    enqueued_at: float
     op: Operator
     tensors: dict[str, Any]
     scalars: dict[str, Any]
@@ -344,7 +347,6 @@ class Request:
     nbytes: int
     priority: int
     deadline: float | None
-    enqueued_at: float
     #: What its checks depended on (shapes, dtypes, scalars); None when not hashable.
     signature: Hashable | None = None
     #: Turns the device's result into what the caller gets (None: as it is).
@@ -380,7 +382,7 @@ class Request:
 
     def outcome(self) -> Any:
         """What the caller of a completed request gets (converted for its kind of array)."""
-        result = self.result
+        result = self.op.result(self.tensors)
         convert = self.convert
         return result if convert is None else convert(result)
 

@@ -155,6 +155,10 @@ class Device(abc.ABC):
 
     #: Whether small launches may run inline on an idle stream (no thread hop).
     inline_capable: bool = attrs.field(default=True, kw_only=True)
+    #: Requests of 1 to this many bytes whose outputs were checked already are bound as
+    #: given (:meth:`bind` would change nothing): a host device allocates their missing
+    #: outputs at launch. -1: every request is bound.
+    binds_as_given: int = attrs.field(default=-1, kw_only=True)
     #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.

@@ -20,6 +20,7 @@ This module knows operators only through their descriptions, and nothing of the 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -191,6 +192,9 @@ class HostDevice(Device):
 
     # --------------------------------------------------------------------- admission
 
+    def __attrs_post_init__(self) -> None:
+        self.binds_as_given = self.fuse_max_bytes  # see bind()
+
     def bind(
         self,
         op: Operator,
@@ -259,7 +263,9 @@ class HostDevice(Device):
         else:
             fresh = signature is not None
         if fresh:
-            key: Hashable = (signature, tuple([_strides(tensors[n]) for n in op.inputs]))
+            # the inputs' strides (None for an absent one), with no Python call per input
+            arrays = map(tensors.__getitem__, op.inputs)
+            key: Hashable = (signature, *map(getattr, arrays, _STRIDES, _NONE))
             found = self._fresh_plans.get(key)
             if found is None:
                 allocate_missing(op, tensors, request.scalars)
@@ -276,7 +282,8 @@ class HostDevice(Device):
                 for name, shape, dtype in made:
                     tensors[name] = np.empty(shape, dtype)
             if runner is not None:  # the layout checked when the plan was made
-                self.check_fault([request])
+                if self._faulty is not None:
+                    self.check_fault([request])
                 runner(tensors, None)  # its sums in an array of its own: no workspace
                 return
         else:
@@ -570,3 +577,7 @@ def _remember(plans: dict[Hashable, Any], key: Hashable, entry: Any) -> None:
 
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:
     return None if array is None else array.strides
+
+
+#: ``getattr(array, "strides", None)`` for each of a request's arrays, through ``map``.
+_STRIDES, _NONE = itertools.repeat("strides"), itertools.repeat(None)

@@ -314,11 +314,15 @@ class Operator(abc.ABC):
     #: a device need not give a large request its outputs before the launch).
     splits: ClassVar[bool] = True
 
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        """Input tensor argument names, in signature order (``tensor_names`` before the
-        outputs)."""
-        return self.tensor_names[: len(self.tensor_names) - len(self.outputs)]
+    def __init__(self) -> None:
+        #: What a caller gets back from a request's tensors: the output array (a tuple of
+        #: them, in order, for several outputs). A C-level getter: it runs per request.
+        self.result: Callable[[Mapping[str, Any]], Any] = operator.itemgetter(*self.outputs)
+        #: Input tensor argument names, in signature order (``tensor_names`` before the
+        #: outputs).
+        self.inputs: tuple[str, ...] = self.tensor_names[
+            : len(self.tensor_names) - len(self.outputs)
+        ]
 
     @abc.abstractmethod
     def check(
@@ -513,10 +517,6 @@ class Operator(abc.ABC):
     def plan_scalars(self, plan: Any) -> dict[str, Any]:
         """The scalar arguments a plan was made for (none by default)."""
         return {}
-
-    def result(self, tensors: Mapping[str, Any]) -> Any:
-        """What a caller gets back: the output array (a tuple for several outputs)."""
-        return tensors[self.outputs[0]]
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
         """What the checks depend on: each tensor's shape and dtype (None when absent) and

@@ -293,10 +293,6 @@ class GroupNormBackward(Operator):
             spec["dbeta"] = stat
         return spec
 
-    def result(self, tensors: Mapping[str, Any]) -> Any:
-        """``(dx, dgamma, dbeta)``, None where not asked for."""
-        return tensors["dx"], tensors["dgamma"], tensors["dbeta"]
-
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
         s = scalars
         return plan_group_norm_backward(

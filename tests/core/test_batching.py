@@ -24,8 +24,8 @@ def glu_request(rows=2, cols=8, dtype=np.float32, priority=0, deadline=None, at=
     scalars = GLU_BACKWARD.check(tensors, {"dim": -1}, allocate=False)
     key, units = GLU_BACKWARD.fusion(tensors, scalars)
     return Request(
-        next(_ids), GLU_BACKWARD, tensors, scalars, key, units, GLU_BACKWARD.nbytes(tensors),
-        priority, deadline, at,
+        next(_ids), at, GLU_BACKWARD, tensors, scalars, key, units,
+        GLU_BACKWARD.nbytes(tensors), priority, deadline,
     )  # fmt: skip
 
 
@@ -35,8 +35,8 @@ def gn_request(m=16, priority=0):
     tensors = {"x": x, "dy": x, "gamma": x, "mean": stats, "rstd": stats, "dx": np.empty_like(x)}
     key, units = GROUP_NORM_GRAD.fusion(tensors, {})
     return Request(
-        next(_ids), GROUP_NORM_GRAD, tensors, {}, key, units, GROUP_NORM_GRAD.nbytes(tensors),
-        priority, None, 0.0,
+        next(_ids), 0.0, GROUP_NORM_GRAD, tensors, {}, key, units,
+        GROUP_NORM_GRAD.nbytes(tensors), priority, None,
     )  # fmt: skip
 
 

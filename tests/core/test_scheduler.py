@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from opsched import (
 )
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
-from opsched.core.engine import FEW_READY
+from opsched.core.engine import FEW_READY, YIELD_EVERY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
@@ -734,6 +735,7 @@ async def test_a_result_that_cannot_be_converted_fails_its_thread_future_only(mo
 
     monkeypatch.setattr(HostDevice, "bind", converting_bind)
     async with opsched.open_scheduler(streams=1) as sched:
+        sched.device.binds_as_given = -1  # every request bound: the converter is set
 
         def burst():  # one burst from a thread: one drain, one launch
             futures = [sched.submit_threadsafe(ops.GLU_BACKWARD, call) for call in calls]
@@ -955,6 +957,40 @@ async def test_a_lone_request_on_an_idle_scheduler_runs_at_submit(device):
     assert stats.completed == 1 and stats.streams[0].busy_seconds > 0
     (launch,) = [e for e in logs if e["event"] == "launch"]
     assert launch["requests"] == 1 and launch["stream"] == 0 and launch["run_s"] > 0
+
+
+@pytest.mark.usefixtures("runs_at_submit")
+async def test_a_client_whose_requests_run_at_submit_lets_the_loop_run(anyio_backend):
+    # A request run at submit returns at once on asyncio, but a client looping such
+    # requests yields to the loop at least every YIELD_EVERY of them (trio: every one): a
+    # ticker task beside it runs, and a cancellation from it reaches the client.
+    rng = np.random.default_rng(34)
+    g, x = small_glu(rng)
+    every = YIELD_EVERY if anyio_backend == "asyncio" else 1
+    done, seen = [0], []
+    async with opsched.open_scheduler() as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        with anyio.CancelScope() as scope:
+
+            async def ticker() -> None:
+                while True:
+                    seen.append(done[0])
+                    if done[0] >= 40:
+                        scope.cancel()
+                    await anyio.lowlevel.checkpoint()
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(ticker)
+                await anyio.lowlevel.checkpoint()  # the ticker is running
+                for _ in range(200):
+                    await sched.glu_backward(g, x)
+                    done[0] += 1
+        stats = sched.statistics()
+    if anyio_backend == "asyncio":  # (trio's loop says "many ready" beside the ticker)
+        assert stats.queued_peak == 0  # every one ran at submit
+    gaps = [b - a for a, b in itertools.pairwise(seen)]
+    assert max(gaps) <= every and sum(gaps) >= 40
+    assert done[0] <= 40 + every  # the cancellation came within one stretch
 
 
 @pytest.mark.parametrize(
