@@ -12,6 +12,11 @@ profiler is installed before the scheduler is opened, so the threads it starts c
 - ``blocking sync``: one thread calling ``sched.glu_backward`` on the sync facade.
 - ``sync futures``: one thread queuing a burst with ``submit_glu_backward``, then waiting.
 
+Under the 256-coroutine row, the same count for the floors of ``--parts paths``
+(:mod:`opsched.cli.bench_floors`: the bare batcher, and the featured one that keeps the
+least a scheduler's request needs): how many calls a request costs with nothing but
+asyncio's own wake-up of its waiter around a stacked launch.
+
 Counting is deterministic up to the scheduler's own choices (how many requests a launch
 fuses), so the figures hardly move between runs; they are not times.
 """
@@ -30,12 +35,15 @@ import numpy as np
 
 import opsched
 import opsched.sync
+from opsched.cli import bench_floors
 from opsched.cli.bench_paths import glu_inputs
 
-__all__ = ["CALL_PATHS", "bench_calls", "print_calls"]
+__all__ = ["CALL_PATHS", "FLOOR_ROWS", "bench_calls", "print_calls"]
 
 #: The paths, in the order they run.
 CALL_PATHS = ("1 coroutine", "module-level", "256 coroutines", "blocking sync", "sync futures")
+#: The floors' rows (reference rows, under "256 coroutines").
+FLOOR_ROWS = tuple(f"256 coroutines, {floor}" for floor in bench_floors.FLOORS)
 
 
 @contextmanager
@@ -126,8 +134,31 @@ def _sync_path(path: str, inputs: list[Any]) -> float:
         return (read() - before) / len(inputs)
 
 
+def _floor(floor: str, inputs: list[Any]) -> float:
+    """Calls per request of a floor of the 256-coroutine path."""
+    make = {
+        bench_floors.FLOOR: lambda: bench_floors._BareBatcher(bench_floors._numpy_formula),
+        bench_floors.FEATURED: lambda: bench_floors._FeaturedBatcher(
+            bench_floors._numpy_kernel, np.copy
+        ),
+    }[floor]
+    result: list[float] = []
+
+    async def main() -> None:
+        batcher = make()
+        await bench_floors.clients(batcher, "glu", inputs, len(inputs))  # warm-up
+        with _counting() as read:
+            before = read()
+            await bench_floors.clients(batcher, "glu", inputs, len(inputs))
+            result.append((read() - before) / len(inputs))
+
+    asyncio.run(main())
+    return result[0]
+
+
 def bench_calls(requests: int = 2048) -> dict[str, float]:
-    """Python calls per request of each path (:data:`CALL_PATHS`)."""
+    """Python calls per request of each path (:data:`CALL_PATHS`) and of the floors
+    (:data:`FLOOR_ROWS`)."""
     inputs = glu_inputs(np.random.default_rng(0), requests)
     figures: dict[str, float] = {}
     for path in CALL_PATHS:
@@ -135,11 +166,15 @@ def bench_calls(requests: int = 2048) -> dict[str, float]:
             figures[path] = _sync_path(path, inputs)
         else:
             figures[path] = _async_path(path, inputs)
+        if path == "256 coroutines":
+            for floor, row in zip(bench_floors.FLOORS, FLOOR_ROWS, strict=True):
+                figures[row] = _floor(floor, inputs)
     return figures
 
 
 def print_calls(figures: dict[str, float], out: TextIO) -> None:
-    """One line per path."""
+    """One line per path (the floors indented under theirs)."""
     print("Python calls per request, tiny GLU 8x64 FLOAT, steady state (all threads)", file=out)
     for path, calls in figures.items():
-        print(f"   {path:<20}{calls:6.1f}", file=out)
+        name = f"  {path.split(', ')[1]}" if path in FLOOR_ROWS else path
+        print(f"   {name:<28}{calls:6.1f}", file=out)

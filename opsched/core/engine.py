@@ -559,7 +559,7 @@ class Engine:
                 await future
             else:  # a second task (a Pending's), or on trio
                 await self._event(request).wait()
-            if loop.cancelled is not None and loop.cancelled():
+            if loop.scoped and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
             request.waiting -= 1

@@ -335,7 +335,7 @@ async def run_graph(
         # (which fails what depends on it); launched ones finish.
         await done.wait()
         loop = engine.loop
-        if loop.cancelled is not None and loop.cancelled():
+        if loop.scoped and loop.cancelled():
             await loop.checkpoint()
     except BaseException:
         _withdraw(engine, run)

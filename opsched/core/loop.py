@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sized
 from typing import Any, Protocol
 
 import attrs
@@ -152,9 +152,13 @@ class LoopHandle:
     #: request). None where the loop has none (trio): then the request gets an event.
     new_future: Callable[[], Any] | None = None
     #: After a wait completed: whether the caller's anyio cancel scope was cancelled
-    #: meanwhile, so that it must pass a :meth:`checkpoint` (None where waits are
-    #: cancellation points already, as on trio).
-    cancelled: Callable[[], bool] | None = None
+    #: meanwhile, so that it must pass a :attr:`checkpoint`; asked only while
+    #: :attr:`scoped` is not empty (never on trio, where waits are cancellation points).
+    cancelled: Callable[[], bool] = lambda: False  # always given
+    #: Not empty while some task of the loop may be in an anyio cancel scope: anyio's own
+    #: table of such tasks behind the gate, else a constant "maybe" (asyncio) or empty
+    #: (trio). Read with ``bool()``: no Python call a request.
+    scoped: Sized = ()
     #: The loop's exception handler (asyncio's ``call_exception_handler``); None on trio.
     _handler: Callable[[dict[str, Any]], Any] | None = None
 
@@ -242,12 +246,12 @@ def current_loop() -> LoopHandle:
         functools.partial(asyncio.sleep, 0),
         # asyncio's own futures only (FUTURE: what finish() wakes with set_result)
         loop.create_future if type(loop).create_future is _BASE_CREATE_FUTURE else None,
-        _anyio_cancel_check(loop),
+        *_anyio_cancel_check(loop),
         loop.call_exception_handler,
     )
 
 
-def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
+def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> tuple[Callable[[], bool], Sized]:
     """After a wait on asyncio: whether the task's anyio cancel scope was cancelled.
 
     On asyncio, anyio delivers a cancel scope's cancellation only to a task whose awaited
@@ -258,15 +262,18 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
     cancelled, where anyio's ``checkpoint_if_cancelled`` is a coroutine per call (~7 us).
     Past the gate (:data:`opsched._compat.ANYIO_INTERNALS`), or in an anyio without those
     internals, the check says "always": every wait then checkpoints.
+
+    Returns the check and what :attr:`LoopHandle.scoped` reads: anyio's table of tasks in
+    its task groups and cancel scopes where it is a plain dict, else "maybe".
     """
     if not ANYIO_INTERNALS:
-        return _always
+        return _always, _MAYBE
     try:
         from anyio._backends._asyncio import _task_states
 
         _task_states.get  # noqa: B018 - the internal this relies on
     except Exception:
-        return _always
+        return _always, _MAYBE
     # The two lookups done per wait, without their Python-level wrappers where the
     # internals are as expected: the WeakKeyDictionary's own dict (keys: weak references,
     # equal to a new reference to the same task), and asyncio's current task per loop.
@@ -295,7 +302,11 @@ def _anyio_cancel_check(loop: asyncio.AbstractEventLoop) -> Callable[[], bool]:
             scope = scope._parent_scope
         return False
 
-    return cancelled
+    return cancelled, (states if states is not None else _MAYBE)
+
+
+#: :attr:`LoopHandle.scoped` where nothing tells: any task may be in a scope.
+_MAYBE = (True,)
 
 
 def _always() -> bool:
