@@ -129,8 +129,8 @@ def test_the_calls_benchmark_reports_every_path():
     out = io.StringIO()
     print_calls(figures, out)
     assert all(path in out.getvalue() for path in CALL_PATHS)
-    # the bare batcher has nothing around asyncio's own wake-up: the fewest calls
-    assert figures[FLOOR_ROWS[0]] < min(figures.values()) + 1e-9
+    # the bare batcher has nothing around asyncio's own wake-up: fewer calls than its path
+    assert figures[FLOOR_ROWS[0]] < figures[FLOOR_ROWS[1]] < figures["256 coroutines"]
 
 
 def test_paths_benchmark_reports_every_operator_and_path():
