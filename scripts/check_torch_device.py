@@ -41,7 +41,7 @@ import numpy as np
 import opsched
 import opsched.sync
 from opsched.devices import make_device
-from opsched.devices import torch_ops as t
+from opsched.devices.torch import aten as t
 
 
 class CheckFailed(Exception):

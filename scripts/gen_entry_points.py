@@ -247,11 +247,14 @@ def render(region: str, writer: Region) -> list[str]:
     """Each operator's part of a region, blank lines between multi-line parts as ruff
     wants them (one in a class, two at module level)."""
     lines: list[str] = []
+    part: list[str] = []
     for k, op in enumerate(OPERATORS.values()):
         part = writer(op)
         if k and len(part) > 2:
             lines += [""] if part[0].startswith("    ") else ["", ""]
         lines += part
+    if part and part[0].startswith("def "):  # module-level functions: two lines after
+        lines += ["", ""]
     return lines
 
 

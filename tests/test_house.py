@@ -9,9 +9,11 @@ module opens with a docstring, ``import opsched`` reaches ``opsched.sync`` and
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -65,11 +67,7 @@ def _breaks(files: list[pathlib.Path], forbidden: tuple[str, ...]) -> list[str]:
 
 
 OPERATOR_MODULES = tuple(type(op).__module__ for op in OPERATORS.values())
-SPECIFIC_DEVICES = (
-    "opsched.devices.host",
-    "opsched.devices.torch_device",
-    "opsched.devices.torch_ops",
-)
+SPECIFIC_DEVICES = ("opsched.devices.host", "opsched.devices.torch")
 CORE = _modules(PACKAGE / "core")
 #: Everything but the CLI room (``opsched/cli/`` and ``python -m opsched``).
 LIBRARY = [
@@ -92,9 +90,8 @@ LIBRARY = [
         ("operators never import the core or the devices", _modules(PACKAGE / "ops"),
          ("opsched.core", "opsched.devices", "opsched.cli", "torch")),
         ("the library never imports the CLI", LIBRARY, ("opsched.cli",)),
-        ("torch only in the torch device modules and the CLI",
-         [p for p in LIBRARY if _room(p) not in ("opsched/devices/torch_device.py",
-                                                "opsched/devices/torch_ops.py")],
+        ("torch only in the torch devices' folder and the CLI",
+         [p for p in LIBRARY if not p.is_relative_to(PACKAGE / "devices" / "torch")],
          ("torch", "torch_npu")),
     ],
 )  # fmt: skip
@@ -189,3 +186,25 @@ def test_every_operator_has_every_entry_point():
         }
         missing = [face for face, (owner, name) in faces.items() if not hasattr(owner, name)]
         assert missing == [], op.name
+
+
+def test_no_operator_description_names_torch():
+    # How a framework computes an operator is its device's launcher
+    # (opsched/devices/torch/launchers.py), never the operator's description.
+    named = [
+        f"{_room(path)}:{token.start[0]}"
+        for path in _modules(PACKAGE / "ops")
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        if (token.type == tokenize.NAME
+        and token.string.startswith("torch"))
+        or (token.type == tokenize.NAME
+        and token.string.startswith("framework"))
+    ]
+    assert named == []
+
+
+def test_the_torch_devices_have_one_launcher_for_every_operator():
+    pytest.importorskip("torch")
+    from opsched.devices.torch.launchers import LAUNCHERS
+
+    assert sorted(LAUNCHERS) == sorted(OPERATORS)

@@ -36,7 +36,7 @@ import numpy as np
 
 from opsched.cli.bench_kernels import BenchTarget
 from opsched.cli.bench_medium import on_device
-from opsched.devices import torch_ops as _torch_ops
+from opsched.devices.torch import aten as _torch_ops
 from opsched.kernels import glu as _glu
 from opsched.ops import GLU_BACKWARD
 

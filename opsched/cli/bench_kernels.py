@@ -23,7 +23,7 @@ import numpy as np
 
 import opsched
 from opsched import Executor, SchedulerConfig, aclnn
-from opsched.devices import torch_ops as _torch_ops
+from opsched.devices.torch import aten as _torch_ops
 
 __all__ = [
     "KERNEL_DTYPES",

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.devices import torch_ops
+from opsched.devices.torch import aten as torch_ops
 
 __all__ = ["as_tensors", "bench_medium", "on_device", "print_medium"]
 

@@ -41,7 +41,7 @@ import opsched.sync
 from opsched import aclnn
 from opsched.cli.bench_floors import CLIENTS, FLOORS, METHODS, clients, floors_of, run_floor
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.devices import torch_ops as _torch_ops
+from opsched.devices.torch import aten as _torch_ops
 
 __all__ = [
     "INPUTS",

@@ -43,14 +43,14 @@ class _Solo:
     def glu(self, g: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
         if not self.torch:
             return solo_glu(g, x, dim)
-        from opsched.devices import torch_ops as t
+        from opsched.devices.torch import aten as t
 
         return t.from_torch(t.glu_backward(t.to_torch(g), t.to_torch(x), dim))
 
     def gn(self, *args: np.ndarray) -> np.ndarray:
         if not self.torch:
             return solo_gn(*args)
-        from opsched.devices import torch_ops as t
+        from opsched.devices.torch import aten as t
 
         return t.from_torch(t.group_norm_grad(*(t.to_torch(a) for a in args)))
 
@@ -60,7 +60,7 @@ class _Solo:
             dx = solo_gnb(dy, x, mean, rstd, None, n, g, m, g, _DX_ONLY)[0]
             assert dx is not None
             return dx
-        from opsched.devices import torch_ops as t
+        from opsched.devices.torch import aten as t
 
         n, g, m = x.shape
         args = (t.to_torch(dy), t.to_torch(x), t.to_torch(mean), t.to_torch(rstd))

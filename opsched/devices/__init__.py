@@ -2,8 +2,8 @@
 
 :func:`make_device` is the registry: ``"cpu"`` and ``"reference"`` are the host devices
 (:mod:`opsched.devices.host`); ``"torch:cpu"``, ``"torch:cuda[:N]"`` and ``"torch:npu[:N]"``
-are the framework's (:mod:`opsched.devices.torch_device`), imported only when asked for, so
-torch is never imported otherwise.
+are the framework's (the :mod:`opsched.devices.torch` folder), imported only when asked
+for, so torch is never imported otherwise.
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def make_device(
             malloc_keep_bytes=malloc_keep_bytes,
         )
     if name.startswith("torch:"):
-        from opsched.devices.torch_device import TorchDevice
+        from opsched.devices.torch.aten import require_torch
+
+        require_torch(f"device {name!r}")  # (before the device's modules import it)
+        from opsched.devices.torch.device import TorchDevice
 
         return TorchDevice.create(
             name, streams, split_min_bytes=split_min_bytes, malloc_keep_bytes=malloc_keep_bytes

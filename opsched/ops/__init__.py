@@ -1,16 +1,17 @@
 """Operator descriptions: one module per operator, and the product table.
 
-Each module is the single place that knows its operator: the public call's parameters (the entry
-points are generated from them: ``scripts/gen_entry_points.py``), the checks of docs/operators.md in
-order, outputs, fusion, gather / scatter / split, its kernels and its framework call. A new
-operator is one new module here, its kernels, a line in :data:`OPERATORS`, and a
-regenerated set of entry points.
+Each module is the single place that knows what is true of its operator on every device:
+the public call's parameters (the entry points are generated from them:
+``scripts/gen_entry_points.py``), the checks of docs/operators.md in order, outputs,
+fusion, gather / scatter / split and its numpy kernels. How a framework device computes it
+is that device's launcher (``opsched/devices/torch/``). A new operator is one new module
+here, its kernels, a line in :data:`OPERATORS`, a launcher per device that supports it,
+and a regenerated set of entry points.
 
 This room never imports the scheduler core, the devices or the CLI.
 """
 
 from opsched.ops._base import DTYPE_NAMES, Operator, Parameter, entry_point, register_array_type
-from opsched.ops._framework import HostOperands
 from opsched.ops.glu_backward import GLU_BACKWARD
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
@@ -21,7 +22,6 @@ __all__ = [
     "GROUP_NORM_BACKWARD",
     "GROUP_NORM_GRAD",
     "OPERATORS",
-    "HostOperands",
     "Operator",
     "Parameter",
     "entry_point",

@@ -1,10 +1,11 @@
 """What every operator description shares: the dtype table, argument checks, the base class.
 
-An operator description holds everything operator-specific: its public call (parameters,
-from which every entry point is generated: ``scripts/gen_entry_points.py``), its checks
-(docs/operators.md) in their order, output allocation, fusion, planning, its kernels and its
-framework call. The two-phase API, the scheduler, graphs, the devices and the stress harness
-talk only to descriptions, so a new operator is one new module here plus its kernels.
+An operator description holds what is true of its operator on every device: its public
+call (parameters, from which every entry point is generated: ``scripts/gen_entry_points.py``),
+its checks (docs/operators.md) in their order, output allocation, fusion, planning and its
+numpy kernels. A framework device brings its own launcher of it (``opsched/devices/torch/``).
+The two-phase API, the scheduler, graphs, the devices and the stress harness talk only to
+descriptions, so a new operator is one new module here, its kernels and its launchers.
 
 This room never imports the scheduler core, the devices or the CLI.
 """
@@ -284,7 +285,7 @@ class Operator(abc.ABC):
 
     A request is a mapping of argument names to arrays (``tensors``) plus scalar arguments
     (``scalars``, e.g. ``dim``). Subclasses describe the public call and define the
-    checks, allocation, planning, fusion, the kernels and the framework call.
+    checks, allocation, planning, fusion and the numpy kernels.
     """
 
     #: The aclnn operator name, e.g. ``"GluBackward"``.
@@ -421,24 +422,6 @@ class Operator(abc.ABC):
             raise TypeError(msg)
         tensors.update(zip(outputs, out, strict=True))
         return tensors, scalars
-
-    @abc.abstractmethod
-    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
-        """Compute one request with the framework's operators into its output tensors.
-
-        ``torch`` is the framework module, passed in by the device that imported it (this
-        room never imports torch).
-        """
-
-    @abc.abstractmethod
-    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
-        """Compute ``requests`` (one fusion key) with a few framework calls, batch-invariant:
-        each request's bits do not depend on the others (:mod:`opsched.ops._framework`).
-
-        An output a request was not given (None) is delivered as a view of the launch's
-        output. Raises whatever the framework raises; the device then runs each request
-        alone through this same method, in the same layout.
-        """
 
     @abc.abstractmethod
     def output_spec(

@@ -37,7 +37,6 @@ from opsched.ops._base import (
     may_overlap,
 )
 from opsched.ops._fusion import deliver_each, gather_into, signature_groups
-from opsched.ops._gnb_framework import gnb_framework_batch
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
@@ -249,32 +248,6 @@ class GroupNormBackward(Operator):
         if isinstance(mask, list):
             scalars = {**scalars, "output_mask": tuple(mask)}
         return super().signature(tensors, scalars)
-
-    def framework_call(self, torch: Any, tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
-        # aten's operator (``aclnnGroupNormBackward`` on torch_npu)
-        t = tensors
-        n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
-        outs = (t["dx"], t["dgamma"], t["dbeta"])
-        if n * c * hxw == 0:
-            for out in outs[1:]:
-                if out is not None:
-                    out.zero_()
-            return
-        gamma = t["gamma"].reshape(c) if t["gamma"] is not None else None
-        results = torch.ops.aten.native_group_norm_backward(
-            t["grad_out"].reshape(n, c, hxw),
-            t["input"].reshape(n, c, hxw),
-            t["mean"].reshape(n, group),
-            t["rstd"].reshape(n, group),
-            gamma, n, c, hxw, group, list(mask),
-        )  # fmt: skip
-        for out, result in zip(outs, results, strict=True):
-            if out is not None and result is not None:
-                out.copy_(result.reshape(out.shape))
-
-    def framework_batch(self, torch: Any, requests: Sequence[Any]) -> None:
-        # stacked as the channels of one sample: opsched/ops/_gnb_framework.py
-        gnb_framework_batch(torch, requests, self.inputs)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from opsched.devices.torch import group_norm_backward as gnb_launcher
+from opsched.devices.torch import group_norm_grad as gng_launcher
+from opsched.devices.torch.group_norm_backward import framework_dtypes
 from opsched.ops import GROUP_NORM_BACKWARD
-from opsched.ops._gnb_framework import framework_dtypes
 
 torch = pytest.importorskip("torch")
 
@@ -67,12 +69,13 @@ def _requests(count: int, n: int, dtype: Any, stat_dtype: Any, device: str) -> l
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize(("count", "n"), [(1, 2), (5, 2), (1, 512)], ids=["lone", "stack", "large"])
 def test_an_accelerator_gets_one_dtype_and_results_in_the_requests_dtypes(
-    count, n, dtype, stat_dtype
+    count, n, dtype, stat_dtype, monkeypatch
 ):
     stats = dtype if stat_dtype == "same" else torch.float32
     calls: list[tuple[Any, ...]] = []
     requests = _requests(count, n, dtype, stats, "meta")
-    GROUP_NORM_BACKWARD.framework_batch(_cuda_like(calls), requests)
+    monkeypatch.setattr(gnb_launcher, "torch", _cuda_like(calls))
+    gnb_launcher.launch(requests)
     assert calls and all(set(call) == {torch.float32} for call in calls)  # float32 for all
     for r in requests:
         assert r.tensors["dx"].dtype == dtype  # rounded once into the request's dtypes
@@ -81,34 +84,32 @@ def test_an_accelerator_gets_one_dtype_and_results_in_the_requests_dtypes(
 
 def test_the_cpu_keeps_its_data_dtype_and_widens_only_the_statistics():
     x = torch.empty(2, 8, 5, dtype=torch.bfloat16)
-    assert framework_dtypes(torch, x, torch.bfloat16) == (torch.bfloat16, torch.float32)
+    assert framework_dtypes(x, torch.bfloat16) == (torch.bfloat16, torch.float32)
     meta = x.to("meta")
-    assert framework_dtypes(torch, meta, torch.bfloat16) == (torch.float32, torch.float32)
-    assert framework_dtypes(torch, meta.float(), torch.float32) == (torch.float32,) * 2
+    assert framework_dtypes(meta, torch.bfloat16) == (torch.float32, torch.float32)
+    assert framework_dtypes(meta.float(), torch.float32) == (torch.float32,) * 2
 
 
 @pytest.mark.parametrize("m", [16, 63, 64, 65, 100, 128, 129, 300])
 def test_tree_sums_give_a_row_its_bits_alone_and_in_any_stack(m):
     import numpy as np
 
-    from opsched.ops.group_norm_grad import tree_sums
+    from opsched.devices.torch.group_norm_grad import tree_sums
 
     rng = np.random.default_rng(m)
     row = torch.from_numpy(rng.standard_normal((1, 1, m)).astype(np.float32))
-    alone = tree_sums(torch, row)
+    alone = tree_sums(row)
     assert alone.shape == (1, 1, 1)
     exact = float(np.sum(row.numpy().astype(np.float64)))
     assert abs(float(alone) - exact) <= 1e-5 * max(1.0, float(np.abs(row.numpy()).sum()))
     for rows, at in ((2, 1), (6, 0), (6, 5), (37, 20)):
         stack = torch.from_numpy(rng.standard_normal((rows, 1, m)).astype(np.float32))
         stack[at] = row[0]
-        got = tree_sums(torch, stack)[at]
+        got = tree_sums(stack)[at]
         assert got.view(torch.int32).item() == alone.view(torch.int32).item()
 
 
-def test_group_norm_grad_sums_rows_by_the_tree_off_the_cpu():
-    from opsched.ops import GROUP_NORM_GRAD
-
+def test_group_norm_grad_sums_rows_by_the_tree_off_the_cpu(monkeypatch):
     x = torch.empty(3, 4, 5, 7, device="meta")  # rows of 35 elements
     tensors = {"x": x, "dy": x, "gamma": x, "mean": x[:, :, 0, 0], "rstd": x[:, :, 0, 0]}
     tensors["dx"] = torch.empty_like(x)
@@ -123,7 +124,8 @@ def test_group_norm_grad_sums_rows_by_the_tree_off_the_cpu():
         **{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")}
     )
     proxy.cat = cat
-    GROUP_NORM_GRAD.framework_call(proxy, tensors, {})
+    monkeypatch.setattr(gng_launcher, "torch", proxy)
+    gng_launcher.call(tensors, {})
     assert calls  # 35 is odd: the tree ran (the CPU's path never joins)
 
 
@@ -202,7 +204,7 @@ class _FakeBackend:
 def _accelerator(monkeypatch, streams: int = 1):
     """A TorchDevice on ``meta`` tensors whose framework is the fake backend."""
     from opsched.devices.streams import FrameworkStream
-    from opsched.devices.torch_device import TorchDevice, _binder
+    from opsched.devices.torch.device import TorchDevice, _binder
 
     backend = _FakeBackend()
     framework = [_FakeFramework() for _ in range(streams)]
@@ -222,7 +224,7 @@ def _accelerator(monkeypatch, streams: int = 1):
 
 
 def _glu_requests(streams: list[Any]) -> list[Any]:
-    from opsched.devices.torch_device import OnStream
+    from opsched.devices.torch.device import OnStream
     from opsched.ops import GLU_BACKWARD
 
     made = []
@@ -289,7 +291,7 @@ def test_a_stream_thread_binds_its_device_and_stream_once_and_launches_without_s
 
 
 def test_the_caller_stream_is_captured_when_a_request_is_bound(monkeypatch):
-    from opsched.devices.torch_device import OnStream
+    from opsched.devices.torch.device import OnStream
     from opsched.ops import GLU_BACKWARD
 
     device, backend, _, _ = _accelerator(monkeypatch)

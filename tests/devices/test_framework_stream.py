@@ -106,7 +106,7 @@ class _FakeTensor:
 def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_callers_stream():
     from types import SimpleNamespace
 
-    from opsched.devices.torch_device import TorchDevice, _used_by
+    from opsched.devices.torch.device import TorchDevice, _used_by
     from opsched.ops import GROUP_NORM_BACKWARD
 
     marks: list = []
@@ -124,7 +124,7 @@ def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_callers_str
 def test_each_result_is_marked_used_by_its_own_callers_stream_only():
     from types import SimpleNamespace
 
-    from opsched.devices.torch_device import OnStream, TorchDevice, _used_by
+    from opsched.devices.torch.device import OnStream, TorchDevice, _used_by
     from opsched.ops import GLU_BACKWARD
 
     marks: list = []

@@ -169,7 +169,8 @@ def test_a_lone_numpy_group_norm_call_writes_its_out_in_place_or_by_copy(shape):
 @cpu_only
 def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     from opsched.devices import make_device
-    from opsched.ops import GLU_BACKWARD, HostOperands
+    from opsched.devices.torch.layout import HostOperands
+    from opsched.ops import GLU_BACKWARD
 
     device = make_device(DEVICE, 2)
     g, x = np.ones((2, 4), F32), np.ones((2, 8), F32)
@@ -334,7 +335,7 @@ def test_graph_with_tensor_constants_returns_tensors():
     (result,) = asyncio.run(main())
     assert isinstance(result, torch.Tensor) and result.shape == (2, 3, 16)
     # the chain's value: the framework's own calls, one after the other
-    from opsched.devices import torch_ops
+    from opsched.devices.torch import aten as torch_ops
 
     expected = torch.ops.aten.glu_backward(torch_ops.group_norm_grad(x, dy, gamma, mean, rstd),
                                            gate, -1)  # fmt: skip
@@ -434,18 +435,18 @@ def test_stress_on_torch_cpu_checks_every_result_against_the_request_alone():
 
 @cpu_only
 def test_stress_on_torch_cpu_fails_a_launch_whose_batches_change_bits(monkeypatch):
-    from opsched.ops.glu_backward import GluBackward
+    from opsched.devices.torch import launchers
 
-    real = GluBackward.framework_batch
+    real = launchers.LAUNCHERS["GluBackward"]
 
-    def drifting(self, torch_module, requests):
-        real(self, torch_module, requests)
+    def drifting(requests):
+        real.launch(requests)
         if len(requests) > 1:  # batched requests move one ulp-ish away from their solo bits
             for r in requests:  # a tensor, or numpy for a request of numpy arrays
                 out = r.tensors["out"]
                 out *= 1 + 2**-20
 
-    monkeypatch.setattr(GluBackward, "framework_batch", drifting)
+    monkeypatch.setitem(launchers.LAUNCHERS, "GluBackward", real._replace(launch=drifting))
     status, text = _stress(**STRESS)
     assert status == 1, text
     assert "not bit-identical to the solo call" in text
@@ -457,16 +458,16 @@ def test_a_launch_that_fails_only_fused_completes_every_request_and_says_so(monk
     # failed fused launch is a warning, not silence
     import structlog
 
-    from opsched.ops.glu_backward import GluBackward
+    from opsched.devices.torch import launchers
 
-    real = GluBackward.framework_batch
+    real = launchers.LAUNCHERS["GluBackward"]
 
-    def fails_together(self, torch_module, requests):
+    def fails_together(requests):
         if len(requests) > 1:
             raise RuntimeError("stacking went wrong")
-        real(self, torch_module, requests)
+        real.launch(requests)
 
-    monkeypatch.setattr(GluBackward, "framework_batch", fails_together)
+    monkeypatch.setitem(launchers.LAUNCHERS, "GluBackward", real._replace(launch=fails_together))
     rng = np.random.default_rng(3)
     args = [(rand(rng, (3, 8), F32), rand(rng, (3, 16), F32)) for _ in range(12)]
 
@@ -548,7 +549,7 @@ def test_the_accelerator_check_script_reports_a_missing_device_without_a_traceba
 def test_the_accelerator_check_script_fails_a_wrong_device_by_name(monkeypatch, capsys):
     import importlib.util
 
-    from opsched.devices import torch_ops
+    from opsched.devices.torch import aten as torch_ops
 
     path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
     spec = importlib.util.spec_from_file_location("check_torch_device", path)
@@ -585,7 +586,7 @@ class _FakeAllocator:
 
 
 def test_memory_statistics_come_from_the_framework_allocator(monkeypatch):
-    from opsched.devices.torch_device import TorchDevice
+    from opsched.devices.torch.device import TorchDevice
 
     fake = _FakeAllocator()
     monkeypatch.setattr(TorchDevice, "_allocator", lambda self: fake)

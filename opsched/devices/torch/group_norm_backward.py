@@ -8,12 +8,13 @@ which holds its checks, planning and numpy fusion.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from opsched.ops._framework import (
+from opsched.devices.torch.layout import (
     HostOperands,
     framework_cat,
     framework_deliver,
@@ -24,36 +25,61 @@ from opsched.ops._framework import (
     framework_stack,
     framework_stacks,
 )
+from opsched.ops import GROUP_NORM_BACKWARD
 
-__all__ = ["framework_dtypes", "gnb_framework_batch"]
+__all__ = ["call", "framework_dtypes", "launch"]
+
+_INPUTS = GROUP_NORM_BACKWARD.inputs
 
 _OUTPUTS = ("dx", "dgamma", "dbeta")
 
 
-def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[str]) -> None:
-    """:meth:`GroupNormBackward.framework_batch`: the requests stacked as the channels of
-    one sample, x as ``(1, channels, HxW)`` in ``channels / cpg`` groups, gamma repeated
+def call(tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
+    """One request: aten's operator (``aclnnGroupNormBackward`` on torch_npu)."""
+    t = tensors
+    n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
+    outs = (t["dx"], t["dgamma"], t["dbeta"])
+    if n * c * hxw == 0:
+        for out in outs[1:]:
+            if out is not None:
+                out.zero_()
+        return
+    gamma = t["gamma"].reshape(c) if t["gamma"] is not None else None
+    results = torch.ops.aten.native_group_norm_backward(
+        t["grad_out"].reshape(n, c, hxw),
+        t["input"].reshape(n, c, hxw),
+        t["mean"].reshape(n, group),
+        t["rstd"].reshape(n, group),
+        gamma, n, c, hxw, group, list(mask),
+    )  # fmt: skip
+    for out, result in zip(outs, results, strict=True):
+        if out is not None and result is not None:
+            out.copy_(result.reshape(out.shape))
+
+
+def launch(requests: Sequence[Any]) -> None:
+    """Requests of one fusion key as one batch-invariant launch: stacked as the
+    channels of one sample, x as ``(1, channels, HxW)`` in ``channels / cpg`` groups, gamma repeated
     per sample. aten computes a channel's sums and a group's dx on one thread each, so dx
     is each request's own call, bit for bit, on any number of threads; dgamma /
-    dbeta come per sample and are summed over a request's samples here, in order.
-    ``inputs``: the operator's input names (the operands a host request keeps as numpy)."""
-    if len(requests) == 1 and _lone_host(torch, requests[0]):
+    dbeta come per sample and are summed over a request's samples here, in order."""
+    if len(requests) == 1 and _lone_host(requests[0]):
         return
-    call = torch.ops.aten.native_group_norm_backward
-    for stack in framework_stacks(torch, requests, _stack_key, _size, _STACK_MAX, _row, inputs):
+    aten_call = torch.ops.aten.native_group_norm_backward
+    for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row, _INPUTS):
         first = stack[0][0]
         x0, stat_dtype = first.tensors["input"], first.tensors["mean"].dtype
         mask, hxw = first.scalars["output_mask"], first.scalars["HxW"]
         if _row(first) is _EMPTY:  # nothing to compute: dx is empty, the sums are zero
             for group in stack:
-                _deliver_empty(torch, group)
+                _deliver_empty(group)
             continue
-        data, wide = framework_dtypes(torch, x0, stat_dtype)
+        data, wide = framework_dtypes(x0, stat_dtype)
         if _size(first) >= _STACK_MAX:  # large: alone, whatever it was launched with
-            _alone(torch, first, data, wide)
+            _alone(first, data, wide)
             continue
         if len(stack) == 1 and len(stack[0]) == 1:  # small, by itself: the same calls, flat
-            _lone(torch, first, data, wide)
+            _lone(first, data, wide)
             continue
         geometry = [(len(g), g[0].scalars["N"], g[0].scalars["C"]) for g in stack]
         channels = [k * n * c for k, n, c in geometry]
@@ -63,7 +89,7 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
             "grad_out": (1, total, hxw), "input": (1, total, hxw),
             "mean": (1, groups), "rstd": (1, groups),
         }  # fmt: skip
-        operands = {n: framework_gather(torch, stack, n, shape) for n, shape in shapes.items()}
+        operands = {n: framework_gather(stack, n, shape) for n, shape in shapes.items()}
         gammas = []
         for group, (k, n, c) in zip(stack, geometry, strict=True):
             # aten reads gamma as contiguous whatever its strides, and cannot give
@@ -71,12 +97,12 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
             if group[0].tensors["gamma"] is None:
                 gammas.append(torch.ones(k * n * c, dtype=wide, device=x0.device))
             else:  # [gamma_i] * n per request: one cat (several times cheaper than repeat)
-                gamma = _wide(framework_stack(torch, [r.tensors["gamma"] for r in group]), wide)
+                gamma = _wide(framework_stack([r.tensors["gamma"] for r in group]), wide)
                 gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
-        dx, dgamma, dbeta = call(
+        dx, dgamma, dbeta = aten_call(
             _wide(operands["grad_out"], data), _wide(operands["input"], data),
             _wide(operands["mean"], wide), _wide(operands["rstd"], wide),
-            framework_cat(torch, gammas), 1, total, hxw, groups, list(mask),
+            framework_cat(gammas), 1, total, hxw, groups, list(mask),
         )  # fmt: skip
         if dx is not None:
             dx = _wide(dx, x0.dtype)  # computed wider on an accelerator: rounded once
@@ -87,11 +113,11 @@ def gnb_framework_batch(torch: Any, requests: Sequence[Any], inputs: Sequence[st
             for v, each in ((dx, hxw), (dgamma, 1), (dbeta, 1))
         ]
         for i, (group, (k, n, c)) in enumerate(zip(stack, geometry, strict=True)):
-            sums = _sample_sums(torch, pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
-            _deliver(torch, group, (pieces[0][i], *sums))
+            sums = _sample_sums(pieces[1][i], pieces[2][i], k, n, c, stat_dtype)
+            _deliver(group, (pieces[0][i], *sums))
 
 
-def framework_dtypes(torch: Any, x: Any, stat_dtype: Any) -> tuple[Any, Any]:
+def framework_dtypes(x: Any, stat_dtype: Any) -> tuple[Any, Any]:
     """``(data, statistics)``: the dtypes a launch hands aten's GroupNormBackward its
     ``grad_out`` / ``input`` and its ``mean`` / ``rstd`` / ``gamma`` in, for ``x`` (any
     request of the launch) with statistics of ``stat_dtype``.
@@ -111,7 +137,7 @@ def framework_dtypes(torch: Any, x: Any, stat_dtype: Any) -> tuple[Any, Any]:
     return compute, compute
 
 
-def _alone(torch: Any, request: Any, data: Any, wide: Any) -> None:
+def _alone(request: Any, data: Any, wide: Any) -> None:
     """Run a large request as aten's own call on its own tensors and geometry (aten sums
     dgamma / dbeta over the samples itself), statistics and gamma widened as a stacked
     launch widens them; its results come in its own shapes (no view to make)."""
@@ -128,10 +154,10 @@ def _alone(torch: Any, request: Any, data: Any, wide: Any) -> None:
     rounded = (x.dtype, t["mean"].dtype, t["mean"].dtype)  # dx, dgamma, dbeta
     for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
         if mask[i]:
-            framework_deliver(torch, t, name, _wide(result, rounded[i]))
+            framework_deliver(t, name, _wide(result, rounded[i]))
 
 
-def _lone(torch: Any, request: Any, data: Any, wide: Any) -> None:
+def _lone(request: Any, data: Any, wide: Any) -> None:
     """A small request launched by itself, in the stacked layout: the framework calls a
     stack of this one request makes, on the same values (so the same bits), without the
     stacking's per-group bookkeeping (a lone GroupNormBackward 4 x 64 x 8: 103-113 ->
@@ -154,15 +180,15 @@ def _lone(torch: Any, request: Any, data: Any, wide: Any) -> None:
     )  # fmt: skip
     if dx is not None:
         dx = _wide(dx, x.dtype)  # computed wider on an accelerator: rounded once
-    sums = _sample_sums(torch, dgamma, dbeta, 1, n, c, stat_dtype)
+    sums = _sample_sums(dgamma, dbeta, 1, n, c, stat_dtype)
     stat_shape = _stat_shape(request)
     shapes = (tuple(x.shape), stat_shape, stat_shape)
     for name, result, shape, want in zip(_OUTPUTS, (dx, *sums), shapes, mask, strict=True):
         if want:
-            framework_deliver(torch, t, name, result.view(shape))
+            framework_deliver(t, name, result.view(shape))
 
 
-def _lone_host(torch: Any, request: Any) -> bool:
+def _lone_host(request: Any) -> bool:
     """:func:`_lone` for a small request of numpy arrays (a blocking call's, say): the same
     aten call on the same values, its reshapes, gamma's repeat and the per-sample sums done
     on the numpy arrays instead (a torch call on a tiny tensor costs several numpy
@@ -180,7 +206,7 @@ def _lone_host(torch: Any, request: Any) -> bool:
 
     def tensor(name: str, shape: tuple[int, ...], dtype: Any = None) -> Any:
         array = t[name] if dtype is None else t[name].astype(dtype, copy=False)
-        return framework_laid_out(torch, array, shape)
+        return framework_laid_out(array, shape)
 
     rows, stats = (1, total, hxw), (1, groups)
     gamma = t["gamma"]
@@ -195,12 +221,12 @@ def _lone_host(torch: Any, request: Any) -> bool:
     )  # fmt: skip
     stat_dtype, stat_shape = t["mean"].dtype, _stat_shape(request)
     if mask[0]:
-        framework_deliver(torch, t, "dx", framework_host(torch, dx).reshape(x.shape))
+        framework_deliver(t, "dx", framework_host(dx).reshape(x.shape))
     for name, result, want in (("dgamma", dgamma, mask[1]), ("dbeta", dbeta, mask[2])):
         if want:
-            lanes = framework_host(torch, result).reshape(n, c).astype(np.float64)
+            lanes = framework_host(result).reshape(n, c).astype(np.float64)
             summed = np.add.accumulate(lanes, axis=0)[-1].astype(np.float32)
-            framework_deliver(torch, t, name, summed.astype(stat_dtype).reshape(stat_shape))
+            framework_deliver(t, name, summed.astype(stat_dtype).reshape(stat_shape))
     return True
 
 
@@ -210,7 +236,7 @@ def _stat_shape(request: Any) -> tuple[int, ...]:
     return tuple(gamma.shape) if gamma is not None else (request.scalars["C"],)
 
 
-def _deliver(torch: Any, group: Sequence[Any], results: Sequence[Any]) -> None:
+def _deliver(group: Sequence[Any], results: Sequence[Any]) -> None:
     """Hand each request of ``group`` (one shape) its views of ``results`` (dx,
     dgamma, dbeta stacked over the group; None where not asked for)."""
     stat_shape = _stat_shape(group[0])
@@ -218,16 +244,16 @@ def _deliver(torch: Any, group: Sequence[Any], results: Sequence[Any]) -> None:
     mask = group[0].scalars["output_mask"]
     for name, result, shape, want in zip(_OUTPUTS, results, shapes, mask, strict=True):
         if want:
-            framework_split_deliver(torch, result, group, name, shape)
+            framework_split_deliver(result, group, name, shape)
 
 
-def _deliver_empty(torch: Any, group: Sequence[Any]) -> None:
+def _deliver_empty(group: Sequence[Any]) -> None:
     """A group with nothing to compute: an empty dx, zero dgamma / dbeta."""
     first, k = group[0].tensors, len(group)
     x0 = first["input"]
     dx = torch.empty((k, *x0.shape), dtype=x0.dtype, device=x0.device)
     stat = torch.zeros((k, *_stat_shape(group[0])), dtype=first["mean"].dtype, device=x0.device)
-    _deliver(torch, group, (dx, stat, stat.clone()))
+    _deliver(group, (dx, stat, stat.clone()))
 
 
 #: Requests of at least this many elements run alone, on their own tensors: copying them
@@ -244,9 +270,7 @@ def _stack_key(request: Any) -> Hashable:
     return shapes, None if gamma is None else gamma.shape, *request.scalars.values()
 
 
-def _sample_sums(
-    torch: Any, dgamma: Any, dbeta: Any, k: int, n: int, c: int, dtype: Any
-) -> tuple[Any, Any]:
+def _sample_sums(dgamma: Any, dbeta: Any, k: int, n: int, c: int, dtype: Any) -> tuple[Any, Any]:
     """A stacked launch's per-sample dgamma and dbeta summed over each request's ``n``
     samples, then rounded to ``dtype`` (None where not computed). One ``cumsum`` for both:
     aten accumulates each (request, channel) lane on its own, in sample order, in float64

@@ -7,16 +7,16 @@ The same scheduler drives the framework's operators on its own devices:
   when every array argument was numpy). A tensor on another device is a ParamInvalidError.
   On the CPU a request of numpy arrays only keeps them as numpy until its launch, which
   gathers them with one numpy copy per operand and hands back numpy views
-  (:class:`opsched.ops.HostOperands`): converting each array at submit cost more than the
-  launch.
+  (:class:`~opsched.devices.torch.layout.HostOperands`): converting each array at submit
+  cost more than the launch.
   The checks run on zero-byte numpy stand-ins of the tensors' shapes and dtypes, so every
   check (docs/operators.md), product profile and fusion key is the numpy devices' own.
-- **Operators**: each operator description's ``framework_call`` (``opsched/ops/``) says
-  which framework operator computes it.
+- **Operators**: each operator's launcher (:mod:`opsched.devices.torch.launchers`, one
+  module per operator) says which framework operators compute it.
 - **Fusion**: a fused launch is a few framework calls on the batch's requests stacked by
-  shape (:meth:`Operator.framework_batch`), batch-invariant by construction: each request's
+  shape (the launcher's ``launch``), batch-invariant by construction: each request's
   rows keep the framework's own layout of it, and on the CPU no call is large enough for
-  aten to split it between intra-op threads (:mod:`opsched.ops._framework` has the
+  aten to split it between intra-op threads (:mod:`opsched.devices.torch.layout` has the
   measurements). A request's bits do not depend on the batch, its position or the thread
   count; GluBackward and GroupNormalizationGrad give the framework's own call's bits where
   that call is serial, GroupNormBackward its dx (dgamma / dbeta are summed per sample: within the
@@ -57,7 +57,6 @@ import numpy as np
 
 from opsched._errors import GraphExecutionError, ParamInvalidError
 from opsched._log import ERROR, WARNING, enabled, get_logger
-from opsched.devices import torch_ops
 from opsched.devices.base import (
     _NUMPY_OF,
     Converter,
@@ -70,7 +69,10 @@ from opsched.devices.base import (
 from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import FrameworkStream, Stream, ThreadStream
-from opsched.ops import HostOperands, Operator, register_array_type
+from opsched.devices.torch import aten
+from opsched.devices.torch.launchers import LAUNCHERS
+from opsched.devices.torch.layout import HostOperands
+from opsched.ops import Operator, register_array_type
 from opsched.ops.products import product_of_device
 
 __all__ = ["TorchDevice"]
@@ -128,7 +130,7 @@ class TorchDevice(Device):
             ImportError: torch (or torch_npu for ``npu``) is not installed.
             ValueError: a malformed name, or no such device here.
         """
-        torch = torch_ops.require_torch(f"device {name!r}")
+        torch = aten.require_torch(f"device {name!r}")
         spec = name.removeprefix("torch:")
         kind, _, index = spec.partition(":")
         if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()):
@@ -197,7 +199,7 @@ class TorchDevice(Device):
             ParamInvalidError: a tensor on another device.
         """
         if isinstance(value, np.ndarray):  # on the CPU a view of it where possible
-            return torch_ops.to_torch(value, self.torch_device, share=True)
+            return aten.to_torch(value, self.torch_device, share=True)
         if value.layout is not self._torch.strided:
             msg = (
                 f"{op}: {name} is a tensor of layout {value.layout}; the operators compute "
@@ -355,7 +357,7 @@ class TorchDevice(Device):
 
     def execute(self, op: Operator, requests: Sequence[Any], stream: int) -> dict[int, Any]:
         """Run ``requests`` as one batch-invariant framework launch on ``stream``
-        (:meth:`Operator.framework_batch`); return the failures by request id. An injected
+        (its operator's launcher); return the failures by request id. An injected
         fault fails that request only; when the launch raises, each request runs alone in
         the same layout (the same bits), so only the request that fails gets the error.
 
@@ -456,12 +458,13 @@ class TorchDevice(Device):
     def _launch(self, op: Operator, live: list[Any], errors: dict[int, BaseException]) -> None:
         """The framework calls of :meth:`execute`: ``live`` as one launch; when it raises,
         each request alone in the same layout, its failure in ``errors``."""
+        launch = LAUNCHERS[op.name].launch
         try:
-            op.framework_batch(self._torch, live)
+            launch(live)
         except Exception as batch_exc:  # find the culprit: each alone, in the same layout
             for r in live:
                 try:
-                    op.framework_batch(self._torch, [r])
+                    launch([r])
                 except Exception as exc:  # the launch boundary of one request
                     errors[r.id] = exc
             if len(live) > 1 and not errors and enabled(WARNING):
@@ -557,7 +560,7 @@ def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:
             if tensor is None:
                 arrays.append(None)
                 continue
-            array = tensor if type(tensor) is np.ndarray else torch_ops.from_torch(tensor)
+            array = tensor if type(tensor) is np.ndarray else aten.from_torch(tensor)
             target = caller_out.get(name)
             if target is not None:
                 if not np.shares_memory(target, array):
@@ -571,8 +574,8 @@ def _to_numpy(op: Operator, caller_out: dict[str, np.ndarray]) -> Converter:
 
 def _graph_value_to_numpy(value: Any) -> Any:
     if isinstance(value, tuple):
-        return tuple(None if v is None else torch_ops.from_torch(v) for v in value)
-    return None if value is None or isinstance(value, np.ndarray) else torch_ops.from_torch(value)
+        return tuple(None if v is None else aten.from_torch(v) for v in value)
+    return None if value is None or isinstance(value, np.ndarray) else aten.from_torch(value)
 
 
 def _graph_to_numpy(result: Any) -> Any:

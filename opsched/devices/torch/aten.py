@@ -18,8 +18,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from opsched.ops import GROUP_NORM_GRAD
-
 __all__ = [
     "from_torch",
     "glu_backward",
@@ -96,10 +94,12 @@ def group_norm_backward(
 
 
 def group_norm_grad(x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any) -> Any:
-    """GroupNormalizationGrad in torch: the operator description's framework call."""
+    """GroupNormalizationGrad in torch: the torch launcher's call of one request."""
     import torch
+
+    from opsched.devices.torch import group_norm_grad as launcher
 
     dx = torch.empty_like(x)
     tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
-    GROUP_NORM_GRAD.framework_call(torch, tensors, {})
+    launcher.call(tensors, {})
     return dx

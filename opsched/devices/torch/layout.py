@@ -46,6 +46,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import torch
 
 from opsched.ops._fusion import gather_into, signature_groups
 
@@ -84,7 +85,7 @@ class HostOperands(dict[str, Any]):
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def framework_tensor(torch: Any, value: Any) -> Any:
+def framework_tensor(value: Any) -> Any:
     """``value`` as a CPU tensor: a numpy array as a view of its memory where torch can
     make one (writeable, non-negative strides), else as a copy; a tensor (or None) as it
     is. BFLOAT16 goes through its bits (torch cannot read ml_dtypes' type)."""
@@ -97,14 +98,14 @@ def framework_tensor(torch: Any, value: Any) -> Any:
     return torch.from_numpy(value)
 
 
-def framework_laid_out(torch: Any, array: np.ndarray, shape: Sequence[int]) -> Any:
+def framework_laid_out(array: np.ndarray, shape: Sequence[int]) -> Any:
     """A numpy ``array`` as a C-contiguous CPU tensor of ``shape`` (a lone host request's
     operand in a launch's layout): a view of its memory where it is C-contiguous already,
     else of a C-ordered copy."""
-    return framework_tensor(torch, np.ascontiguousarray(array).reshape(shape))
+    return framework_tensor(np.ascontiguousarray(array).reshape(shape))
 
 
-def framework_host(torch: Any, tensor: Any) -> Any:
+def framework_host(tensor: Any) -> Any:
     """A CPU ``tensor`` as a numpy view of its memory (BFLOAT16 through its bits); numpy
     (or None) as it is."""
     if type(tensor) is np.ndarray or tensor is None:
@@ -124,7 +125,7 @@ SERIAL_ELEMENTS = 32768
 COLUMN_CHUNK = (SERIAL_ELEMENTS - 1) // 128 * 128
 
 
-def framework_rows(torch: Any, rows: int, row: int, cpu: bool) -> list[tuple[int, int]]:
+def framework_rows(rows: int, row: int, cpu: bool) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges over ``rows`` rows of ``row`` elements, each under
     :data:`SERIAL_ELEMENTS` elements (one row at least), on the CPU with several intra-op
     threads; one range on one thread (every call is serial then, and a serial call
@@ -149,7 +150,6 @@ def framework_columns(row: int, cpu: bool) -> list[tuple[int, int]]:
 
 
 def framework_stacks(
-    torch: Any,
     requests: Sequence[Any],
     key: Callable[[Any], Hashable],
     size: Callable[[Any], int],
@@ -170,7 +170,7 @@ def framework_stacks(
     numpy ``inputs`` made tensors (views of the same memory): the geometry, dtypes and
     device a launch reads from it are the framework's."""
     if len(requests) == 1:  # a lone request (a blocking call, a medium one): one stack
-        _lead(torch, requests[0], inputs)
+        _lead(requests[0], inputs)
         return [[[requests[0]]]]
     # by the checked signature (same shapes, dtypes, scalars), already a hashable tuple
     # shared by a run of calls seen before: no tensor attributes read per request
@@ -178,40 +178,40 @@ def framework_stacks(
     stacks: dict[Hashable, list[list[Any]]] = {}
     alone: list[list[list[Any]]] = []
     for group in groups:  # one shape each: one size, weighed once
-        _lead(torch, group[0], inputs)
+        _lead(group[0], inputs)
         if size(group[0]) >= stack_max:
             for request in group[1:]:  # each the first of its own stack
-                _lead(torch, request, inputs)
+                _lead(request, inputs)
             alone.extend([[request]] for request in group)
         else:
             stacks.setdefault(row(group[0]), []).append(group)
     return [*stacks.values(), *alone]
 
 
-def _lead(torch: Any, request: Any, inputs: Collection[str]) -> None:
+def _lead(request: Any, inputs: Collection[str]) -> None:
     """Make a host request's numpy ``inputs`` tensors, in place (its outputs stay as the
     caller gave them: a numpy ``out=`` is written as numpy)."""
     tensors = request.tensors
     if type(tensors) is HostOperands:
         for name in inputs:
-            tensors[name] = framework_tensor(torch, tensors[name])
+            tensors[name] = framework_tensor(tensors[name])
 
 
-def framework_cat(torch: Any, tensors: Sequence[Any]) -> Any:
+def framework_cat(tensors: list[Any]) -> Any:
     """``tensors`` (one row shape) concatenated along their first dimension; a lone one as
     itself."""
     return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
 
 
-def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
+def framework_stack(tensors: list[Any]) -> Any:
     """``tensors`` (one shape; tensors or numpy arrays) stacked into one new contiguous
     tensor; a lone one as itself where it is contiguous already (the same layout either
     way). Numpy arrays are copied together on the host, then made one tensor."""
     if len(tensors) == 1:
-        return framework_tensor(torch, tensors[0]).contiguous()
+        return framework_tensor(tensors[0]).contiguous()
     if type(tensors[-1]) is np.ndarray:  # host operands: one numpy copy
         ndarray = np.ndarray
-        arrays = [t if type(t) is ndarray else framework_host(torch, t) for t in tensors]
+        arrays = [t if type(t) is ndarray else framework_host(t) for t in tensors]
         first = arrays[0]
         # C order whatever the arrays' own (numpy would keep Fortran order if all had it,
         # and aten reads some operands as contiguous whatever their strides)
@@ -222,37 +222,35 @@ def framework_stack(torch: Any, tensors: Sequence[Any]) -> Any:
             gather_into(arrays, stacked)
         else:
             np.stack(arrays, out=stacked)
-        return framework_tensor(torch, stacked)
+        return framework_tensor(stacked)
     try:  # tensors, the usual case: no call for each
         return torch.stack(tensors)
     except TypeError:  # numpy arrays among them (a host request grouped with tensors)
-        return torch.stack([framework_tensor(torch, t) for t in tensors])
+        return torch.stack([framework_tensor(t) for t in tensors])
 
 
-def framework_gather(
-    torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int]
-) -> Any:
+def framework_gather(stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int]) -> Any:
     """Operand ``name`` of a stack's requests, stacked group by group, as ``shape``."""
-    parts = [framework_stack(torch, [r.tensors[name] for r in group]) for group in stack]
+    parts = [framework_stack([r.tensors[name] for r in group]) for group in stack]
     if len(parts) == 1:
         return parts[0].view(shape)
     return torch.cat([part.view(-1) for part in parts]).view(shape)
 
 
 def framework_output(
-    torch: Any, stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int], like: Any
+    stack: Sequence[Sequence[Any]], name: str, shape: Sequence[int], like: Any
 ) -> Any:
     """Where a launch writes output ``name`` of a stack, as ``shape``: a lone request's own
     contiguous output tensor where it has one (no copy afterwards), else a new tensor of
     ``like``'s dtype and device."""
     alone = len(stack) == 1 and len(stack[0]) == 1
-    own = framework_own(torch, stack[0][0].tensors, name) if alone else None
+    own = framework_own(stack[0][0].tensors, name) if alone else None
     if own is not None:
         return own.view(shape)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
+def framework_own(tensors: dict[str, Any], name: str) -> Any:
     """A request's own output ``name`` as a contiguous tensor a launch can write into (a
     numpy ``out=`` seen as a tensor of its memory); None where it has none, it is not
     contiguous, or it overlaps another of the request's operands (the launch then writes
@@ -266,7 +264,7 @@ def framework_own(torch: Any, tensors: dict[str, Any], name: str) -> Any:
     if type(own) is np.ndarray:
         if not framework_plain(own):
             return None
-        own = framework_tensor(torch, own)
+        own = framework_tensor(own)
     if not own.is_contiguous():
         return None
     low, high = _extent(given)
@@ -312,7 +310,6 @@ def framework_plain(array: np.ndarray) -> bool:
 
 
 def framework_scatter(
-    torch: Any,
     out: Any,
     stack: Sequence[Sequence[Any]],
     name: str,
@@ -323,11 +320,11 @@ def framework_scatter(
     ``rows`` in turn, each request's shaped as its ``operand``."""
     pieces = out.split(list(rows)) if len(stack) > 1 else (out,)
     for group, piece in zip(stack, pieces, strict=True):
-        framework_split_deliver(torch, piece, group, name, group[0].tensors[operand].shape)
+        framework_split_deliver(piece, group, name, group[0].tensors[operand].shape)
 
 
 def framework_split_deliver(
-    torch: Any, stacked: Any, group: Sequence[Any], name: str, shape: Sequence[int]
+    stacked: Any, group: Sequence[Any], name: str, shape: Sequence[int]
 ) -> None:
     """Hand each request of ``group`` its view of ``stacked`` (the group's output ``name``,
     one ``shape`` each): numpy views to host requests, tensor views to the others."""
@@ -338,7 +335,7 @@ def framework_split_deliver(
         tensors = r.tensors
         if type(tensors) is HostOperands:
             if host_views is None:  # iterating a numpy array yields its views cheaply
-                host_views = list(framework_host(torch, stacked).reshape(k, *shape))
+                host_views = list(framework_host(stacked).reshape(k, *shape))
             if tensors[name] is None:  # the usual request: its view, no call
                 tensors[name] = host_views[i]
                 continue
@@ -350,7 +347,7 @@ def framework_split_deliver(
             if tensors[name] is None:  # the usual request: its view, no call
                 tensors[name] = view
                 continue
-        framework_deliver(torch, tensors, name, view)
+        framework_deliver(tensors, name, view)
 
 
 def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]:
@@ -358,7 +355,7 @@ def framework_split(stacked: Any, k: int, shape: Sequence[int]) -> Sequence[Any]
     return stacked.view(k, *shape).unbind(0) if k > 1 else (stacked.view(shape),)
 
 
-def framework_deliver(torch: Any, tensors: dict[str, Any], name: str, result: Any) -> None:
+def framework_deliver(tensors: dict[str, Any], name: str, result: Any) -> None:
     """Hand one request its ``result`` (a tensor, or a numpy view for a host request):
     written into the output it was given (unless the launch wrote there already), or,
     where its launch allocates that output (None), the result itself (a view of the
@@ -366,10 +363,10 @@ def framework_deliver(torch: Any, tensors: dict[str, Any], name: str, result: An
     out = tensors[name]
     if out is None:
         if type(tensors) is HostOperands and type(result) is not np.ndarray:
-            result = framework_host(torch, result)
+            result = framework_host(result)
         tensors[name] = result
     elif type(out) is np.ndarray:
-        host = framework_host(torch, result)
+        host = framework_host(result)
         if not np.may_share_memory(out, host):  # the launch wrote into it, or not
             np.copyto(out, host)
     elif out.data_ptr() != result.data_ptr():
