@@ -195,10 +195,8 @@ def test_no_operator_description_names_torch():
         f"{_room(path)}:{token.start[0]}"
         for path in _modules(PACKAGE / "ops")
         for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-        if (token.type == tokenize.NAME
-        and token.string.startswith("torch"))
-        or (token.type == tokenize.NAME
-        and token.string.startswith("framework"))
+        if (token.type == tokenize.NAME and token.string.startswith("torch"))
+        or (token.type == tokenize.NAME and token.string.startswith("framework"))
     ]
     assert named == []
 

@@ -18,24 +18,27 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import attrs
 import numpy as np
 
+from opsched._lru import LRU
 from opsched.devices import Device
 from opsched.devices.base import Converter
 from opsched.ops import Operator
 from opsched.ops._base import check_writable, shapes_and_dtypes
 from opsched.ops.products import Product
 
-__all__ = ["Checked", "Checks", "canonical_signature", "deadline_of", "priority_of"]
+__all__ = ["CallPlan", "Checked", "Checks", "canonical_signature", "deadline_of", "priority_of"]
 
 #: Each output's shape and dtype (:meth:`Operator.output_spec`).
 OutputSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
 
-#: Request signatures whose checks passed, kept to skip re-checking recurring geometry.
+#: Calls whose checks passed, kept to skip re-checking recurring geometry (each under its
+#: signature and under the positional call that made it: two entries).
 SIGNATURES_KEPT = 4096
 
 #: One object per distinct signature: see :func:`canonical_signature`.
-_CANONICAL: dict[Hashable, Hashable] = {}
+_CANONICAL: LRU[Hashable, Hashable] = LRU(SIGNATURES_KEPT)
 
 
 def canonical_signature(signature: Hashable | None) -> Hashable | None:
@@ -50,10 +53,28 @@ def canonical_signature(signature: Hashable | None) -> Hashable | None:
         return None
     found = _CANONICAL.get(signature)
     if found is None:
-        if len(_CANONICAL) >= SIGNATURES_KEPT:
-            _CANONICAL.clear()
-        found = _CANONICAL[signature] = signature
+        _CANONICAL.put(signature, signature)
+        return signature
     return found
+
+
+@attrs.frozen(slots=True)
+class CallPlan:
+    """What the checks decided for a call signature: everything that depends on the
+    shapes, dtypes and scalars alone, so a call of the same signature skips the checks."""
+
+    op: Operator
+    #: The checked (normalised) scalar arguments.
+    scalars: dict[str, Any]
+    #: Each output's shape and dtype.
+    spec: OutputSpec
+    #: The fusion key and the request's units of a fused launch's capacity.
+    key: Hashable
+    units: int
+    #: What the request reads and writes.
+    nbytes: int
+    #: The checks' signature (canonical: one object per distinct signature).
+    signature: Hashable
 
 
 class Checked(NamedTuple):
@@ -79,15 +100,15 @@ _DEADLINE = Checked._fields.index("deadline")
 class Checks:
     """A scheduler's checks for one device and product, with the signature cache."""
 
-    __slots__ = ("_calls", "_device", "_known", "_meta", "_product")
+    __slots__ = ("_device", "_meta", "_product", "plans")
 
     def __init__(self, device: Device, product: Product) -> None:
         self._device = device
         self._product = product
-        self._known: dict[Hashable, tuple[Any, ...]] = {}
-        #: The same, keyed by the positional call (``Operator.call_signature``): the fast
-        #: path of a repeated call without outputs, which builds no argument dicts to look.
-        self._calls: dict[Hashable, tuple[Any, ...]] = {}
+        #: The plan of every call signature that passed, under its signature and under
+        #: the positional call that made it (``Operator.call_signature``: the fast path of
+        #: a repeated call, which builds no argument dicts to look).
+        self.plans: LRU[Hashable, CallPlan] = LRU(2 * SIGNATURES_KEPT)
         # Host devices check the arrays themselves: skip the copy on the hot path.
         self._meta = type(device).meta is not Device.meta
 
@@ -108,8 +129,9 @@ class Checks:
         device = self._device
         meta = device.meta(tensors) if self._meta else tensors
         signature = canonical_signature(op.signature(meta, scalars))
-        known = self._known.get(signature) if signature is not None else None
-        if known is None:
+        known = self.plans.lookup(signature) if signature is not None else None
+        spec: OutputSpec
+        if known is None or known.op is not op:
             scalars = op.check_on(self._product, meta, scalars, allocate=True)
             spec = op.output_spec(meta, scalars)
             nbytes = _nbytes(op, meta, spec)
@@ -118,11 +140,16 @@ class Checks:
             key, units = op.fusion(full, scalars)
             device.check_fits(op, full, scalars, key, units, nbytes)
             if signature is not None:
-                if len(self._known) >= SIGNATURES_KEPT:
-                    self._known.clear()
-                self._known[signature] = (scalars, spec, key, units, nbytes)
+                plan = CallPlan(op, scalars, spec, key, units, nbytes, signature)
+                self.plans.put(signature, plan)
         else:
-            scalars, spec, key, units, nbytes = known
+            scalars, spec, key, units, nbytes = (
+                known.scalars,
+                known.spec,
+                known.key,
+                known.units,
+                known.nbytes,
+            )
             check_writable(op.name, op.outputs, tensors)  # not part of the signature
             tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
         return Checked(
@@ -168,11 +195,9 @@ class Checks:
         if out is not None:
             call = _with_outputs(call, out)
         if call is not None and checked.signature is not None:
-            spec = self._known.get(checked.signature)
-            if spec is not None:
-                if len(self._calls) >= SIGNATURES_KEPT:
-                    self._calls.clear()
-                self._calls[call] = (op, *spec, checked.signature)
+            plan = self.plans.get(checked.signature)
+            if plan is not None:
+                self.plans.put(call, plan)
 
     def known(
         self, op: Operator, args: Sequence[Any], priority: int, out: Any = None
@@ -191,10 +216,16 @@ class Checks:
         call = op.call_signature(args)
         if out is not None:
             call = _with_outputs(call, out)
-        hit = self._calls.get(call) if call is not None else None
-        if hit is None or hit[0] is not op:
+        plans = self.plans
+        plan = plans.get(call) if call is not None else None  # (C-level: no Python call)
+        if plan is None or plan.op is not op:
             return None
-        _, scalars, spec, key, units, nbytes, signature = hit
+        try:  # (not contextlib.suppress: no Python call on the hot path)  # noqa: SIM105
+            plans.move_to_end(call)  # recently used
+        except KeyError:  # a thread's put evicted it meanwhile: the plan still holds
+            pass
+        scalars, spec, key, units = plan.scalars, plan.spec, plan.key, plan.units
+        nbytes, signature = plan.nbytes, plan.signature
         tensors = op.arguments(args, out)[0]
         if out is not None:
             check_writable(op.name, op.outputs, tensors)

@@ -31,6 +31,7 @@ import numpy as np
 
 from opsched._errors import ParamInvalidError
 from opsched._log import WARNING, enabled, get_logger
+from opsched._lru import LRU
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.malloc import keep_freed_memory
@@ -51,7 +52,7 @@ _log = get_logger("opsched.device")
 Outcome = tuple[dict[int, BaseException], float, float]
 
 
-#: Plans :meth:`HostDevice.run_solo` keeps, in each of its two caches (cleared when full).
+#: Plans :meth:`HostDevice.run_solo` keeps (the least recently used go first).
 _PLANS_KEPT = 1024
 
 #: Graph intermediates at least this large come from the workspace pool, which reuses
@@ -149,12 +150,11 @@ class HostDevice(Device):
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
-    #: Plans of :meth:`run_solo`, by geometry (a dict: safe to share between threads).
-    _plans: dict[Hashable, Any] = attrs.field(factory=dict, init=False)
-    #: :meth:`run_solo`'s plans of requests whose outputs the launch allocates, with the
-    #: outputs' shapes and dtypes and the launch's runner (or None), by signature and the
-    #: inputs' strides.
-    _fresh_plans: dict[Hashable, tuple[Any, _Made, Any]] = attrs.field(factory=dict, init=False)
+    #: :meth:`run_solo`'s plans, by geometry: of requests whose outputs the launch
+    #: allocates, by signature and the inputs' strides, with the outputs' shapes and dtypes
+    #: and the launch's runner (or None); of the others, by signature, every array's
+    #: strides and whether an output overlaps an input. Callers' threads share it.
+    _solo_plans: LRU[Hashable, Any] = attrs.field(factory=lambda: LRU(_PLANS_KEPT), init=False)
 
     @classmethod
     def create(
@@ -266,7 +266,7 @@ class HostDevice(Device):
             # the inputs' strides (None for an absent one), with no Python call per input
             arrays = map(tensors.__getitem__, op.inputs)
             key: Hashable = (signature, *map(getattr, arrays, _STRIDES, _NONE))
-            found = self._fresh_plans.get(key)
+            found = self._solo_plans.get(key)
             if found is None:
                 allocate_missing(op, tensors, request.scalars)
                 plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
@@ -276,8 +276,12 @@ class HostDevice(Device):
                     if tensors[n] is not None
                 )
                 runner = self.runner(op, plan, tensors)
-                _remember(self._fresh_plans, key, (plan, made, runner))
+                self._solo_plans.put(key, (plan, made, runner))
             else:
+                try:  # (not contextlib.suppress: no Python call a request)  # noqa: SIM105
+                    self._solo_plans.move_to_end(key)  # recently used
+                except KeyError:  # another thread's put evicted it meanwhile: still valid
+                    pass
                 plan, made, runner = found
                 for name, shape, dtype in made:
                     tensors[name] = np.empty(shape, dtype)
@@ -296,10 +300,10 @@ class HostDevice(Device):
                     tuple([_strides(tensors[n]) for n in op.tensor_names]),
                     op.overlaps_any(tensors),
                 )
-                plan = self._plans.get(key)
+                plan = self._solo_plans.lookup(key)
                 if plan is None:
                     plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
-                    _remember(self._plans, key, plan)
+                    self._solo_plans.put(key, plan)
         size = op.workspace_size(plan)
         workspace = np.empty(size, np.uint8) if size else None
         self.check_fault([request])
@@ -326,7 +330,7 @@ class HostDevice(Device):
             )
         overlap = op.overlaps_any(tensors)
         cache_key = (geometry, strides, overlap, self.name, batch.stream)
-        executor = self._cache.get(cache_key)
+        executor = self._cache.lookup(cache_key)
         hit = executor is not None
         if executor is None:
             plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
@@ -423,7 +427,7 @@ class HostDevice(Device):
         """The repeatable executor of fused launches of ``capacity`` units on ``stream``,
         its cache key, and whether it was cached."""
         cache_key = (op.name, "fused", key, capacity, self.name, stream)
-        executor = self._cache.get(cache_key)
+        executor = self._cache.lookup(cache_key)
         if executor is not None:
             return executor, cache_key, True
         layout, plan, scalars = _fused_plan(op, key, capacity)
@@ -566,13 +570,6 @@ def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout
     geometry, scalars = op.fused_geometry(key, capacity)
     plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
     return FusedLayout.of(geometry, op.workspace_size(plan)), plan, scalars
-
-
-def _remember(plans: dict[Hashable, Any], key: Hashable, entry: Any) -> None:
-    """Keep ``entry`` under ``key`` in one of :meth:`HostDevice.run_solo`'s caches."""
-    if len(plans) >= _PLANS_KEPT:
-        plans.clear()
-    plans[key] = entry
 
 
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:

@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 
 from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
+from opsched._lru import LRU
 from opsched.kernels._common import DEFAULT_BLOCK
 from opsched.ops._base import Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
@@ -306,7 +307,7 @@ class PlanCacheStatistics:
         misses: cacheable calls checked and planned in full.
         uncached: calls the cache does not take (arrays that are not plain and
             C-contiguous, unhashable scalars), each checked and planned in full.
-        evictions: plans dropped, oldest first, because the cache was full.
+        evictions: plans dropped, least recently used first, because the cache was full.
         size: plans held now.
         limit: the most it holds.
     """
@@ -328,25 +329,24 @@ class PlanCache:
     (their strides follow from shape and dtype, and nothing is staged for its layout) and
     hashable scalars. The key holds the signature (shapes, dtypes, scalars), the product,
     whether each output is writeable and whether an output overlaps an input (the plan
-    stages it then). Any thread may call; a race costs at most a plan made twice or a
-    miscounted counter, never a wrong plan.
+    stages it then). An :class:`~opsched._lru.LRU` (the one cache type). Any thread may
+    call; a race costs at most a plan made twice or a miscounted counter, never a wrong
+    plan.
     """
 
     limit: int = 256
-    _plans: dict[Hashable, tuple[dict[str, Any], Any, int, Any]] = attrs.field(
-        factory=dict, init=False
-    )
-    _hits: int = attrs.field(default=0, init=False)
-    _misses: int = attrs.field(default=0, init=False)
+    _plans: LRU[Hashable, tuple[dict[str, Any], Any, int, Any]] = attrs.field(init=False)
     _uncached: int = attrs.field(default=0, init=False)
-    _evictions: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._plans = LRU(self.limit)
 
     def plan(
         self, op: Operator, tensors: dict[str, Any], scalars: dict[str, Any], product: str
     ) -> tuple[int, Executor]:
         """Phase one through the cache: as :func:`get_workspace_size`."""
         key = self._key(op, tensors, scalars, product)
-        found = self._plans.get(key) if key is not None else None
+        found = self._plans.lookup(key) if key is not None else None
         if found is None:
             checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
             plan = op.plan(tensors, checked, DEFAULT_BLOCK)
@@ -356,19 +356,16 @@ class PlanCache:
             if key is None:
                 self._uncached += 1
             else:
-                self._misses += 1
-                self._remember(key, found)
-        else:
-            self._hits += 1
+                self._plans.put(key, found)
         checked, plan, size, runner = found
         return size, Executor(op, tensors, dict(checked), plan, size, runner=runner)
 
     def statistics(self) -> PlanCacheStatistics:
         """A snapshot of the counters."""
+        plans = self._plans
         return PlanCacheStatistics(
-            self._hits, self._misses, self._uncached, self._evictions, len(self._plans),
-            self.limit,
-        )  # fmt: skip
+            plans.hits, plans.misses, self._uncached, plans.evictions, len(plans), self.limit
+        )
 
     @staticmethod
     def _key(
@@ -386,12 +383,6 @@ class PlanCache:
             array = tensors.get(name)
             writeable.append(array is None or array.flags.writeable)
         return op.name, product, signature, tuple(writeable), op.overlaps_any(tensors)
-
-    def _remember(self, key: Hashable, found: tuple[dict[str, Any], Any, int, Any]) -> None:
-        if len(self._plans) >= self.limit:
-            self._plans.pop(next(iter(self._plans), None), None)
-            self._evictions += 1
-        self._plans[key] = found
 
 
 #: The process's plan cache (the two-phase API's).

@@ -225,6 +225,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
     ``graphs_only``: only when the launch serves a graph node (a wrong result on graphs
     alone)."""
     from opsched.devices.host import HostDevice
+    from opsched._lru import LRU
     from opsched.ops.executor import PLANS
     from opsched.ops.glu_backward import GluBackward
 
@@ -284,7 +285,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
     # would launch the real kernel, and the negated ones made here must not outlive this
     # test. An empty cache for its duration (the test then depended on the order the
     # suite ran in: CI saw one result right and the rest wrong)
-    monkeypatch.setattr(PLANS, "_plans", {})
+    monkeypatch.setattr(PLANS, "_plans", LRU(PLANS.limit))
 
 
 def test_a_wrong_kernel_on_every_path_fails_the_verdict(monkeypatch):

@@ -128,9 +128,9 @@ def test_cache_lru_eviction_destroys():
     e1, e2, e3 = executor(), executor(), executor()
     cache.put("a", e1)
     cache.put("b", e2)
-    assert cache.get("a") is e1  # a is now the most recent
+    assert cache.lookup("a") is e1  # a is now the most recent
     cache.put("c", e3)  # evicts b
-    assert cache.get("b") is None
+    assert cache.lookup("b") is None
     assert e2.state.value == "destroyed" and e1.state.value == "ready"
     s = cache.statistics()
     assert (s.hits, s.misses, s.evictions, s.size) == (1, 1, 1, 2)
