@@ -224,8 +224,8 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
     bit-identical to the solo call, and only an independent oracle can tell).
     ``graphs_only``: only when the launch serves a graph node (a wrong result on graphs
     alone)."""
-    from opsched.devices.host import HostDevice
     from opsched._lru import LRU
+    from opsched.devices.host import HostDevice
     from opsched.ops.executor import PLANS
     from opsched.ops.glu_backward import GluBackward
 
