@@ -17,9 +17,29 @@ __all__ = ["LOOPS"]
 
 @_jit.body
 def _gnb_body(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta, load, store,
-):  # fmt: skip
+    dy,
+    dys,
+    x,
+    xs,
+    dx,
+    dxs,
+    mean,
+    rstd,
+    gamma,
+    period,
+    ds,
+    db,
+    rows,
+    cpg,
+    hxw,
+    want_dx,
+    n,
+    c,
+    dgamma,
+    dbeta,
+    load,
+    store,
+):
     """The compiled GroupNormBackward loop, one (n, g) row (``cpg`` channel rows) at a time.
 
     Channel row ``k`` of ``dy`` / ``x`` / ``dx`` is ``hxw`` elements at ``k * stride`` of
@@ -33,14 +53,46 @@ def _gnb_body(  # type: ignore[no-untyped-def]
         # rows back to back, the usual layout: compiled with the strides known equal to
         # the row length, which short rows gain most from
         _gnb_rows(
-            dy, hxw, x, hxw, dx, hxw, mean, rstd, gamma, period, ds, db, rows, cpg, hxw,
-            want_dx, load, store,
-        )  # fmt: skip
+            dy,
+            hxw,
+            x,
+            hxw,
+            dx,
+            hxw,
+            mean,
+            rstd,
+            gamma,
+            period,
+            ds,
+            db,
+            rows,
+            cpg,
+            hxw,
+            want_dx,
+            load,
+            store,
+        )
     else:
         _gnb_rows(
-            dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw,
-            want_dx, load, store,
-        )  # fmt: skip
+            dy,
+            dys,
+            x,
+            xs,
+            dx,
+            dxs,
+            mean,
+            rstd,
+            gamma,
+            period,
+            ds,
+            db,
+            rows,
+            cpg,
+            hxw,
+            want_dx,
+            load,
+            store,
+        )
     # a sample at a time, every channel at once: the channels are independent chains of
     # adds (each still in sample order) the CPU overlaps, where a channel's samples are one
     # chain
@@ -135,33 +187,147 @@ def _signature(storage: str) -> object:
 
 
 def _gnb_float32(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
+    dy,
+    dys,
+    x,
+    xs,
+    dx,
+    dxs,
+    mean,
+    rstd,
+    gamma,
+    period,
+    ds,
+    db,
+    rows,
+    cpg,
+    hxw,
+    want_dx,
+    n,
+    c,
+    dgamma,
+    dbeta,
+):
     _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.same, _jit.same,
-    )  # fmt: skip
+        dy,
+        dys,
+        x,
+        xs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        gamma,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        want_dx,
+        n,
+        c,
+        dgamma,
+        dbeta,
+        _jit.same,
+        _jit.same,
+    )
 
 
 def _gnb_float16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
+    dy,
+    dys,
+    x,
+    xs,
+    dx,
+    dxs,
+    mean,
+    rstd,
+    gamma,
+    period,
+    ds,
+    db,
+    rows,
+    cpg,
+    hxw,
+    want_dx,
+    n,
+    c,
+    dgamma,
+    dbeta,
+):
     _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.half_to_f32, _jit.f32_to_half,
-    )  # fmt: skip
+        dy,
+        dys,
+        x,
+        xs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        gamma,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        want_dx,
+        n,
+        c,
+        dgamma,
+        dbeta,
+        _jit.half_to_f32,
+        _jit.f32_to_half,
+    )
 
 
 def _gnb_bfloat16(  # type: ignore[no-untyped-def]
-    dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-    n, c, dgamma, dbeta,
-):  # fmt: skip
+    dy,
+    dys,
+    x,
+    xs,
+    dx,
+    dxs,
+    mean,
+    rstd,
+    gamma,
+    period,
+    ds,
+    db,
+    rows,
+    cpg,
+    hxw,
+    want_dx,
+    n,
+    c,
+    dgamma,
+    dbeta,
+):
     _gnb_body(
-        dy, dys, x, xs, dx, dxs, mean, rstd, gamma, period, ds, db, rows, cpg, hxw, want_dx,
-        n, c, dgamma, dbeta, _jit.bf16_to_f32, _jit.f32_to_bf16,
-    )  # fmt: skip
+        dy,
+        dys,
+        x,
+        xs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        gamma,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        want_dx,
+        n,
+        c,
+        dgamma,
+        dbeta,
+        _jit.bf16_to_f32,
+        _jit.f32_to_bf16,
+    )
 
 
 #: The entry point of each storage kind (:data:`._jit.KINDS`), compiled on first use.

@@ -214,15 +214,41 @@ def glu_backward_runner(
     if plan.dtype == kind.storage:  # float32: the arrays' own flat views
 
         def run(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
-            loop(grad_out.ravel(), 0, half, self.ravel(), 0, half, row, out.ravel(), 0, half,
-                 row, outer, half)  # fmt: skip
+            loop(
+                grad_out.ravel(),
+                0,
+                half,
+                self.ravel(),
+                0,
+                half,
+                row,
+                out.ravel(),
+                0,
+                half,
+                row,
+                outer,
+                half,
+            )
 
         return run
     bits = kind.storage  # the half types: their flat views as raw 16-bit words
 
     def run_bits(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
-        loop(grad_out.ravel().view(bits), 0, half, self.ravel().view(bits), 0, half, row,
-             out.ravel().view(bits), 0, half, row, outer, half)  # fmt: skip
+        loop(
+            grad_out.ravel().view(bits),
+            0,
+            half,
+            self.ravel().view(bits),
+            0,
+            half,
+            row,
+            out.ravel().view(bits),
+            0,
+            half,
+            row,
+            outer,
+            half,
+        )
 
     return run_bits
 
@@ -374,9 +400,20 @@ def _flat_args(
     half), no 2-D / 3-D views."""
     storage, row = _jit.storage, 2 * half
     return (
-        storage(grad_out, kind), 0, half, storage(self, kind), 0, half, row,
-        storage(out, kind), 0, half, row, outer, half,
-    )  # fmt: skip
+        storage(grad_out, kind),
+        0,
+        half,
+        storage(self, kind),
+        0,
+        half,
+        row,
+        storage(out, kind),
+        0,
+        half,
+        row,
+        outer,
+        half,
+    )
 
 
 def _compiled_args(

@@ -138,9 +138,11 @@ def group_norm_grad_fast(
     staging = plan.stage_x or plan.stage_dy or plan.stage_gamma or plan.stage_out
     carve: Carver | None = None
     if not staging and (
-        x.flags.c_contiguous and dy.flags.c_contiguous and gamma.flags.c_contiguous
+        x.flags.c_contiguous
+        and dy.flags.c_contiguous
+        and gamma.flags.c_contiguous
         and dx.flags.c_contiguous
-    ):  # fmt: skip
+    ):
         # the usual call: flat views, row stride m (no 2-D views, no stride lookups)
         xf, dyf = _jit.storage(x, kind), _jit.storage(dy, kind)
         gf, of = _jit.storage(gamma, kind), _jit.storage(dx, kind)
@@ -224,16 +226,40 @@ def _gn_float32(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # typ
 
 def _gn_float16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
     _gn_body(
-        x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
-        _jit.half_to_f32, _jit.f32_to_half,
-    )  # fmt: skip
+        x,
+        xs,
+        dy,
+        dys,
+        gamma,
+        gs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        rows,
+        m,
+        _jit.half_to_f32,
+        _jit.f32_to_half,
+    )
 
 
 def _gn_bfloat16(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
     _gn_body(
-        x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m,
-        _jit.bf16_to_f32, _jit.f32_to_bf16,
-    )  # fmt: skip
+        x,
+        xs,
+        dy,
+        dys,
+        gamma,
+        gs,
+        dx,
+        dxs,
+        mean,
+        rstd,
+        rows,
+        m,
+        _jit.bf16_to_f32,
+        _jit.f32_to_bf16,
+    )
 
 
 #: The entry point of each storage kind (:data:`._jit.KINDS`), compiled on first use.

@@ -193,9 +193,20 @@ def make_gnb_plan(
     bufs = _buffers(channel_rows, rows, not stats_out)
     nbytes = workspace_bytes(copies + bufs) if channel_rows and hxw else 0
     return GnbPlan(
-        n, c, hxw, group, np.dtype(dtype), *mask, has_gamma, row_gamma, stats_out,
-        stage_x, stage_dy, stage_dx, nbytes,
-    )  # fmt: skip
+        n,
+        c,
+        hxw,
+        group,
+        np.dtype(dtype),
+        *mask,
+        has_gamma,
+        row_gamma,
+        stats_out,
+        stage_x,
+        stage_dy,
+        stage_dx,
+        nbytes,
+    )
 
 
 def reduce_over_samples(stats: np.ndarray, n: int, c: int, out: np.ndarray) -> None:
@@ -329,11 +340,27 @@ def _direct_arguments(
         sums: np.ndarray,
     ) -> tuple[Any, ...]:
         return (
-            storage(grad_out, kind), hxw, storage(x, kind), hxw, storage(dx, kind), hxw,
-            mean.ravel(), rstd.ravel(), _ONE if gamma is None else gamma.ravel(), period,
-            sums[:channel_rows], sums[channel_rows:], rows, cpg, hxw, True, n, c,
-            dgamma.ravel(), dbeta.ravel(),
-        )  # fmt: skip
+            storage(grad_out, kind),
+            hxw,
+            storage(x, kind),
+            hxw,
+            storage(dx, kind),
+            hxw,
+            mean.ravel(),
+            rstd.ravel(),
+            _ONE if gamma is None else gamma.ravel(),
+            period,
+            sums[:channel_rows],
+            sums[channel_rows:],
+            rows,
+            cpg,
+            hxw,
+            True,
+            n,
+            c,
+            dgamma.ravel(),
+            dbeta.ravel(),
+        )
 
     return arguments, 2 * channel_rows
 
@@ -361,13 +388,20 @@ def _is_direct(
         return False
     f32 = F32
     return bool(
-        grad_out.flags.c_contiguous and x.flags.c_contiguous and dx.flags.c_contiguous
-        and mean.dtype is f32 and rstd.dtype is f32 and dgamma.dtype is f32
-        and dbeta.dtype is f32 and (gamma is None or gamma.dtype is f32)
-        and mean.flags.c_contiguous and rstd.flags.c_contiguous
-        and dgamma.flags.c_contiguous and dbeta.flags.c_contiguous
+        grad_out.flags.c_contiguous
+        and x.flags.c_contiguous
+        and dx.flags.c_contiguous
+        and mean.dtype is f32
+        and rstd.dtype is f32
+        and dgamma.dtype is f32
+        and dbeta.dtype is f32
+        and (gamma is None or gamma.dtype is f32)
+        and mean.flags.c_contiguous
+        and rstd.flags.c_contiguous
+        and dgamma.flags.c_contiguous
+        and dbeta.flags.c_contiguous
         and (gamma is None or gamma.flags.c_contiguous)
-    )  # fmt: skip
+    )
 
 
 def group_norm_backward_runner(
@@ -470,9 +504,22 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
     are unpacked once each, not read an attribute at a time.
     """
     (
-        _, c, hxw, group, dtype, want_dx, want_dgamma, want_dbeta, _, _, stats_out,
-        stage_x, stage_dy, stage_dx, _,
-    ) = plan  # fmt: skip
+        _,
+        c,
+        hxw,
+        group,
+        dtype,
+        want_dx,
+        want_dgamma,
+        want_dbeta,
+        _,
+        _,
+        stats_out,
+        stage_x,
+        stage_dy,
+        stage_dx,
+        _,
+    ) = plan
     grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, ds_out, db_out = a
     cpg = c // group
     rows, channel_rows = n * group, n * c
@@ -512,9 +559,27 @@ def _lay_out(plan: GnbPlan, a: _Arrays, n: int, workspace: np.ndarray | None) ->
         assert dx is not None
         out, os_ = _channel_rows(dx, shape2, kind)  # viewable: the plan checked
     args = (
-        dy, dys, xf, xs, out, os_, mean32, rstd32, gamma32, period, ds, db, rows, cpg, hxw,
-        want_dx, n, c_reduce, dgamma32, dbeta32,
-    )  # fmt: skip
+        dy,
+        dys,
+        xf,
+        xs,
+        out,
+        os_,
+        mean32,
+        rstd32,
+        gamma32,
+        period,
+        ds,
+        db,
+        rows,
+        cpg,
+        hxw,
+        want_dx,
+        n,
+        c_reduce,
+        dgamma32,
+        dbeta32,
+    )
     dx_copy = None if dx_target is None or dx is None else (dx, dx_target)
     return _Launch(tuple(copies), LOOPS[kind.name], args, dx_copy, tuple(stores))
 
@@ -594,7 +659,14 @@ def plan_group_norm_backward(
     shape2 = (n * c, hxw)
     stage_dx = dx is not None and (must_stage(dx, shape2, True) or overlaps(dx, x, grad_out))
     return make_gnb_plan(
-        n, c, hxw, group, x.dtype, mask, has_gamma=has_gamma,
-        stage_x=must_stage(x, shape2, True), stage_dy=must_stage(grad_out, shape2, True),
+        n,
+        c,
+        hxw,
+        group,
+        x.dtype,
+        mask,
+        has_gamma=has_gamma,
+        stage_x=must_stage(x, shape2, True),
+        stage_dy=must_stage(grad_out, shape2, True),
         stage_dx=stage_dx,
-    )  # fmt: skip
+    )

@@ -227,8 +227,9 @@ def _node(op: Operator, method: Callable[..., Any]) -> Callable[..., Node]:
         "ParamInvalidError, TypeError: the operator's checks (docs/operators.md), at once, "
         "naming the node."
     )
-    return entry_point(add, method, op.method, doc, first="graph", keywords=("name",),
-                       returns="Node")  # fmt: skip
+    return entry_point(
+        add, method, op.method, doc, first="graph", keywords=("name",), returns="Node"
+    )
 
 
 class Graph(GraphBuilder):

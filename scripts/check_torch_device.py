@@ -79,10 +79,30 @@ def main(device: str, quick: bool = False) -> int:
 
     async def ops() -> str:
         glu = [(tensor(16, 32), tensor(16, 64)) for _ in range(64)]
-        gn = [(tensor(4, 8, 16), tensor(4, 8, 16), tensor(4, 8, 16), tensor(4, 8),
-               tensor(4, 8).abs() + 0.5) for _ in range(32)]  # fmt: skip
-        gnb = [(tensor(3, 8, 5), tensor(3, 8, 5), tensor(3, 4), tensor(3, 4).abs() + 0.5,
-                tensor(8), 3, 8, 5, 4) for _ in range(32)]  # fmt: skip
+        gn = [
+            (
+                tensor(4, 8, 16),
+                tensor(4, 8, 16),
+                tensor(4, 8, 16),
+                tensor(4, 8),
+                tensor(4, 8).abs() + 0.5,
+            )
+            for _ in range(32)
+        ]
+        gnb = [
+            (
+                tensor(3, 8, 5),
+                tensor(3, 8, 5),
+                tensor(3, 4),
+                tensor(3, 4).abs() + 0.5,
+                tensor(8),
+                3,
+                8,
+                5,
+                4,
+            )
+            for _ in range(32)
+        ]
         async with opsched.open_scheduler(device=device, streams=2) as sched:
             a = await asyncio.gather(*(sched.glu_backward(g, x) for g, x in glu))
             b = await asyncio.gather(*(sched.group_norm_grad(*r) for r in gn))
@@ -110,11 +130,19 @@ def main(device: str, quick: bool = False) -> int:
     check("three operators, fused, each = its own framework call", lambda: asyncio.run(ops()))
 
     backend = getattr(torch, target.type, None) if target.type != "cpu" else None
-    dtypes = {"FLOAT": torch.float32, "FLOAT16": torch.float16, "BFLOAT16": torch.bfloat16,
-              "DOUBLE": torch.float64}  # fmt: skip
+    dtypes = {
+        "FLOAT": torch.float32,
+        "FLOAT16": torch.float16,
+        "BFLOAT16": torch.bfloat16,
+        "DOUBLE": torch.float64,
+    }
     #: docs/operators.md's (rtol, atol), doubled: both sides are within it of the exact value
-    tolerance = {torch.float64: (2e-10, 2e-10), torch.float32: (2e-4, 2e-4),
-                 torch.float16: (2e-2, 2e-3), torch.bfloat16: (4e-2, 4e-3)}  # fmt: skip
+    tolerance = {
+        torch.float64: (2e-10, 2e-10),
+        torch.float32: (2e-4, 2e-4),
+        torch.float16: (2e-2, 2e-3),
+        torch.bfloat16: (4e-2, 4e-3),
+    }
 
     def cases(kind: Any, count: int) -> dict[str, list[tuple[Any, ...]]]:
         """Requests of each operator in dtype ``kind``, of mixed geometries: rows of 16 to
@@ -129,12 +157,29 @@ def main(device: str, quick: bool = False) -> int:
             glu.append((make(rows, row), make(rows, 2 * row)))
             m = int(rng.integers(16, 301))
             n, groups = int(rng.integers(1, 4)), int(rng.integers(1, 3))
-            gn.append((make(n, groups, m), make(n, groups, m), make(n, groups, m),
-                       make(n, groups), make(n, groups).abs() + 0.5))  # fmt: skip
+            gn.append(
+                (
+                    make(n, groups, m),
+                    make(n, groups, m),
+                    make(n, groups, m),
+                    make(n, groups),
+                    make(n, groups).abs() + 0.5,
+                )
+            )
             hxw, channels = int(rng.integers(16, 301)), 2 * groups
             stats = make(n, groups), make(n, groups).abs() + 0.5
-            gnb.append((make(n, channels, hxw), make(n, channels, hxw), *stats,
-                        make(channels), n, channels, hxw, groups))  # fmt: skip
+            gnb.append(
+                (
+                    make(n, channels, hxw),
+                    make(n, channels, hxw),
+                    *stats,
+                    make(channels),
+                    n,
+                    channels,
+                    hxw,
+                    groups,
+                )
+            )
         return {"glu_backward": glu, "group_norm_grad": gn, "group_norm_backward": gnb}
 
     def exact(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -176,8 +221,10 @@ def main(device: str, quick: bool = False) -> int:
                     counted += 1
         return f"{counted} requests in every dtype each operator takes"
 
-    check("every operator and dtype: within tolerance, the same bits fused and alone",
-          lambda: asyncio.run(every_dtype()))  # fmt: skip
+    check(
+        "every operator and dtype: within tolerance, the same bits fused and alone",
+        lambda: asyncio.run(every_dtype()),
+    )
 
     async def invariance_all() -> str:
         counted = 0
@@ -198,8 +245,7 @@ def main(device: str, quick: bool = False) -> int:
                     counted += 1
         return f"{counted} requests of rows 16-300, 1-6 rows each, alone then shuffled"
 
-    check("batch invariance, all three operators, 4 streams",
-          lambda: asyncio.run(invariance_all()))  # fmt: skip
+    check("batch invariance, all three operators, 4 streams", lambda: asyncio.run(invariance_all()))
 
     def stress() -> str:
         import io
@@ -211,8 +257,9 @@ def main(device: str, quick: bool = False) -> int:
             config.write("streams = 4\n")
         out = io.StringIO()
         requests = 2_000 if quick else 20_000
-        status = run_stress(StressOptions(device=device, requests=requests,
-                                          config=config.name), out)  # fmt: skip
+        status = run_stress(
+            StressOptions(device=device, requests=requests, config=config.name), out
+        )
         text = out.getvalue()
         require(status == 0 and "verdict: PASS" in text, text[-2000:])
         return f"{requests:,} mixed requests on 4 streams (cancellations included): PASS"
@@ -323,8 +370,9 @@ def main(device: str, quick: bool = False) -> int:
         x = rng.standard_normal((4, 16)).astype(np.float32)
         with opsched.sync.open_scheduler(device=device) as sched:
             out = sched.glu_backward(g, x)
-        want = t.from_torch(t.glu_backward(torch.from_numpy(g).to(target),
-                                           torch.from_numpy(x).to(target), -1))  # fmt: skip
+        want = t.from_torch(
+            t.glu_backward(torch.from_numpy(g).to(target), torch.from_numpy(x).to(target), -1)
+        )
         require(isinstance(out, np.ndarray), f"expected a numpy array, got {type(out)}")
         require(np.array_equal(out, want), "GluBackward through numpy differs")
         return "numpy in, numpy out, sync facade"
@@ -358,8 +406,17 @@ def main(device: str, quick: bool = False) -> int:
     check("a large request split across streams", lambda: asyncio.run(split()))
 
     async def large_norm() -> str:
-        r = (tensor(4, 64, 1024), tensor(4, 64, 1024), tensor(4, 16), tensor(4, 16).abs() + 0.5,
-             tensor(64), 4, 64, 1024, 16)  # fmt: skip
+        r = (
+            tensor(4, 64, 1024),
+            tensor(4, 64, 1024),
+            tensor(4, 16),
+            tensor(4, 16).abs() + 0.5,
+            tensor(64),
+            4,
+            64,
+            1024,
+            16,
+        )
         async with opsched.open_scheduler(device=device, streams=2) as sched:
             got = await sched.group_norm_backward(*r)
         want = t.group_norm_backward(*r, [True] * 3)
@@ -399,13 +456,29 @@ def main(device: str, quick: bool = False) -> int:
 
     async def throughput() -> str:
         glu = [(tensor(8, 32), tensor(8, 64)) for _ in range(256)]
-        gnb = [(tensor(4, 8, 64), tensor(4, 8, 64), tensor(4, 4), tensor(4, 4).abs() + 0.5,
-                tensor(8), 4, 8, 64, 4) for _ in range(256)]  # fmt: skip
+        gnb = [
+            (
+                tensor(4, 8, 64),
+                tensor(4, 8, 64),
+                tensor(4, 4),
+                tensor(4, 4).abs() + 0.5,
+                tensor(8),
+                4,
+                8,
+                64,
+                4,
+            )
+            for _ in range(256)
+        ]
         cases = [
             ("GLU 8x64", glu, lambda a: t.glu_backward(a[0], a[1], -1), "glu_backward"),
-            ("GroupNormBackward 4x8x64", gnb, lambda a: t.group_norm_backward(*a, [True] * 3),
-             "group_norm_backward"),
-        ]  # fmt: skip
+            (
+                "GroupNormBackward 4x8x64",
+                gnb,
+                lambda a: t.group_norm_backward(*a, [True] * 3),
+                "group_norm_backward",
+            ),
+        ]
         rounds = 8
         lines = []
         async with opsched.open_scheduler(device=device, streams=2) as sched:
@@ -448,15 +521,19 @@ def _arguments(argv: list[str]) -> tuple[str, bool]:
         description="Check a torch device end to end; one line per check, exit 1 on any failure.",
     )
     parser.add_argument(
-        "device", nargs="?", default="torch:cuda",
+        "device",
+        nargs="?",
+        default="torch:cuda",
         help="torch:cuda[:N], torch:npu[:N] or torch:cpu (default: torch:cuda)",
-    )  # fmt: skip
+    )
     parser.add_argument("--quick", action="store_true", help="smaller workloads (seconds)")
     parsed = parser.parse_args(argv)
     device: str = parsed.device
     if not device.startswith("torch:"):
-        parser.error(f"device {device!r} is not a torch device; expected torch:cuda[:N], "
-                     "torch:npu[:N] or torch:cpu")  # fmt: skip
+        parser.error(
+            f"device {device!r} is not a torch device; expected torch:cuda[:N], "
+            "torch:npu[:N] or torch:cpu"
+        )
     return device, parsed.quick
 
 

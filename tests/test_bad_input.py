@@ -207,8 +207,7 @@ def test_a_memmap_is_accepted_as_plain_data(tmp_path):
     mm = np.memmap(tmp_path / "x.bin", dtype=F32, mode="w+", shape=x.shape)
     mm[...] = x
     want = opsched.sync.glu_backward(g, x)
-    assert_same_bits(opsched.sync.glu_backward(g, mm).view(np.uint32),
-                                  want.view(np.uint32))  # fmt: skip
+    assert_same_bits(opsched.sync.glu_backward(g, mm).view(np.uint32), want.view(np.uint32))
 
 
 # ----------------------------------------------------------------- configuration with no bound
@@ -310,9 +309,12 @@ def _run_script(script: str) -> str:
     """``script``'s output, run by a new interpreter (a fork there forks nothing of
     pytest's); its failure fails the test."""
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
         check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

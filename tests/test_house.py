@@ -80,21 +80,49 @@ LIBRARY = [
 @pytest.mark.parametrize(
     ("room", "files", "forbidden"),
     [
-        ("kernels never import opsched", _modules(KERNELS), ("opsched.core", "opsched.ops",
-         "opsched.devices", "opsched.cli", "opsched._api", "opsched._errors", "opsched.sync",
-         "opsched.aclnn", "kernels")),
-        ("the core never imports torch, the kernels, the CLI, a specific device or an "
-         "operator module", CORE, ("torch", "torch_npu", "opsched.kernels", "kernels",
-         "opsched.cli", *SPECIFIC_DEVICES, *OPERATOR_MODULES)),
+        (
+            "kernels never import opsched",
+            _modules(KERNELS),
+            (
+                "opsched.core",
+                "opsched.ops",
+                "opsched.devices",
+                "opsched.cli",
+                "opsched._api",
+                "opsched._errors",
+                "opsched.sync",
+                "opsched.aclnn",
+                "kernels",
+            ),
+        ),
+        (
+            "the core never imports torch, the kernels, the CLI, a specific device or an "
+            "operator module",
+            CORE,
+            (
+                "torch",
+                "torch_npu",
+                "opsched.kernels",
+                "kernels",
+                "opsched.cli",
+                *SPECIFIC_DEVICES,
+                *OPERATOR_MODULES,
+            ),
+        ),
         ("devices never import the core", _modules(PACKAGE / "devices"), ("opsched.core",)),
-        ("operators never import the core or the devices", _modules(PACKAGE / "ops"),
-         ("opsched.core", "opsched.devices", "opsched.cli", "torch")),
+        (
+            "operators never import the core or the devices",
+            _modules(PACKAGE / "ops"),
+            ("opsched.core", "opsched.devices", "opsched.cli", "torch"),
+        ),
         ("the library never imports the CLI", LIBRARY, ("opsched.cli",)),
-        ("torch only in the torch devices' folder and the CLI",
-         [p for p in LIBRARY if not p.is_relative_to(PACKAGE / "devices" / "torch")],
-         ("torch", "torch_npu")),
+        (
+            "torch only in the torch devices' folder and the CLI",
+            [p for p in LIBRARY if not p.is_relative_to(PACKAGE / "devices" / "torch")],
+            ("torch", "torch_npu"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_import_rule(room, files, forbidden):
     assert files, room
     assert _breaks(files, forbidden) == [], room
@@ -161,8 +189,11 @@ def test_no_top_level_kernels_package_is_importable_from_an_install():
 def test_generated_entry_points_are_up_to_date():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_entry_points.py"), "--check"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -82,8 +82,13 @@ def test_module_functions_under_trio_match_solo():
     rng = np.random.default_rng(0)
     g, x = rand(rng, (8, 16), F32), rand(rng, (8, 32), F32)
     xs = rand(rng, (2, 4, 10), F32)
-    gn = (xs, rand(rng, xs.shape, F32), rand(rng, xs.shape, F32), rand(rng, (2, 4), F32),
-          (rng.random((2, 4)) + 0.5).astype(F32))  # fmt: skip
+    gn = (
+        xs,
+        rand(rng, xs.shape, F32),
+        rand(rng, xs.shape, F32),
+        rand(rng, (2, 4), F32),
+        (rng.random((2, 4)) + 0.5).astype(F32),
+    )
     results = {}
 
     async def main():

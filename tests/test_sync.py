@@ -48,8 +48,13 @@ def test_blocking_calls_and_fused_futures(device):
 def test_group_norm_and_out(device):
     rng = np.random.default_rng(1)
     x = rand(rng, (2, 3, 8), F32)
-    gn = (x, rand(rng, x.shape, F32), rand(rng, x.shape, F32), rand(rng, (2, 3), F32),
-          (rng.random((2, 3)) + 0.5).astype(F32))  # fmt: skip
+    gn = (
+        x,
+        rand(rng, x.shape, F32),
+        rand(rng, x.shape, F32),
+        rand(rng, (2, 3), F32),
+        (rng.random((2, 3)) + 0.5).astype(F32),
+    )
     out = np.empty_like(x)
     with opsched.sync.open_scheduler(device=device) as sched:
         assert sched.group_norm_grad(*gn, out=out) is out

@@ -140,10 +140,17 @@ def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
 
     gamma = torch.stack([r[4] for r in requests]).unsqueeze(1).expand(k, n, c).reshape(-1)
     dx, dgamma, dbeta = _torch_ops.group_norm_backward(
-        stacked(0, (1, channels, hxw)), stacked(1, (1, channels, hxw)),
-        stacked(2, (1, groups)), stacked(3, (1, groups)), gamma, 1, channels, hxw, groups,
+        stacked(0, (1, channels, hxw)),
+        stacked(1, (1, channels, hxw)),
+        stacked(2, (1, groups)),
+        stacked(3, (1, groups)),
+        gamma,
+        1,
+        channels,
+        hxw,
+        groups,
         (True, True, True),
-    )  # fmt: skip
+    )
     sums = torch.stack([dgamma, dbeta]).view(2, k, n, c).sum(2)
     dxs, dgammas, dbetas = dx.view(k, n, c, hxw).unbind(0), sums[0].unbind(0), sums[1].unbind(0)
     return list(zip(dxs, dgammas, dbetas, strict=True))
@@ -196,20 +203,47 @@ class _FeaturedBatcher:
         return record.result
 
     async def group_norm_backward(
-        self, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, n: int, c: int, hxw: int,
-        group: int, *, priority: int = 0,
-    ) -> Any:  # fmt: skip
+        self,
+        dy: Any,
+        x: Any,
+        mean: Any,
+        rstd: Any,
+        gamma: Any,
+        n: int,
+        c: int,
+        hxw: int,
+        group: int,
+        *,
+        priority: int = 0,
+    ) -> Any:
         signature = (
-            dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
-            rstd.dtype, gamma.shape, gamma.dtype, n, c, hxw, group,
-        )  # fmt: skip
+            dy.shape,
+            dy.dtype,
+            x.shape,
+            x.dtype,
+            mean.shape,
+            mean.dtype,
+            rstd.shape,
+            rstd.dtype,
+            gamma.shape,
+            gamma.dtype,
+            n,
+            c,
+            hxw,
+            group,
+        )
         lanes = self._lanes.get(signature)
         if lanes is None:  # the checks, once per signature
             stats = (n, group)
             if (
-                x.shape != (n, c, hxw) or dy.shape != x.shape or gamma.shape != (c,)
-                or mean.shape != stats or rstd.shape != stats or group <= 0 or c % group
-            ):  # fmt: skip
+                x.shape != (n, c, hxw)
+                or dy.shape != x.shape
+                or gamma.shape != (c,)
+                or mean.shape != stats
+                or rstd.shape != stats
+                or group <= 0
+                or c % group
+            ):
                 msg = (
                     f"group_norm_backward: shapes {dy.shape}, {x.shape}, {mean.shape}, "
                     f"{rstd.shape}, {gamma.shape} do not match N={n} C={c} HxW={hxw} "

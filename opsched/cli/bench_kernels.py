@@ -207,8 +207,10 @@ def _measure(case: dict[str, Any], least: int = 1) -> dict[str, Any]:
             if i >= _WARM_ROUNDS:
                 peer_times.append(t_peer)
                 peer_ratios.append(t_peer / t_ours)
-        peer = {"torch_gbps": nbytes / statistics.median(peer_times) / 1e9,
-                "speedup_vs_torch": statistics.median(peer_ratios)}  # fmt: skip
+        peer = {
+            "torch_gbps": nbytes / statistics.median(peer_times) / 1e9,
+            "speedup_vs_torch": statistics.median(peer_ratios),
+        }
     ref = [_timed(case["reference"]) for _ in range(max(3, reps // 10))]
     ex.destroy()
     return {

@@ -101,8 +101,10 @@ def gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
 
 #: Each operator's tiny requests (``n`` of them from a generator).
 INPUTS: dict[str, Callable[[np.random.Generator, int], list[tuple[Any, ...]]]] = {
-    "glu": glu_inputs, "gn": gn_inputs, "gnb": gnb_inputs,
-}  # fmt: skip
+    "glu": glu_inputs,
+    "gn": gn_inputs,
+    "gnb": gnb_inputs,
+}
 
 
 def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:

@@ -120,10 +120,15 @@ def _throughput(sched: dict[str, Any]) -> list[str]:
             continue
         torch = _x(t["speedup_vs_torch"]) if "speedup_vs_torch" in t else "(no torch)"
         steady = t["steady_state"]
-        rows.append([
-            label, _rate(t["scheduler_rps"]), _x(t["speedup"]), torch,
-            f"{steady['requests_per_launch_mean']:.0f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                label,
+                _rate(t["scheduler_rps"]),
+                _x(t["speedup"]),
+                torch,
+                f"{steady['requests_per_launch_mean']:.0f}",
+            ]
+        )
     if not rows:
         return []
     head = ["256 coroutines", "requests", "vs two-phase call", "vs torch's call", "per launch"]
@@ -135,11 +140,16 @@ def _paths(paths: dict[str, Any]) -> list[str]:
     for row in paths["rows"]:
         if "speedup_vs_peer" not in row:
             continue
-        rows.append([
-            _OPS.get(row["op"], row["op"]), _PATHS.get(row["path"], row["path"]),
-            f"{row['us']:.1f}", f"{row['peer_us']:.1f}", _x(row["speedup_vs_peer"]),
-            _spread(row.get("speedup_rounds", ())),
-        ])  # fmt: skip
+        rows.append(
+            [
+                _OPS.get(row["op"], row["op"]),
+                _PATHS.get(row["path"], row["path"]),
+                f"{row['us']:.1f}",
+                f"{row['peer_us']:.1f}",
+                _x(row["speedup_vs_peer"]),
+                _spread(row.get("speedup_rounds", ())),
+            ]
+        )
     if not rows:
         return []
     head = ["operator", "path", "us a request", "peer us", "vs peer", "rounds"]
@@ -161,42 +171,52 @@ def _others(sched: dict[str, Any]) -> list[str]:
     rows = []
     if "latency" in sched:
         lat = sched["latency"]
-        rows.append([
-            "idle latency added",
-            f"{lat['added_us']:.0f} us ({lat['scheduler_median_us']:.0f} against the call's "
-            f"{lat['direct_median_us']:.0f})",
-        ])  # fmt: skip
+        rows.append(
+            [
+                "idle latency added",
+                f"{lat['added_us']:.0f} us ({lat['scheduler_median_us']:.0f} against the call's "
+                f"{lat['direct_median_us']:.0f})",
+            ]
+        )
     if "responsiveness" in sched:
         r = sched["responsiveness"]
-        rows.append([
-            "event-loop lag, 32 GLU 1024x8192 running",
-            f"p99 {r['p99_lag_ms']:.2f} ms, max {r['max_lag_ms']:.2f} ms",
-        ])  # fmt: skip
+        rows.append(
+            [
+                "event-loop lag, 32 GLU 1024x8192 running",
+                f"p99 {r['p99_lag_ms']:.2f} ms, max {r['max_lag_ms']:.2f} ms",
+            ]
+        )
     if "scaling" in sched:
         s = sched["scaling"]
         rows.append(["two streams against one, 64 GLU 256x8192", _x(s["speedup"])])
-        rows.append([
-            "one GLU of 16M split across two streams",
-            f"{_x(s['split_speedup'])} (a copy: {_x(s['copy_speedup'])})",
-        ])  # fmt: skip
+        rows.append(
+            [
+                "one GLU of 16M split across two streams",
+                f"{_x(s['split_speedup'])} (a copy: {_x(s['copy_speedup'])})",
+            ]
+        )
     for key in ("throughput_glu", "throughput_gn", "throughput_gnb"):
         if key in sched:
             st = sched[key]["steady_state"]
-            rows.append([
-                f"steady state, {key.removeprefix('throughput_')}",
-                f"{st['new_workspace_allocations']} new blocks, executor hits "
-                f"{st['executor_hit_rate']:.1%}",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    f"steady state, {key.removeprefix('throughput_')}",
+                    f"{st['new_workspace_allocations']} new blocks, executor hits "
+                    f"{st['executor_hit_rate']:.1%}",
+                ]
+            )
     if "tracing" in sched:
         tr = sched["tracing"]
         rows.append(["tracing's cost, GLU throughput", f"{tr['overhead']:+.1%}"])
     if "memory" in sched:
         mem = sched["memory"]
-        rows.append([
-            f"memory after {mem['requests']:,} awaited GLU 8x64",
-            f"{mem['held_bytes']:,} B held; peak {mem['peak_per_request']:,.0f} B per "
-            f"in-flight request (its output {mem['output_bytes']:,} B)",
-        ])  # fmt: skip
+        rows.append(
+            [
+                f"memory after {mem['requests']:,} awaited GLU 8x64",
+                f"{mem['held_bytes']:,} B held; peak {mem['peak_per_request']:,.0f} B per "
+                f"in-flight request (its output {mem['output_bytes']:,} B)",
+            ]
+        )
     if "sweeps" in sched:
         sw = sched["sweeps"]
         clients = ", ".join(f"{p['clients']}: {p['rps']:,.0f}" for p in sw["by_clients"])
@@ -217,11 +237,15 @@ def _graphs(graphs: dict[str, Any]) -> list[str]:
         ["two-phase calls, directly", _rate(graphs["direct_chains_per_s"])],
     ]
     return [
-        "### Graphs", "", *_table(head, rows), "",
+        "### Graphs",
+        "",
+        *_table(head, rows),
+        "",
         f"Graphs against the same chains awaited: {_x(graphs['graph_vs_awaited'])}; one chain "
         f"at idle: {graphs['idle_graph_us']:.0f} us as a graph, "
-        f"{graphs['idle_awaited_us']:.0f} us awaited.", "",
-    ]  # fmt: skip
+        f"{graphs['idle_awaited_us']:.0f} us awaited.",
+        "",
+    ]
 
 
 def _kernels(rows: list[dict[str, Any]]) -> list[str]:
@@ -231,9 +255,13 @@ def _kernels(rows: list[dict[str, Any]]) -> list[str]:
     table = []
     for r in rows:
         line = [
-            r["op"], r["dtype"], _human(r["elements"]), f"{r['fast_gbps']:.2f}",
-            f"{r['ratio_to_copy']:.0%}", f"{r['speedup_vs_reference']:.1f}x",
-        ]  # fmt: skip
+            r["op"],
+            r["dtype"],
+            _human(r["elements"]),
+            f"{r['fast_gbps']:.2f}",
+            f"{r['ratio_to_copy']:.0%}",
+            f"{r['speedup_vs_reference']:.1f}x",
+        ]
         if torch:
             line.append(_x(r["speedup_vs_torch"]))
         table.append(line)
@@ -281,38 +309,62 @@ def render_summary(doc: dict[str, Any], source: str) -> str:
     for key, label in tiny:
         t = sched.get(key)
         if t and "speedup_vs_torch" in t:
-            rows.append([f"256 coroutines, tiny {label}", "torch's call per request",
-                         _x(t["speedup_vs_torch"])])  # fmt: skip
+            rows.append(
+                [
+                    f"256 coroutines, tiny {label}",
+                    "torch's call per request",
+                    _x(t["speedup_vs_torch"]),
+                ]
+            )
     t = sched.get("throughput_gn")
     if t:
-        rows.append(["256 coroutines, tiny GroupNormalizationGrad", "its two-phase call",
-                     _x(t["speedup"])])  # fmt: skip
+        rows.append(
+            ["256 coroutines, tiny GroupNormalizationGrad", "its two-phase call", _x(t["speedup"])]
+        )
     for row in sched.get("paths", {}).get("rows", []):
         if row["op"] == "glu" and row["path"] in ("sync", "two-phase") and "speedup_vs_peer" in row:
-            rows.append([f"tiny GLU, {_PATHS[row['path']]}", "torch's call per request",
-                         _x(row["speedup_vs_peer"])])  # fmt: skip
+            rows.append(
+                [
+                    f"tiny GLU, {_PATHS[row['path']]}",
+                    "torch's call per request",
+                    _x(row["speedup_vs_peer"]),
+                ]
+            )
     by_op: dict[str, list[float]] = {}
     for row in sched.get("medium", {}).get("rows", []):
         by_op.setdefault(row["op"], []).append(row["speedup"])
     for op, ratios in by_op.items():
         name = _MEDIUM.get(op, op)
-        rows.append([f"32 coroutines, {name} of 64 KiB-1 MiB", "torch's call per request",
-                     f"{min(ratios):.2f}-{max(ratios):.2f}x"])  # fmt: skip
+        rows.append(
+            [
+                f"32 coroutines, {name} of 64 KiB-1 MiB",
+                "torch's call per request",
+                f"{min(ratios):.2f}-{max(ratios):.2f}x",
+            ]
+        )
     if "latency" in sched:
         rows.append(["an idle request", "added latency", f"{sched['latency']['added_us']:.0f} us"])
     if "graphs" in results:
-        rows.append(["8-node graph chains, 64 clients", "the same chains awaited",
-                     _x(results["graphs"]["graph_vs_awaited"])])  # fmt: skip
+        rows.append(
+            [
+                "8-node graph chains, 64 clients",
+                "the same chains awaited",
+                _x(results["graphs"]["graph_vs_awaited"]),
+            ]
+        )
     kernels = [r for r in results.get("kernels", []) if "speedup_vs_torch" in r]
     for op in ("GluBackward", "GroupNormBackward"):
         mine = [r for r in kernels if r["op"] == op and r["dtype"] == "FLOAT"]
         if mine:
             ratios = [r["speedup_vs_torch"] for r in mine]
             sizes = [r["elements"] for r in mine]
-            rows.append([
-                f"{op} FLOAT kernel, {_human(min(sizes))}-{_human(max(sizes))} elements",
-                "torch's kernel", f"{min(ratios):.2f}-{max(ratios):.2f}x",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    f"{op} FLOAT kernel, {_human(min(sizes))}-{_human(max(sizes))} elements",
+                    "torch's kernel",
+                    f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                ]
+            )
     lines = [
         SUMMARY_BEGIN,
         "",

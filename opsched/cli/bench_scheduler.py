@@ -103,9 +103,13 @@ async def _throughput_run(
 
 
 def _throughput(
-    target: BenchTarget, op: str, repeats: int, clients: int, per_client: int,
+    target: BenchTarget,
+    op: str,
+    repeats: int,
+    clients: int,
+    per_client: int,
     trace: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     inputs = INPUTS[op](rng, 4096)
     total = clients * per_client
@@ -373,9 +377,17 @@ def _scaling(target: BenchTarget, repeats: int, requests: int = 64) -> dict[str,
 
 #: Every part, in the order they run.
 PARTS = (
-    "throughput", "latency", "responsiveness", "scaling", "tracing", "sweeps", "paths", "memory",
-    "medium", "calls",
-)  # fmt: skip
+    "throughput",
+    "latency",
+    "responsiveness",
+    "scaling",
+    "tracing",
+    "sweeps",
+    "paths",
+    "memory",
+    "medium",
+    "calls",
+)
 
 
 def bench_scheduler(

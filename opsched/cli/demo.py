@@ -144,10 +144,12 @@ def _batch_script(
     requests: int, rng: np.random.Generator, config: SchedulerConfig, device: str
 ) -> dict[str, Any]:
     inputs = [
-        (rng.standard_normal((16, 32)).astype(np.float32),
-         rng.standard_normal((16, 64)).astype(np.float32))
+        (
+            rng.standard_normal((16, 32)).astype(np.float32),
+            rng.standard_normal((16, 64)).astype(np.float32),
+        )
         for _ in range(64)
-    ]  # fmt: skip
+    ]
     with opsched.sync.open_scheduler(config, device=device) as sched:
         start = time.perf_counter()
         futures = [sched.submit_glu_backward(*inputs[i % 64]) for i in range(requests)]
@@ -213,8 +215,9 @@ def run_demo(
     make_device(device, 1).close()  # an unknown or absent device: said before any output
     product = product_named(config.product)
     if "GluBackward" not in product.ops or not {
-        "GroupNormalizationGrad", "GroupNormBackward"
-    } & set(product.ops):  # fmt: skip
+        "GroupNormalizationGrad",
+        "GroupNormBackward",
+    } & set(product.ops):
         print(
             f"{product.name} ({product.description}) lacks the operators the demo runs "
             f"(it has: {', '.join(product.ops) or 'none'}); see opsched products",

@@ -158,9 +158,11 @@ def plot_trace(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> No
     top.set_title("opsched trace: launches per stream (bar width = run time)")
     if queue:
         bottom.step(
-            [t / 1e3 for t, _ in queue], [q for _, q in queue], where="post",
+            [t / 1e3 for t, _ in queue],
+            [q for _, q in queue],
+            where="post",
             label="requests waiting in the queue",
-        )  # fmt: skip
+        )
         bottom.legend(loc="upper right", fontsize=8)
     bottom.set_ylabel("queued")
     bottom.set_xlabel("ms since the scheduler opened")

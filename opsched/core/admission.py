@@ -35,9 +35,18 @@ class Admission:
     """The cap and the parked submitters of one scheduler."""
 
     __slots__ = (
-        "_cap", "_loop", "_queue", "_waiters", "_woken", "inbox", "lock", "open",
-        "thread_counts", "thread_refused", "thread_waits",
-    )  # fmt: skip
+        "_cap",
+        "_loop",
+        "_queue",
+        "_waiters",
+        "_woken",
+        "inbox",
+        "lock",
+        "open",
+        "thread_counts",
+        "thread_refused",
+        "thread_waits",
+    )
 
     def __init__(self, cap: int, queue: RequestQueue, loop: LoopHandle) -> None:
         self._cap = cap

@@ -242,10 +242,11 @@ class Dispatcher:
             # loop runs the rest. (A fused launch holds the GIL between its many calls: on
             # a thread it would queue for the GIL behind the loop thread.)
             inline = (
-                self.device.inline_capable and batch.nbytes <= self.config.inline_max_bytes
+                self.device.inline_capable
+                and batch.nbytes <= self.config.inline_max_bytes
                 and (may_inline or batch.fused or batch.nbytes < MIN_SPREAD_BYTES)
                 and not waits
-            )  # fmt: skip
+            )
             if inline:
                 # Consumers queued by launched() are dispatched only after this returns,
                 # when the inline run is over: they need no event to wait on.

@@ -269,10 +269,14 @@ class GraphBuilder:
                 for d in needs:
                     consumers[d].append(i)
             plan = self._plans[key] = RunPlan(
-                tuple(order), deps, frozenset(outputs), tuple(used.items()), fed,
+                tuple(order),
+                deps,
+                frozenset(outputs),
+                tuple(used.items()),
+                fed,
                 tuple(tuple(consumers[i]) for i in order),
                 tuple(sum(d not in fed for d in needs) for needs in deps),
-            )  # fmt: skip
+            )
         return plan
 
     def _own(self, item: Node | Placeholder, where: str) -> None:

@@ -69,9 +69,20 @@ class _NodeRun:
     (:class:`~opsched.core.graph.RunPlan`): a run wires nothing."""
 
     __slots__ = (
-        "block", "consumers", "consumers_left", "error", "event", "node", "output",
-        "producers", "request", "request_id", "state", "waiting", "wanted",
-    )  # fmt: skip
+        "block",
+        "consumers",
+        "consumers_left",
+        "error",
+        "event",
+        "node",
+        "output",
+        "producers",
+        "request",
+        "request_id",
+        "state",
+        "waiting",
+        "wanted",
+    )
 
     def __init__(
         self,
@@ -465,9 +476,18 @@ def _submit_node(
             for n, v in tensors.items()
         }
     request = engine.record(
-        (node.op, tensors, node.scalars, node.key, node.units, node.nbytes, run.priority,
-         run.deadline, node.signature)
-    )  # fmt: skip
+        (
+            node.op,
+            tensors,
+            node.scalars,
+            node.key,
+            node.units,
+            node.nbytes,
+            run.priority,
+            run.deadline,
+            node.signature,
+        )
+    )
     request.graph = (run, node_run)
     request.waits = waits or None
     counters = engine.counters

@@ -205,8 +205,13 @@ class LeanRequestFuture(RequestFuture):
     """
 
     __slots__ = (
-        "_cond", "_done_callbacks", "_exception", "_result", "_state", "_waiter_list",
-    )  # fmt: skip
+        "_cond",
+        "_done_callbacks",
+        "_exception",
+        "_result",
+        "_state",
+        "_waiter_list",
+    )
 
     def __init__(self) -> None:  # (not Future.__init__: its fields are set here, leaner)
         # Future.__init__'s fields (the same in every supported Python), its condition lazy

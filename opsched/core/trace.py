@@ -120,9 +120,17 @@ class Tracer:
         ts = self._us(start)
         dur = max(round(self._us(end) - ts, 3), 0.001)
         self._append(
-            {"name": name, "cat": "launch", "ph": "X", "pid": _PID, "tid": tid, "ts": ts,
-             "dur": dur, "args": args}
-        )  # fmt: skip
+            {
+                "name": name,
+                "cat": "launch",
+                "ph": "X",
+                "pid": _PID,
+                "tid": tid,
+                "ts": ts,
+                "dur": dur,
+                "args": args,
+            }
+        )
         for request_id, producers in graph_edges:
             here = (tid, ts, ts + dur)
             self._slices[request_id] = here
@@ -159,13 +167,25 @@ class Tracer:
         self._last_counters = sample
         ts = self._us(time.perf_counter())
         self._append(
-            {"name": "queued requests", "ph": "C", "pid": _PID, "tid": _SCHEDULER_TID,
-             "ts": ts, "args": {"requests": queued}}
-        )  # fmt: skip
+            {
+                "name": "queued requests",
+                "ph": "C",
+                "pid": _PID,
+                "tid": _SCHEDULER_TID,
+                "ts": ts,
+                "args": {"requests": queued},
+            }
+        )
         self._append(
-            {"name": "workspace pool bytes", "ph": "C", "pid": _PID, "tid": _SCHEDULER_TID,
-             "ts": ts, "args": {"in use": pool_in_use, "held": pool_held}}
-        )  # fmt: skip
+            {
+                "name": "workspace pool bytes",
+                "ph": "C",
+                "pid": _PID,
+                "tid": _SCHEDULER_TID,
+                "ts": ts,
+                "args": {"in use": pool_in_use, "held": pool_held},
+            }
+        )
 
     def _append(self, event: dict[str, Any]) -> None:
         self._events.append(event)
@@ -312,13 +332,15 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     for tid in sorted(t for t in names if t != _SCHEDULER_TID):
         mine = [e for e in slices if e["tid"] == tid]
         busy = sum(e["dur"] for e in mine)
-        streams.append({
-            "stream": names[tid],
-            "launches": len(mine),
-            "requests": sum(e["args"].get("requests", 1) for e in mine),
-            "busy_ms": busy / 1e3,
-            "busy_share": busy / span if span else 0.0,
-        })  # fmt: skip
+        streams.append(
+            {
+                "stream": names[tid],
+                "launches": len(mine),
+                "requests": sum(e["args"].get("requests", 1) for e in mine),
+                "busy_ms": busy / 1e3,
+                "busy_share": busy / span if span else 0.0,
+            }
+        )
     queued = [e["args"]["requests"] for e in events if e["name"] == "queued requests"]
     return {
         "span_ms": span / 1e3,

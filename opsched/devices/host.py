@@ -489,8 +489,10 @@ class HostDevice(Device):
                 # results, but that must not pass unseen (said once per launch).
                 _log.warning(
                     "a fused launch failed, then its requests ran in smaller launches",
-                    op=op.name, requests=len(requests), error=f"{type(exc).__name__}: {exc}",
-                )  # fmt: skip
+                    op=op.name,
+                    requests=len(requests),
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     def release(self, token: Any) -> None:
         if token is not None:

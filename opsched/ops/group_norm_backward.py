@@ -102,19 +102,43 @@ class GroupNormBackward(Operator):
             return super().call_signature(args)
         kinds = ARRAY_TYPES
         if (
-            type(dy) in kinds and type(x) in kinds and type(mean) in kinds
-            and type(rstd) in kinds and (gamma is None or type(gamma) in kinds)
-            and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
-            and (mask is _ALL or (
-                type(mask) is tuple and len(mask) == 3
-                and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
-            ))
-        ):  # fmt: skip
+            type(dy) in kinds
+            and type(x) in kinds
+            and type(mean) in kinds
+            and type(rstd) in kinds
+            and (gamma is None or type(gamma) in kinds)
+            and type(n) is int
+            and type(c) is int
+            and type(hxw) is int
+            and type(group) is int
+            and (
+                mask is _ALL
+                or (
+                    type(mask) is tuple
+                    and len(mask) == 3
+                    and type(mask[0]) is bool
+                    and type(mask[1]) is bool
+                    and type(mask[2]) is bool
+                )
+            )
+        ):
             stats = None if gamma is None else (gamma.shape, gamma.dtype)
             return (
-                dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
-                rstd.dtype, stats, n, c, hxw, group, mask,
-            )  # fmt: skip
+                dy.shape,
+                dy.dtype,
+                x.shape,
+                x.dtype,
+                mean.shape,
+                mean.dtype,
+                rstd.shape,
+                rstd.dtype,
+                stats,
+                n,
+                c,
+                hxw,
+                group,
+                mask,
+            )
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -122,9 +146,15 @@ class GroupNormBackward(Operator):
             dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
             mask = args[9] if len(args) == 10 else _ALL
             tensors = {
-                "grad_out": dy, "input": x, "mean": mean, "rstd": rstd, "gamma": gamma,
-                "dx": None, "dgamma": None, "dbeta": None,
-            }  # fmt: skip
+                "grad_out": dy,
+                "input": x,
+                "mean": mean,
+                "rstd": rstd,
+                "gamma": gamma,
+                "dx": None,
+                "dgamma": None,
+                "dbeta": None,
+            }
             return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
         tensors, scalars = super().arguments(args, out)
         given: Any = scalars.get("output_mask")
@@ -214,9 +244,11 @@ class GroupNormBackward(Operator):
         shapes = {"dx": t["input"].shape, "dgamma": stat_shape, "dbeta": stat_shape}
         for name, want_shape in shapes.items():
             if t[name] is not None and t[name].shape != want_shape:
-                what = "input's shape" if name == "dx" else (
-                    "gamma's shape" if t["gamma"] is not None else "(C,) without gamma"
-                )  # fmt: skip
+                what = (
+                    "input's shape"
+                    if name == "dx"
+                    else ("gamma's shape" if t["gamma"] is not None else "(C,) without gamma")
+                )
                 msg = f"{op}: {name}.shape is {t[name].shape}; expected {want_shape} ({what})"
                 raise ParamInvalidError(msg)
         return {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
@@ -230,21 +262,43 @@ class GroupNormBackward(Operator):
         n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
         nd = np.ndarray
         if (
-            type(dy) is nd and type(x) is nd and type(mean) is nd and type(rstd) is nd
-            and (gamma is None or type(gamma) is nd) and (dx is None or type(dx) is nd)
-            and (dgamma is None or type(dgamma) is nd) and (dbeta is None or type(dbeta) is nd)
-            and type(n) is int and type(c) is int and type(hxw) is int and type(group) is int
-            and type(mask) in (tuple, list) and len(mask) == 3
-            and type(mask[0]) is bool and type(mask[1]) is bool and type(mask[2]) is bool
-        ):  # fmt: skip
+            type(dy) is nd
+            and type(x) is nd
+            and type(mean) is nd
+            and type(rstd) is nd
+            and (gamma is None or type(gamma) is nd)
+            and (dx is None or type(dx) is nd)
+            and (dgamma is None or type(dgamma) is nd)
+            and (dbeta is None or type(dbeta) is nd)
+            and type(n) is int
+            and type(c) is int
+            and type(hxw) is int
+            and type(group) is int
+            and type(mask) in (tuple, list)
+            and len(mask) == 3
+            and type(mask[0]) is bool
+            and type(mask[1]) is bool
+            and type(mask[2]) is bool
+        ):
             return (
-                dy.shape, dy.dtype, x.shape, x.dtype, mean.shape, mean.dtype, rstd.shape,
-                rstd.dtype, None if gamma is None else (gamma.shape, gamma.dtype),
+                dy.shape,
+                dy.dtype,
+                x.shape,
+                x.dtype,
+                mean.shape,
+                mean.dtype,
+                rstd.shape,
+                rstd.dtype,
+                None if gamma is None else (gamma.shape, gamma.dtype),
                 None if dx is None else (dx.shape, dx.dtype),
                 None if dgamma is None else (dgamma.shape, dgamma.dtype),
                 None if dbeta is None else (dbeta.shape, dbeta.dtype),
-                n, c, hxw, group, tuple(mask),
-            )  # fmt: skip
+                n,
+                c,
+                hxw,
+                group,
+                tuple(mask),
+            )
         if isinstance(mask, list):
             scalars = {**scalars, "output_mask": tuple(mask)}
         return super().signature(tensors, scalars)
@@ -269,10 +323,16 @@ class GroupNormBackward(Operator):
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
         s = scalars
         return plan_group_norm_backward(
-            tensors["grad_out"], tensors["input"], tensors["dx"] if s["output_mask"][0] else None,
-            s["N"], s["C"], s["HxW"], s["group"], s["output_mask"],
+            tensors["grad_out"],
+            tensors["input"],
+            tensors["dx"] if s["output_mask"][0] else None,
+            s["N"],
+            s["C"],
+            s["HxW"],
+            s["group"],
+            s["output_mask"],
             tensors["gamma"] is not None,
-        )  # fmt: skip
+        )
 
     def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
         self.prepare(plan, tensors)(workspace)
@@ -282,34 +342,64 @@ class GroupNormBackward(Operator):
     ) -> Callable[[Tensors, np.ndarray | None], None] | None:
         t = tensors
         run = group_norm_backward_runner(
-            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
-            t["dgamma"], t["dbeta"],
-        )  # fmt: skip
+            plan,
+            t["grad_out"],
+            t["input"],
+            t["mean"],
+            t["rstd"],
+            t["gamma"],
+            t["dx"],
+            t["dgamma"],
+            t["dbeta"],
+        )
         if run is None:
             return None
 
         def launch(t: Tensors, workspace: np.ndarray | None) -> None:
             run(
-                t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"], t["dx"],
-                t["dgamma"], t["dbeta"], workspace,
-            )  # fmt: skip
+                t["grad_out"],
+                t["input"],
+                t["mean"],
+                t["rstd"],
+                t["gamma"],
+                t["dx"],
+                t["dgamma"],
+                t["dbeta"],
+                workspace,
+            )
 
         return launch
 
     def prepare(self, plan: GnbPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
         t = tensors
         return prepare_group_norm_backward(
-            plan, t["grad_out"], t["input"], t["mean"], t["rstd"], t.get("gamma"),
-            t.get("dx"), t.get("dgamma"), t.get("dbeta"), ds_out=t.get("ds"), db_out=t.get("db"),
-        )  # fmt: skip
+            plan,
+            t["grad_out"],
+            t["input"],
+            t["mean"],
+            t["rstd"],
+            t.get("gamma"),
+            t.get("dx"),
+            t.get("dgamma"),
+            t.get("dbeta"),
+            ds_out=t.get("ds"),
+            db_out=t.get("db"),
+        )
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """``(dx, dgamma, dbeta)`` from the reference kernel (all three, new arrays)."""
         t, s = tensors, scalars
         return group_norm_backward_reference(
-            t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"],
-            s["N"], s["C"], s["HxW"], s["group"],
-        )  # fmt: skip
+            t["grad_out"],
+            t["input"],
+            t["mean"],
+            t["rstd"],
+            t["gamma"],
+            s["N"],
+            s["C"],
+            s["HxW"],
+            s["group"],
+        )
 
     def run_reference(self, plan: GnbPlan, tensors: dict[str, Any]) -> None:
         t = tensors
@@ -325,9 +415,12 @@ class GroupNormBackward(Operator):
                 np.copyto(t["dx"], dx.reshape(t["dx"].shape))
             return
         scalars = {
-            "N": plan.n, "C": plan.c, "HxW": plan.hxw, "group": plan.group,
+            "N": plan.n,
+            "C": plan.c,
+            "HxW": plan.hxw,
+            "group": plan.group,
             "output_mask": (plan.want_dx, plan.want_dgamma, plan.want_dbeta),
-        }  # fmt: skip
+        }
         for name, value in zip(_OUTPUTS, self.reference(t, scalars), strict=True):
             if t.get(name) is not None:
                 np.copyto(t[name], value.reshape(t[name].shape))
@@ -353,9 +446,14 @@ class GroupNormBackward(Operator):
         s = scalars
         cpg = s["C"] // s["group"]
         key = (
-            self.name, tensors["grad_out"].dtype, cpg, s["HxW"], s["output_mask"],
-            tensors["gamma"] is not None, tensors["mean"].dtype,
-        )  # fmt: skip
+            self.name,
+            tensors["grad_out"].dtype,
+            cpg,
+            s["HxW"],
+            s["output_mask"],
+            tensors["gamma"] is not None,
+            tensors["mean"].dtype,
+        )
         return key, s["N"] * s["group"]
 
     def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
@@ -364,8 +462,11 @@ class GroupNormBackward(Operator):
         rows = ((capacity * cpg, hxw), dtype)
         stats = ((capacity,), stat_dtype)
         arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-            "grad_out": rows, "input": rows, "mean": stats, "rstd": stats,
-        }  # fmt: skip
+            "grad_out": rows,
+            "input": rows,
+            "mean": stats,
+            "rstd": stats,
+        }
         if has_gamma:
             arrays["gamma"] = ((capacity, cpg), stat_dtype)
         if mask[0]:
@@ -385,9 +486,16 @@ class GroupNormBackward(Operator):
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GnbPlan:
         dtype, cpg, hxw, mask, has_gamma = _unkey(key)
         return make_gnb_plan(
-            capacity, cpg, hxw, 1, dtype, mask, has_gamma=has_gamma, row_gamma=True,
+            capacity,
+            cpg,
+            hxw,
+            1,
+            dtype,
+            mask,
+            has_gamma=has_gamma,
+            row_gamma=True,
             stats_out=True,
-        )  # fmt: skip
+        )
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
         # Requests of one signature (same shapes, N, C, group) move together: one

@@ -104,13 +104,24 @@ class GroupNormalizationGrad(Operator):
             x, dy, gamma, mean, rstd = args
             kinds = ARRAY_TYPES
             if (
-                type(x) in kinds and type(dy) in kinds and type(gamma) in kinds
-                and type(mean) in kinds and type(rstd) in kinds
-            ):  # fmt: skip
+                type(x) in kinds
+                and type(dy) in kinds
+                and type(gamma) in kinds
+                and type(mean) in kinds
+                and type(rstd) in kinds
+            ):
                 return (
-                    x.shape, x.dtype, dy.shape, dy.dtype, gamma.shape, gamma.dtype,
-                    mean.shape, mean.dtype, rstd.shape, rstd.dtype,
-                )  # fmt: skip
+                    x.shape,
+                    x.dtype,
+                    dy.shape,
+                    dy.dtype,
+                    gamma.shape,
+                    gamma.dtype,
+                    mean.shape,
+                    mean.dtype,
+                    rstd.shape,
+                    rstd.dtype,
+                )
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,8 +136,18 @@ class GroupNormalizationGrad(Operator):
         arrays = (x, dy, gamma, mean, rstd)
         if any(type(a) is not np.ndarray for a in arrays):
             return super().signature(tensors, scalars)
-        base = (x.shape, x.dtype, dy.shape, dy.dtype, gamma.shape, gamma.dtype,
-                mean.shape, mean.dtype, rstd.shape, rstd.dtype)  # fmt: skip
+        base = (
+            x.shape,
+            x.dtype,
+            dy.shape,
+            dy.dtype,
+            gamma.shape,
+            gamma.dtype,
+            mean.shape,
+            mean.dtype,
+            rstd.shape,
+            rstd.dtype,
+        )
         if dx is None:
             return base
         if type(dx) is not np.ndarray:

@@ -33,17 +33,29 @@ def test_kernel_benchmark_reports_every_row():
 
 def test_the_reports_print_comparisons_not_targets():
     rows = [
-        {"op": "GluBackward", "dtype": "FLOAT", "elements": 1 << 22, "fast_median_s": 0.001,
-         "fast_gbps": 50.0, "copy_gbps": 40.0, "ratio_to_copy": 1.25,
-         "speedup_vs_reference": 9.0, "torch_gbps": 25.0, "speedup_vs_torch": 2.0}
-    ]  # fmt: skip
+        {
+            "op": "GluBackward",
+            "dtype": "FLOAT",
+            "elements": 1 << 22,
+            "fast_median_s": 0.001,
+            "fast_gbps": 50.0,
+            "copy_gbps": 40.0,
+            "ratio_to_copy": 1.25,
+            "speedup_vs_reference": 9.0,
+            "torch_gbps": 25.0,
+            "speedup_vs_torch": 2.0,
+        }
+    ]
     out = io.StringIO()
     print_kernel_table(rows, out)
     print_scheduler_report(
-        {"repeats": 3, "device": "cpu",
-         "latency": {"scheduler_median_us": 20, "direct_median_us": 12, "added_us": 8}},
+        {
+            "repeats": 3,
+            "device": "cpu",
+            "latency": {"scheduler_median_us": 20, "direct_median_us": 12, "added_us": 8},
+        },
         out,
-    )  # fmt: skip
+    )
     text = out.getvalue()
     assert "2.00x" in text and "125%" in text and "= 8 us" in text
     assert "target" not in text and "reached" not in text
@@ -364,11 +376,21 @@ def test_graph_benchmark_small():
 def test_benchmark_script_writes_json(tmp_path):
     path = tmp_path / "k.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--sizes", "1K",
-         "--dtypes", "FLOAT",
-         "--json", str(path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_kernels.py"),
+            "--sizes",
+            "1K",
+            "--dtypes",
+            "FLOAT",
+            "--json",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(path.read_text())
     assert data["benchmark"] == "kernels" and len(data["results"]["kernels"]) == 3

@@ -44,8 +44,12 @@ def opsched_cmd(*args, cwd) -> subprocess.CompletedProcess[str]:
 def test_python_m_opsched_runs_the_demo_in_a_new_interpreter(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "opsched", "demo", "--device", "reference"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("results bit-identical to solo launches: True") == 2
 
@@ -71,9 +75,15 @@ def test_demo_takes_the_common_options(tmp_path):
     config = tmp_path / "one.toml"
     config.write_text("streams = 1\n")
     proc = opsched_cmd(
-        "demo", "--device", "reference", "--config", str(config), "--trace", "d.json",
+        "demo",
+        "--device",
+        "reference",
+        "--config",
+        str(config),
+        "--trace",
+        "d.json",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     events = load_trace(tmp_path / "d.json")
     names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -92,9 +102,17 @@ def test_every_subcommand_has_help(tmp_path, command):
 
 def test_bench_writes_results_trace_and_chart(tmp_path):
     proc = opsched_cmd(
-        "bench", "all", "--quick", "--json", "r.json", "--trace", "t.json", "--plot", "p.png",
+        "bench",
+        "all",
+        "--quick",
+        "--json",
+        "r.json",
+        "--trace",
+        "t.json",
+        "--plot",
+        "p.png",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["benchmark"] == "all" and doc["schema"] == 1
@@ -145,9 +163,21 @@ def test_bad_arguments_are_usage_errors(tmp_path, args, message):
 
 def test_stress_writes_a_trace(tmp_path):
     proc = opsched_cmd(
-        "stress", "--requests", "300", "--clients", "8", "--sync-clients", "1",
-        "--templates", "16", "--trace", "s.json", "--report", "r.json", cwd=tmp_path,
-    )  # fmt: skip
+        "stress",
+        "--requests",
+        "300",
+        "--clients",
+        "8",
+        "--sync-clients",
+        "1",
+        "--templates",
+        "16",
+        "--trace",
+        "s.json",
+        "--report",
+        "r.json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     events = load_trace(tmp_path / "s.json")
@@ -165,9 +195,20 @@ def test_trace_command_summarizes_and_draws(tmp_path):
 
 def test_verbose_json_logs_every_launch_to_stderr(tmp_path):
     proc = opsched_cmd(
-        "stress", "--requests", "50", "--clients", "4", "--sync-clients", "0",
-        "--templates", "4", "-vv", "--log-format", "json", cwd=tmp_path,
-    )  # fmt: skip
+        "stress",
+        "--requests",
+        "50",
+        "--clients",
+        "4",
+        "--sync-clients",
+        "0",
+        "--templates",
+        "4",
+        "-vv",
+        "--log-format",
+        "json",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     assert any(e["event"] == "launch" and e["level"] == "debug" for e in events)
@@ -175,9 +216,17 @@ def test_verbose_json_logs_every_launch_to_stderr(tmp_path):
 
 def test_quiet_by_default(tmp_path):
     proc = opsched_cmd(
-        "stress", "--requests", "50", "--clients", "4", "--sync-clients", "0",
-        "--templates", "4", cwd=tmp_path,
-    )  # fmt: skip
+        "stress",
+        "--requests",
+        "50",
+        "--clients",
+        "4",
+        "--sync-clients",
+        "0",
+        "--templates",
+        "4",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0 and proc.stderr == ""
 
 

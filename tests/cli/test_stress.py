@@ -53,8 +53,15 @@ def test_small_workspace_cap_passes(device):
     # seed 5 draws templates whose padded fused block is over a 2 MB cap, though alone
     # they need little (admitted: fused in chunks or run on their own arrays), and one
     # whose solo launch needs more (refused on cpu; torch:cpu has no pool to cap)
-    status, text = stress(requests=3000, clients=16, sync_clients=1, seed=5, device=device,
-                          workspace_limit_bytes=2_000_000, watchdog=3.0)  # fmt: skip
+    status, text = stress(
+        requests=3000,
+        clients=16,
+        sync_clients=1,
+        seed=5,
+        device=device,
+        workspace_limit_bytes=2_000_000,
+        watchdog=3.0,
+    )
     assert status == 0, text
     assert ("over the workspace cap" in text) == (device == "cpu"), text
 
@@ -180,10 +187,28 @@ def test_a_broken_scheduler_is_reported(monkeypatch, what, check):
 def test_command_line_with_report(tmp_path):
     report = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "opsched", "stress", "--requests", "400", "--clients", "4",
-         "--sync-clients", "1", "--templates", "32", "--report", str(report), "--progress"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "opsched",
+            "stress",
+            "--requests",
+            "400",
+            "--clients",
+            "4",
+            "--sync-clients",
+            "1",
+            "--templates",
+            "32",
+            "--report",
+            str(report),
+            "--progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: PASS" in proc.stdout and "req" in proc.stderr  # tqdm drew its bar
     assert json.loads(report.read_text())["requests"] == 400
@@ -201,8 +226,11 @@ def test_command_line_with_report(tmp_path):
 def test_bad_options_are_clear_errors(args, words):
     proc = subprocess.run(
         [sys.executable, "-m", "opsched", "stress", *args],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 

@@ -24,9 +24,17 @@ def glu_request(rows=2, cols=8, dtype=np.float32, priority=0, deadline=None, at=
     scalars = GLU_BACKWARD.check(tensors, {"dim": -1}, allocate=False)
     key, units = GLU_BACKWARD.fusion(tensors, scalars)
     return Request(
-        next(_ids), at, GLU_BACKWARD, tensors, scalars, key, units,
-        GLU_BACKWARD.nbytes(tensors), priority, deadline,
-    )  # fmt: skip
+        next(_ids),
+        at,
+        GLU_BACKWARD,
+        tensors,
+        scalars,
+        key,
+        units,
+        GLU_BACKWARD.nbytes(tensors),
+        priority,
+        deadline,
+    )
 
 
 def gn_request(m=16, priority=0):
@@ -35,9 +43,17 @@ def gn_request(m=16, priority=0):
     tensors = {"x": x, "dy": x, "gamma": x, "mean": stats, "rstd": stats, "dx": np.empty_like(x)}
     key, units = GROUP_NORM_GRAD.fusion(tensors, {})
     return Request(
-        next(_ids), 0.0, GROUP_NORM_GRAD, tensors, {}, key, units,
-        GROUP_NORM_GRAD.nbytes(tensors), priority, None,
-    )  # fmt: skip
+        next(_ids),
+        0.0,
+        GROUP_NORM_GRAD,
+        tensors,
+        {},
+        key,
+        units,
+        GROUP_NORM_GRAD.nbytes(tensors),
+        priority,
+        None,
+    )
 
 
 def queue_of(*requests):
@@ -250,8 +266,10 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
     for _ in range(300):
         action = rng.random()
         if action < 0.5:
-            r = glu_request(priority=rng.choice([0, 0, 0, 1, 5, -2]),
-                            deadline=rng.choice([None, None, None, 0.5, 2.0]))  # fmt: skip
+            r = glu_request(
+                priority=rng.choice([0, 0, 0, 1, 5, -2]),
+                deadline=rng.choice([None, None, None, 0.5, 2.0]),
+            )
             q.push(r)
             live.append(r)
         elif action < 0.6 and live:

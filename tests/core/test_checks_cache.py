@@ -168,9 +168,16 @@ async def test_requests_of_one_geometry_share_one_signature_object():
     rng = np.random.default_rng(4)
     calls = [(rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)) for _ in range(3)]
     async with opsched.open_scheduler(streams=1) as sched:
-        full = [sched._engine.checks.check(GLU_BACKWARD, {"grad_out": g, "self": x,
-                                                   "out": np.empty_like(x)}, {"dim": -1}, 0, None)
-                for g, x in calls]  # fmt: skip
+        full = [
+            sched._engine.checks.check(
+                GLU_BACKWARD,
+                {"grad_out": g, "self": x, "out": np.empty_like(x)},
+                {"dim": -1},
+                0,
+                None,
+            )
+            for g, x in calls
+        ]
         await sched.glu_backward(*calls[0])  # remembered by the call
         hot = [sched._engine.checks.known(GLU_BACKWARD, (g, x, -1), 0) for g, x in calls]
     g, x = calls[1]

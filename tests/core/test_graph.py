@@ -260,8 +260,11 @@ async def test_rerun_with_new_placeholder_inputs_reuses_executors():
     # without the dispatcher's executors)
     async with opsched.open_scheduler(streams=1, inline_max_bytes=0) as sched:
         for i in range(4):
-            feeds = {x: rand(rng, (2, 4, 8), F32), dy: rand(rng, (2, 4, 8), F32),
-                     gate: rand(rng, (2, 4, 16), F32)}  # fmt: skip
+            feeds = {
+                x: rand(rng, (2, 4, 8), F32),
+                dy: rand(rng, (2, 4, 8), F32),
+                gate: rand(rng, (2, 4, 16), F32),
+            }
             (out,) = await sched.run(g, outputs=[b], inputs=feeds)
             t = solo_gn(feeds[x], feeds[dy], gamma, mean, rstd)
             assert_same_bits(out, solo_glu(t, feeds[gate], -1))

@@ -101,9 +101,12 @@ async def test_backpressure_admits_first_come_first_served(cap):
     order = LaunchOrder([x for _, x in calls])
     arrived: list[int] = []
     async with opsched.open_scheduler(
-        device="cpu", streams=1, inline_max_bytes=0, max_queued_requests=cap,
+        device="cpu",
+        streams=1,
+        inline_max_bytes=0,
+        max_queued_requests=cap,
         max_batch_requests=1,
-    ) as sched:  # fmt: skip
+    ) as sched:
         blocker = small_glu(rng)
         from tests.sched_helpers import Gate
 
@@ -150,9 +153,12 @@ async def test_a_newcomer_never_overtakes_a_woken_waiter():
         return order(requests)
 
     async with opsched.open_scheduler(
-        device="cpu", streams=1, inline_max_bytes=0, max_queued_requests=1,
+        device="cpu",
+        streams=1,
+        inline_max_bytes=0,
+        max_queued_requests=1,
         max_batch_requests=1,
-    ) as sched:  # fmt: skip
+    ) as sched:
         sched.device.inject_faults(hooks)
         first = sched.glu_backward_nowait(*blocker)
         await settle(lambda: sched.statistics().running == 1)

@@ -173,8 +173,13 @@ async def test_large_requests_split_across_streams_bit_identical(device):
     rng = np.random.default_rng(2)
     g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
     xg = rand(rng, (4, 8, 512), F32)
-    gn_args = (xg, rand(rng, xg.shape, F32), rand(rng, xg.shape, F32),
-               rand(rng, (4, 8), F32), (rng.random((4, 8)) + 0.5).astype(F32))  # fmt: skip
+    gn_args = (
+        xg,
+        rand(rng, xg.shape, F32),
+        rand(rng, xg.shape, F32),
+        rand(rng, (4, 8), F32),
+        (rng.random((4, 8)) + 0.5).astype(F32),
+    )
     cfg = {"streams": 3, "fuse_max_bytes": 1 << 12, "split_min_bytes": 1 << 14}
     async with opsched.open_scheduler(device=device, **cfg) as sched:
         out = await sched.glu_backward(g, x)

@@ -58,8 +58,10 @@ def _requests(count: int, n: int, dtype: Any, stat_dtype: Any, device: str) -> l
             "mean": torch.empty(n, group, dtype=stat_dtype, device=device),
             "rstd": torch.empty(n, group, dtype=stat_dtype, device=device),
             "gamma": torch.empty(c, dtype=stat_dtype, device=device),
-            "dx": None, "dgamma": None, "dbeta": None,
-        }  # fmt: skip
+            "dx": None,
+            "dgamma": None,
+            "dbeta": None,
+        }
         scalars = {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": (True,) * 3}
         made.append(_Request(i, tensors, scalars))
     return made
@@ -214,9 +216,13 @@ def _accelerator(monkeypatch, streams: int = 1):
         for i, f in enumerate(framework)
     ]
     device = TorchDevice(
-        "torch:meta", threads, inline_capable=False, accepts_tensors=True,
-        torch_device=where, framework_streams=framework,
-    )  # fmt: skip
+        "torch:meta",
+        threads,
+        inline_capable=False,
+        accepts_tensors=True,
+        torch_device=where,
+        framework_streams=framework,
+    )
     device._backend = backend
     marked: list = []
     monkeypatch.setattr(TorchDevice, "record_stream", staticmethod(lambda t, s: marked.append(s)))
@@ -234,9 +240,11 @@ def _glu_requests(streams: list[Any]) -> list[Any]:
             "self": torch.empty(4, 16, device="meta"),
             "out": None,
         }
-        made.append(types.SimpleNamespace(
-            id=i, op=GLU_BACKWARD, tensors=OnStream(tensors, stream), scalars={"dim": -1}
-        ))  # fmt: skip
+        made.append(
+            types.SimpleNamespace(
+                id=i, op=GLU_BACKWARD, tensors=OnStream(tensors, stream), scalars={"dim": -1}
+            )
+        )
     return made
 
 

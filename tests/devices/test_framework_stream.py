@@ -113,10 +113,11 @@ def test_results_allocated_on_a_launch_stream_are_marked_used_by_the_callers_str
     caller = object()
     # two requests whose results are views of two stacked blocks, one output not asked for
     requests = [
-        SimpleNamespace(tensors={"dx": _FakeTensor(1, marks), "dgamma": _FakeTensor(2, marks),
-                                 "dbeta": None})
+        SimpleNamespace(
+            tensors={"dx": _FakeTensor(1, marks), "dgamma": _FakeTensor(2, marks), "dbeta": None}
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     _used_by(caller, requests, GROUP_NORM_BACKWARD, TorchDevice.record_stream)
     assert marks == [(1, caller), (2, caller)]  # each block once, on the caller's stream
 

@@ -36,10 +36,12 @@ def test_keeping_sets_the_top_pad_and_the_mmap_threshold_and_only_ever_raises(ca
         assert malloc.keep_freed_memory(32 << 20)
     assert logs == [
         {
-            "event": "malloc keeps freed memory", "bytes": 32 << 20,
-            "mmap_threshold": malloc.MMAP_THRESHOLD, "log_level": "debug",
+            "event": "malloc keeps freed memory",
+            "bytes": 32 << 20,
+            "mmap_threshold": malloc.MMAP_THRESHOLD,
+            "log_level": "debug",
         }
-    ]  # fmt: skip
+    ]
     assert calls == [(-3, malloc.MMAP_THRESHOLD), (-2, 32 << 20)]
     assert not malloc.keep_freed_memory(16 << 20)  # less than applied: nothing to do
     assert not malloc.keep_freed_memory(32 << 20)
@@ -91,9 +93,12 @@ def test_kept_memory_serves_the_next_burst_of_results_without_page_faults():
     # the freed burst back to the system and each 64 KiB result faults its pages in again.
     def faults(mode):
         proc = subprocess.run(
-            [sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, timeout=120,
+            [sys.executable, "-c", FAULTS, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
             check=False,
-        )  # fmt: skip
+        )
         assert proc.returncode == 0, proc.stderr
         return float(proc.stdout)
 

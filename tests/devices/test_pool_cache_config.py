@@ -22,9 +22,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("n", "cls"),
-    [(1, 512), (512, 512), (513, 640), (1000, 1024), (1025, 1280), (5000, 5120),
-     (1 << 20, 1 << 20), ((1 << 20) + 1, 1310720)],
-)  # fmt: skip
+    [
+        (1, 512),
+        (512, 512),
+        (513, 640),
+        (1000, 1024),
+        (1025, 1280),
+        (5000, 5120),
+        (1 << 20, 1 << 20),
+        ((1 << 20) + 1, 1310720),
+    ],
+)
 def test_size_classes(n, cls):
     assert size_class(n) == cls >= n
     assert size_class(n) <= max(512, n * 1.25 + 1)  # at most 25% rounding waste

@@ -89,8 +89,11 @@ def test_a_sparse_tensor_is_refused_at_the_call_naming_its_argument(layout):
 
     async def main():
         async with opsched.open_scheduler(device=DEVICE) as sched:
-            with pytest.raises(TypeError, match=rf"GluBackward: self is a tensor of layout "
-                               rf"torch\.sparse_{layout}.*self\.to_dense\(\)"):  # fmt: skip
+            with pytest.raises(
+                TypeError,
+                match=rf"GluBackward: self is a tensor of layout "
+                rf"torch\.sparse_{layout}.*self\.to_dense\(\)",
+            ):
                 await sched.glu_backward(g, sparse(x))
             with pytest.raises(TypeError, match=r"dy is a tensor of layout torch\.sparse_"):
                 await sched.group_norm_grad(dense[0], sparse(dense[1]), dense[2], *stats)

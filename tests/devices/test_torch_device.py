@@ -184,8 +184,13 @@ def test_only_all_numpy_calls_under_the_split_size_stay_numpy():
     assert type(host) is HostOperands and host["self"] is x
     mixed = bound(grad_out=on_device(g), self=x, out=None)
     assert type(mixed) is dict and isinstance(mixed["self"], torch.Tensor)
-    data, _ = device.bind(GLU_BACKWARD, {"grad_out": g, "self": x, "out": None}, {"dim": -1},
-                          spec, device.split_min_bytes)  # fmt: skip
+    data, _ = device.bind(
+        GLU_BACKWARD,
+        {"grad_out": g, "self": x, "out": None},
+        {"dim": -1},
+        spec,
+        device.split_min_bytes,
+    )
     assert type(data) is dict and isinstance(data["self"], torch.Tensor)
     device.close()
 
@@ -337,8 +342,9 @@ def test_graph_with_tensor_constants_returns_tensors():
     # the chain's value: the framework's own calls, one after the other
     from opsched.devices.torch import aten as torch_ops
 
-    expected = torch.ops.aten.glu_backward(torch_ops.group_norm_grad(x, dy, gamma, mean, rstd),
-                                           gate, -1)  # fmt: skip
+    expected = torch.ops.aten.glu_backward(
+        torch_ops.group_norm_grad(x, dy, gamma, mean, rstd), gate, -1
+    )
     assert torch.equal(result, expected)
 
 
@@ -402,8 +408,12 @@ def test_without_torch_a_torch_device_says_how_to_install_it(tmp_path):
     )
     proc = subprocess.run(
         [sys.executable, "-c", "import opsched.sync\n" + code],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (
         "needs PyTorch, which is not installed; install it with pip install 'opsched[torch]'"
@@ -512,8 +522,12 @@ def test_graph_placeholders_take_tensors_on_a_torch_device():
 def test_demo_runs_on_the_torch_device(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "opsched", "demo", "--device", DEVICE],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("results bit-identical to solo launches: True") == 2
 
@@ -522,8 +536,12 @@ def test_the_accelerator_check_script_passes_on_the_torch_device(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "check_torch_device.py"
     proc = subprocess.run(
         [sys.executable, "-O", str(script), DEVICE, "--quick"],  # its checks survive -O
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("PASS  ") for line in lines) == 16
@@ -575,8 +593,12 @@ class _FakeAllocator:
 
     def memory_stats(self, device):
         self.calls.append("memory_stats")
-        return {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
-                "segment.all.allocated": 2, "allocation.all.allocated": 7}  # fmt: skip
+        return {
+            "reserved_bytes.all.current": 4096,
+            "allocated_bytes.all.current": 1024,
+            "segment.all.allocated": 2,
+            "allocation.all.allocated": 7,
+        }
 
     def reset_peak_memory_stats(self, device):
         self.calls.append("reset_peak_memory_stats")

@@ -240,10 +240,12 @@ def test_half_precision_glu_is_within_spec_where_atens_cpu_kernel_is_not(dtype):
     # in a batch.
     rng = np.random.default_rng(21)
     pool = [
-        (t((rng.random((64, 1024)) * 6 - 3).astype(dtype)),
-         t((rng.random((64, 2048)) * 6 - 3).astype(dtype)))
+        (
+            t((rng.random((64, 1024)) * 6 - 3).astype(dtype)),
+            t((rng.random((64, 2048)) * 6 - 3).astype(dtype)),
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     device = make_device("torch:cpu", 1)
     # the GLU tolerances of docs/operators.md
     rtol, atol = (1e-3, 1e-3) if dtype == F16 else (2e-2, 2e-3)
@@ -305,8 +307,12 @@ def test_a_lone_request_over_a_serial_call_has_the_same_bits_on_one_thread_or_tw
         done = []
         for i, args in enumerate(pool):
             r = request(GLU_BACKWARD, args, i)
-            r.tensors = HostOperands({k: None if v is None else np.ascontiguousarray(
-                torch_ops.from_torch(v)) for k, v in r.tensors.items()})  # fmt: skip
+            r.tensors = HostOperands(
+                {
+                    k: None if v is None else np.ascontiguousarray(torch_ops.from_torch(v))
+                    for k, v in r.tensors.items()
+                }
+            )
             assert device.execute(GLU_BACKWARD, [r], 0) == {}
             done.append(all_bits(GLU_BACKWARD, r))
         return done

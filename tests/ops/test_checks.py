@@ -220,9 +220,14 @@ def test_gn_3_stats_not_2d(name):
 
 @pytest.mark.parametrize(
     ("name", "shape"),
-    [("dy", (2, 3, 4, 6)), ("gamma", (2, 3, 5, 4)), ("mean", (3, 2)), ("rstd", (2, 4)),
-     ("dx", (2, 3, 20))],
-)  # fmt: skip
+    [
+        ("dy", (2, 3, 4, 6)),
+        ("gamma", (2, 3, 5, 4)),
+        ("mean", (3, 2)),
+        ("rstd", (2, 4)),
+        ("dx", (2, 3, 20)),
+    ],
+)
 def test_gn_4_shapes(name, shape):
     args = gn_args()
     args[name] = np.zeros(shape, F32)

@@ -91,10 +91,20 @@ def _call(**changes):
     rng = np.random.default_rng(0)
     dy, x, mean, rstd, gamma, n, c, hxw, group = case(rng, 2, 4, 3, 2)
     kw = dict(
-        grad_out=dy, input=x, mean=mean, rstd=rstd, gamma=gamma, N=n, C=c, HxW=hxw,
-        group=group, output_mask=[True, True, True], dx=np.empty_like(x),
-        dgamma=np.empty(c, F32), dbeta=np.empty(c, F32),
-    )  # fmt: skip
+        grad_out=dy,
+        input=x,
+        mean=mean,
+        rstd=rstd,
+        gamma=gamma,
+        N=n,
+        C=c,
+        HxW=hxw,
+        group=group,
+        output_mask=[True, True, True],
+        dx=np.empty_like(x),
+        dgamma=np.empty(c, F32),
+        dbeta=np.empty(c, F32),
+    )
     kw.update(changes)
     return aclnn.group_norm_backward_get_workspace_size(**kw)
 
@@ -137,9 +147,14 @@ def test_invalid_arguments_are_161002_in_order(changes, message):
 
 @pytest.mark.parametrize(
     "changes",
-    [{"input": [1.0]}, {"N": 2.0}, {"group": True}, {"output_mask": [1, 1, 1]},
-     {"output_mask": "yes"}],
-)  # fmt: skip
+    [
+        {"input": [1.0]},
+        {"N": 2.0},
+        {"group": True},
+        {"output_mask": [1, 1, 1]},
+        {"output_mask": "yes"},
+    ],
+)
 def test_wrong_kinds_are_type_errors(changes):
     with pytest.raises(TypeError):
         _call(**changes)

@@ -46,10 +46,27 @@ def _sigmoid_all(src, dst):  # type: ignore[no-untyped-def]
 def _every_float32_kind(rng: np.random.Generator) -> np.ndarray:
     """Random bit patterns (every exponent: subnormals, inf, NaN) and the rounding edges."""
     edges = np.array(
-        [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 1e-8, 2.98e-8, 2.9802322e-08,
-         5.9604645e-08, 6.1035156e-05, 6.1e-05, 3.4e38, 1e-45, 1.1754942e-38],
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            65504,
+            65519.99,
+            65520,
+            1e-8,
+            2.98e-8,
+            2.9802322e-08,
+            5.9604645e-08,
+            6.1035156e-05,
+            6.1e-05,
+            3.4e38,
+            1e-45,
+            1.1754942e-38,
+        ],
         F32,
-    )  # fmt: skip
+    )
     bits = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(U32).view(F32)
     return np.concatenate([edges, -edges, bits, rand(rng, (1 << 16,), np.dtype(F32), 1e-4)])
 

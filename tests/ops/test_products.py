@@ -48,9 +48,21 @@ def call(op, dtype, product):
         )
     x = a(2, 4, 3)
     return aclnn.group_norm_backward_get_workspace_size(
-        a(2, 4, 3), x, a(2, 2), a(2, 2) + 2, a(4), 2, 4, 3, 2, [True] * 3,
-        np.empty_like(x), np.empty(4, dtype), np.empty(4, dtype), product=product,
-    )  # fmt: skip
+        a(2, 4, 3),
+        x,
+        a(2, 2),
+        a(2, 2) + 2,
+        a(4),
+        2,
+        4,
+        3,
+        2,
+        [True] * 3,
+        np.empty_like(x),
+        np.empty(4, dtype),
+        np.empty(4, dtype),
+        product=product,
+    )
 
 
 @pytest.mark.parametrize("product", list(TABLE))
@@ -217,8 +229,12 @@ def test_stress_catches_a_scheduler_that_ignores_the_product(monkeypatch):
 def test_products_command_lists_the_table(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "opsched", "products"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for product in TABLE:
@@ -238,8 +254,12 @@ def test_products_command_lists_the_table(tmp_path):
 def test_demo_takes_a_product(tmp_path, product, code, text):
     proc = subprocess.run(
         [sys.executable, "-m", "opsched", "demo", "--product", product],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert text in proc.stdout
 

@@ -293,9 +293,16 @@ def _replay_command(opts: StressOptions) -> str:
     defaults = StressOptions()
     words = ["opsched stress", f"--seed {opts.seed}"]
     for name in (
-        "templates", "large", "graphs", "invalid", "cancel", "deadline", "fault",
-        "max_queued_requests", "workspace_limit_bytes",
-    ):  # fmt: skip
+        "templates",
+        "large",
+        "graphs",
+        "invalid",
+        "cancel",
+        "deadline",
+        "fault",
+        "max_queued_requests",
+        "workspace_limit_bytes",
+    ):
         option = name.replace("_", "-")
         value = getattr(opts, name)
         if value != getattr(defaults, name):

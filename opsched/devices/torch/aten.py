@@ -82,9 +82,17 @@ def glu_backward(grad_out: Any, x: Any, dim: int) -> Any:
 
 
 def group_norm_backward(
-    grad_out: Any, x: Any, mean: Any, rstd: Any, gamma: Any, n: int, c: int, hxw: int,
-    group: int, mask: Any,
-) -> Any:  # fmt: skip
+    grad_out: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    gamma: Any,
+    n: int,
+    c: int,
+    hxw: int,
+    group: int,
+    mask: Any,
+) -> Any:
     """GroupNormBackward through aten (``aclnnGroupNormBackward`` on torch_npu)."""
     import torch
 

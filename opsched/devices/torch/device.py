@@ -473,9 +473,10 @@ class TorchDevice(Device):
                 # unseen (said once per launch)
                 _log.warning(
                     "a fused launch failed, then its requests ran alone",
-                    op=op.name, requests=len(live),
+                    op=op.name,
+                    requests=len(live),
                     error=f"{type(batch_exc).__name__}: {batch_exc}",
-                )  # fmt: skip
+                )
 
 
 class OnStream(dict[str, Any]):

@@ -50,8 +50,13 @@ def call(tensors: Mapping[str, Any], s: Mapping[str, Any]) -> None:
         t["input"].reshape(n, c, hxw),
         t["mean"].reshape(n, group),
         t["rstd"].reshape(n, group),
-        gamma, n, c, hxw, group, list(mask),
-    )  # fmt: skip
+        gamma,
+        n,
+        c,
+        hxw,
+        group,
+        list(mask),
+    )
     for out, result in zip(outs, results, strict=True):
         if out is not None and result is not None:
             out.copy_(result.reshape(out.shape))
@@ -86,9 +91,11 @@ def launch(requests: Sequence[Any]) -> None:
         total = sum(channels)
         groups = total // (first.scalars["C"] // first.scalars["group"])
         shapes: dict[str, tuple[int, ...]] = {
-            "grad_out": (1, total, hxw), "input": (1, total, hxw),
-            "mean": (1, groups), "rstd": (1, groups),
-        }  # fmt: skip
+            "grad_out": (1, total, hxw),
+            "input": (1, total, hxw),
+            "mean": (1, groups),
+            "rstd": (1, groups),
+        }
         operands = {n: framework_gather(stack, n, shape) for n, shape in shapes.items()}
         gammas = []
         for group, (k, n, c) in zip(stack, geometry, strict=True):
@@ -100,10 +107,17 @@ def launch(requests: Sequence[Any]) -> None:
                 gamma = _wide(framework_stack([r.tensors["gamma"] for r in group]), wide)
                 gammas.append(torch.cat([gamma.view(k, c)] * n, dim=1).view(-1))
         dx, dgamma, dbeta = aten_call(
-            _wide(operands["grad_out"], data), _wide(operands["input"], data),
-            _wide(operands["mean"], wide), _wide(operands["rstd"], wide),
-            framework_cat(gammas), 1, total, hxw, groups, list(mask),
-        )  # fmt: skip
+            _wide(operands["grad_out"], data),
+            _wide(operands["input"], data),
+            _wide(operands["mean"], wide),
+            _wide(operands["rstd"], wide),
+            framework_cat(gammas),
+            1,
+            total,
+            hxw,
+            groups,
+            list(mask),
+        )
         if dx is not None:
             dx = _wide(dx, x0.dtype)  # computed wider on an accelerator: rounded once
         pieces = [
@@ -147,10 +161,17 @@ def _alone(request: Any, data: Any, wide: Any) -> None:
         gamma = torch.ones(s["C"], dtype=wide, device=x.device)
     # aten reads every operand as contiguous whatever its strides: made so
     results = torch.ops.aten.native_group_norm_backward(
-        _wide(t["grad_out"], data).contiguous(), _wide(x, data).contiguous(),
-        _wide(t["mean"], wide).contiguous(), _wide(t["rstd"], wide).contiguous(),
-        _wide(gamma, wide).contiguous(), s["N"], s["C"], s["HxW"], s["group"], list(mask),
-    )  # fmt: skip
+        _wide(t["grad_out"], data).contiguous(),
+        _wide(x, data).contiguous(),
+        _wide(t["mean"], wide).contiguous(),
+        _wide(t["rstd"], wide).contiguous(),
+        _wide(gamma, wide).contiguous(),
+        s["N"],
+        s["C"],
+        s["HxW"],
+        s["group"],
+        list(mask),
+    )
     rounded = (x.dtype, t["mean"].dtype, t["mean"].dtype)  # dx, dgamma, dbeta
     for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
         if mask[i]:
@@ -175,9 +196,14 @@ def _lone(request: Any, data: Any, wide: Any) -> None:
         _wide(t["grad_out"].contiguous().view(rows), data),
         _wide(x.contiguous().view(rows), data),
         _wide(t["mean"].contiguous().view(stats), wide),
-        _wide(t["rstd"].contiguous().view(stats), wide), gammas, 1, total, hxw, groups,
+        _wide(t["rstd"].contiguous().view(stats), wide),
+        gammas,
+        1,
+        total,
+        hxw,
+        groups,
         list(mask),
-    )  # fmt: skip
+    )
     if dx is not None:
         dx = _wide(dx, x.dtype)  # computed wider on an accelerator: rounded once
     sums = _sample_sums(dgamma, dbeta, 1, n, c, stat_dtype)
@@ -215,10 +241,17 @@ def _lone_host(request: Any) -> bool:
     else:  # [gamma] * n, as a stack of one repeats it
         gammas = np.concatenate([gamma.astype(np.float32, copy=False).reshape(c)] * n)
     dx, dgamma, dbeta = torch.ops.aten.native_group_norm_backward(
-        tensor("grad_out", rows), tensor("input", rows), tensor("mean", stats, np.float32),
-        tensor("rstd", stats, np.float32), torch.from_numpy(gammas), 1, total, hxw, groups,
+        tensor("grad_out", rows),
+        tensor("input", rows),
+        tensor("mean", stats, np.float32),
+        tensor("rstd", stats, np.float32),
+        torch.from_numpy(gammas),
+        1,
+        total,
+        hxw,
+        groups,
         list(mask),
-    )  # fmt: skip
+    )
     stat_dtype, stat_shape = t["mean"].dtype, _stat_shape(request)
     if mask[0]:
         framework_deliver(t, "dx", framework_host(dx).reshape(x.shape))
