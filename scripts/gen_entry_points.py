@@ -7,7 +7,9 @@ between ``BEGIN GENERATED`` / ``END GENERATED`` markers:
 - ``opsched/_api.py``: ``Scheduler.<op>`` / ``<op>_nowait``, module-level ``opsched.<op>``,
   ``Graph.<op>``;
 - ``opsched/sync.py``: ``SyncScheduler.<op>`` / ``submit_<op>``, ``opsched.sync.<op>``;
-- ``opsched/aclnn.py``: ``<op>_get_workspace_size`` and ``<op>`` (the two-phase call).
+- ``opsched/aclnn.py``: ``<op>_get_workspace_size`` and ``<op>`` (the two-phase call);
+- ``opsched/ops/<op>.py``: the operator's fast paths over its positional arguments
+  (``call_signature``, ``arguments``, ``signature``), flat code from its parameters.
 
 Every generated entry point is a thin wrapper over one generic call (``Scheduler.submit``,
 ``submit_nowait``, ``submit_threadsafe``, ``GraphBuilder.add``, ``get_workspace_size`` /
@@ -25,6 +27,7 @@ import argparse
 import importlib
 import importlib.util
 import pathlib
+import subprocess
 import sys
 import textwrap
 import types
@@ -55,7 +58,9 @@ def _load_descriptions() -> types.ModuleType:
 if TYPE_CHECKING:
     from opsched.ops import Operator, Parameter
 
-OPERATORS: dict[str, Operator] = _load_descriptions().OPERATORS
+_OPS = _load_descriptions()
+OPERATORS: dict[str, Operator] = _OPS.OPERATORS
+_Parameter: type[Parameter] = _OPS.Parameter
 WIDTH = 100
 WAIT_KW = ("priority", "deadline", "timeout")
 
@@ -226,6 +231,154 @@ def aclnn_functions(op: Operator) -> list[str]:
     ]
 
 
+# ------------------------------------------------- each operator's fast paths (ops/<op>.py)
+#
+# A repeated call's hot path reads its positional arguments three ways: the key of the
+# checks' cache (``call_signature``), the argument dicts (``arguments``) and the checks'
+# own key (``signature``). Each is written here from the operator's parameters as flat
+# code (no loop, no generic call), falling back to the base class's generic version for
+# anything else. A parameter's kind comes from its annotation.
+
+#: Annotation -> kind.
+KINDS = {
+    "np.ndarray": "array",
+    "np.ndarray | None": "optional array",
+    "int": "int",
+    "Sequence[bool]": "bools",
+}
+
+
+def _kind(op: Operator, p: Parameter) -> str:
+    kind = KINDS.get(p.annotation)
+    if kind is None:
+        msg = (
+            f"{op.name}.{p.name}: no fast path for a parameter annotated {p.annotation!r}; "
+            f"known: {sorted(KINDS)}"
+        )
+        raise SystemExit(msg)
+    return kind
+
+
+def _var(name: str) -> str:
+    """A local name for an argument (``self`` is the method's own)."""
+    return f"{name}_" if name == "self" else name
+
+
+def _guard(op: Operator, p: Parameter, array_test: str) -> str:
+    """The test that the argument ``p`` is of the kind the fast path handles."""
+    v, kind = _var(p.name), _kind(op, p)
+    if kind == "array":
+        return array_test.format(v)
+    if kind == "optional array":
+        return f"({v} is None or {array_test.format(v)})"
+    if kind == "int":
+        return f"type({v}) is int"
+    count = len(p.default_value) if p.default_value is not None else 0
+    items = " and ".join(f"type({v}[{i}]) is bool" for i in range(count))
+    return f"(type({v}) is tuple and len({v}) == {count} and {items})"
+
+
+def _key_part(op: Operator, name: str, kind: str) -> list[str]:
+    v = _var(name)
+    if kind == "array":
+        return [f"{v}.shape", f"{v}.dtype"]
+    if kind == "optional array":
+        return [f"None if {v} is None else ({v}.shape, {v}.dtype)"]
+    return [v]
+
+
+def _unpack(op: Operator, indent: str) -> list[str]:
+    """Bind the positional ``args`` to local names, the trailing defaults filled in; else
+    hand the call to the generic version (``fallback``, formatted with ``args``)."""
+    params = op.parameters
+    required = sum(1 for p in params if p.default is None)
+    lines: list[str] = []
+    for count in range(len(params), required - 1, -1):
+        head = "if" if count == len(params) else "elif"
+        given = [_var(p.name) for p in params[:count]]
+        lines.append(f"{indent}{head} count == {count}:")
+        target = given[0] + "," if len(given) == 1 else ", ".join(given)
+        lines.append(f"{indent}    {target} = args")
+        for p in params[count:]:
+            lines.append(f"{indent}    {_var(p.name)} = {p.default}")
+    return lines
+
+
+def fast_paths(op: Operator) -> list[str]:
+    """The operator's ``call_signature``, ``arguments`` and ``signature``."""
+    i, ii, iii = "    ", "        ", "            "
+    params = op.parameters
+    tensors = [p for p in params if p.name in op.tensor_names]
+    scalars = [p for p in params if p.name not in op.tensor_names]
+    kinds = {p.name: _kind(op, p) for p in params}
+    lines = [f"{i}def call_signature(self, args: Sequence[Any]) -> Hashable | None:"]
+    lines += _doc(["The checks' cache key of a positional call (generated)."], ii)
+    lines.append(f"{ii}count = len(args)")
+    lines += _unpack(op, ii)
+    lines += [f"{ii}else:", f"{iii}return super().call_signature(args)"]
+    guards = [_guard(op, p, "type({0}) in kinds") for p in params]
+    lines.append(f"{ii}kinds = ARRAY_TYPES")
+    lines.append(f"{ii}if (")
+    lines += [f"{iii}{g}" if k == 0 else f"{iii}and {g}" for k, g in enumerate(guards)]
+    lines.append(f"{ii}):")
+    parts = [x for p in params for x in _key_part(op, p.name, kinds[p.name])]
+    lines.append(f"{iii}return (")
+    lines += [f"{iii}    {x}," for x in parts]
+    lines.append(f"{iii})")
+    lines.append(f"{ii}return super().call_signature(args)")
+    lines.append("")
+    # arguments
+    lines.append(
+        f"{i}def arguments(self, args: Sequence[Any], out: Any) -> "
+        "tuple[dict[str, Any], dict[str, Any]]:"
+    )
+    lines += _doc(["The argument dicts of a positional call (generated)."], ii)
+    lines.append(f"{ii}count = len(args)")
+    multi = len(op.outputs) > 1
+    lines += _unpack(op, ii)
+    lines += [f"{ii}else:", f"{iii}return super().arguments(args, out)"]
+    if multi:
+        lines += [f"{ii}if out is not None:", f"{iii}return super().arguments(args, out)"]
+    entries = [f'"{p.name}": {_var(p.name)}' for p in tensors]
+    entries += [f'"{name}": {"None" if multi else "out"}' for name in op.outputs]
+    scalar_entries = [f'"{p.name}": {_var(p.name)}' for p in scalars]
+    lines.append(f"{ii}return (")
+    lines.append(f"{iii}{{")
+    lines += [f"{iii}    {e}," for e in entries]
+    lines.append(f"{iii}}},")
+    lines.append(f"{iii}{{" + ", ".join(scalar_entries) + "},")
+    lines.append(f"{ii})")
+    lines.append("")
+    # signature
+    lines.append(
+        f"{i}def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> "
+        "Hashable | None:"
+    )
+    lines += _doc(["The checks' own cache key of a request (generated)."], ii)
+    names = [*(p.name for p in tensors), *op.outputs]
+    for name in names:
+        lines.append(f'{ii}{_var(name)} = tensors["{name}"]')
+    for p in scalars:
+        lines.append(f'{ii}{_var(p.name)} = scalars["{p.name}"]')
+    sig_kinds = {**kinds, **{name: "optional array" for name in op.outputs}}
+    fake = {name: _Parameter(name, _annotation(sig_kinds[name]), "") for name in op.outputs}
+    sig_params = [*tensors, *fake.values(), *scalars]
+    guards = [_guard(op, p, "type({0}) is np.ndarray") for p in sig_params]
+    lines.append(f"{ii}if (")
+    lines += [f"{iii}{g}" if k == 0 else f"{iii}and {g}" for k, g in enumerate(guards)]
+    lines.append(f"{ii}):")
+    parts = [x for p in sig_params for x in _key_part(op, p.name, sig_kinds[p.name])]
+    lines.append(f"{iii}return (")
+    lines += [f"{iii}    {x}," for x in parts]
+    lines.append(f"{iii})")
+    lines.append(f"{ii}return super().signature(tensors, scalars)")
+    return lines
+
+
+def _annotation(kind: str) -> str:
+    return next(a for a, k in KINDS.items() if k == kind)
+
+
 Region = Callable[["Operator"], list[str]]
 
 #: file -> region name -> how each operator's part of it is written.
@@ -243,17 +396,32 @@ REGIONS: dict[str, dict[str, Region]] = {
 }
 
 
+def _only(op: Operator) -> Region:
+    """:func:`fast_paths` of ``op`` alone (its own module's region)."""
+
+    def writer(other: Operator) -> list[str]:
+        return fast_paths(other) if other is op else []
+
+    return writer
+
+
+for _op in OPERATORS.values():
+    _module = type(_op).__module__.replace(".", "/") + ".py"
+    REGIONS[_module] = {"fast paths": _only(_op)}
+
+
 def render(region: str, writer: Region) -> list[str]:
     """Each operator's part of a region, blank lines between multi-line parts as ruff
     wants them (one in a class, two at module level)."""
     lines: list[str] = []
-    part: list[str] = []
-    for k, op in enumerate(OPERATORS.values()):
+    for op in OPERATORS.values():
         part = writer(op)
-        if k and len(part) > 2:
+        if not part:
+            continue
+        if lines and len(part) > 2:
             lines += [""] if part[0].startswith("    ") else ["", ""]
         lines += part
-    if part and part[0].startswith("def "):  # module-level functions: two lines after
+    if lines and lines[0].startswith("def "):  # module-level functions: two lines after
         lines += ["", ""]
     return lines
 
@@ -275,7 +443,23 @@ def regenerate(path: pathlib.Path, regions: dict[str, Region]) -> str:
         indent = text[text.rindex("\n", 0, start) + 1 : start]
         body = "\n".join(render(region, writer))
         text = f"{text[: start + len(head)]}\n{body}\n{indent}{text[stop:]}"
-    return text
+    return _formatted(text, path)
+
+
+def _formatted(text: str, path: pathlib.Path) -> str:
+    """``text`` as ``ruff format`` writes it (the project's formatter, a dev dependency):
+    the regions are written plainly and laid out by the same tool as the rest."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if run.returncode != 0:
+        msg = f"ruff format failed on {path}: {run.stderr.strip()}"
+        raise SystemExit(msg)
+    return run.stdout
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -421,7 +421,14 @@ class Operator(abc.ABC):
             msg = f"{self.name}: out must be a ({', '.join(outputs)}) tuple or None, got {out!r}"
             raise TypeError(msg)
         tensors.update(zip(outputs, out, strict=True))
+        for name in self.unasked_outputs(scalars):
+            tensors[name] = None
         return tensors, scalars
+
+    def unasked_outputs(self, scalars: Mapping[str, Any]) -> tuple[str, ...]:
+        """The outputs a call's scalars turn off (default: none). An array given for one
+        is not the request's: never written, and its entry of the result is None."""
+        return ()
 
     @abc.abstractmethod
     def output_spec(
@@ -510,6 +517,8 @@ class Operator(abc.ABC):
             return None
         parts: list[Any] = [self.name, *arrays]
         for value in scalars.values():
+            if type(value) is list:  # a sequence given as a list: the same checks
+                value = tuple(value)
             parts.append((type(value), value))
         key = tuple(parts)
         try:

@@ -123,35 +123,70 @@ class GluBackward(Operator):
         """``shape`` with ``shape[dim]`` halved: the shape of ``grad_out``."""
         return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
+    # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        # the hot path of every repeated call (dim given or left to its default): a flat
-        # tuple, no loop
-        if len(args) == 3:
-            g, x, dim = args
-        elif len(args) == 2:
-            (g, x), dim = args, -1
+        """The checks' cache key of a positional call (generated)."""
+        count = len(args)
+        if count == 3:
+            grad_out, self_, dim = args
+        elif count == 2:
+            grad_out, self_ = args
+            dim = -1
         else:
             return super().call_signature(args)
-        if type(g) in ARRAY_TYPES and type(x) in ARRAY_TYPES and type(dim) is int:
-            return (g.shape, g.dtype, x.shape, x.dtype, dim)
+        kinds = ARRAY_TYPES
+        if type(grad_out) in kinds and type(self_) in kinds and type(dim) is int:
+            return (
+                grad_out.shape,
+                grad_out.dtype,
+                self_.shape,
+                self_.dtype,
+                dim,
+            )
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        if 2 <= len(args) <= 3:  # the hot path: no generic loop
-            dim = args[2] if len(args) == 3 else -1
-            return {"grad_out": args[0], "self": args[1], "out": out}, {"dim": dim}
-        return super().arguments(args, out)
+        """The argument dicts of a positional call (generated)."""
+        count = len(args)
+        if count == 3:
+            grad_out, self_, dim = args
+        elif count == 2:
+            grad_out, self_ = args
+            dim = -1
+        else:
+            return super().arguments(args, out)
+        return (
+            {
+                "grad_out": grad_out,
+                "self": self_,
+                "out": out,
+            },
+            {"dim": dim},
+        )
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
-        # A flat tuple, built without loops: this runs for every submitted request.
-        g, x, out, dim = tensors["grad_out"], tensors["self"], tensors["out"], scalars["dim"]
-        if type(g) is not np.ndarray or type(x) is not np.ndarray or type(dim) is not int:
-            return super().signature(tensors, scalars)
-        if out is None:
-            return (g.shape, g.dtype, x.shape, x.dtype, dim)
-        if type(out) is not np.ndarray:
-            return None
-        return (g.shape, g.dtype, x.shape, x.dtype, dim, out.shape, out.dtype)
+        """The checks' own cache key of a request (generated)."""
+        grad_out = tensors["grad_out"]
+        self_ = tensors["self"]
+        out = tensors["out"]
+        dim = scalars["dim"]
+        if (
+            type(grad_out) is np.ndarray
+            and type(self_) is np.ndarray
+            and (out is None or type(out) is np.ndarray)
+            and type(dim) is int
+        ):
+            return (
+                grad_out.shape,
+                grad_out.dtype,
+                self_.shape,
+                self_.dtype,
+                None if out is None else (out.shape, out.dtype),
+                dim,
+            )
+        return super().signature(tensors, scalars)
+
+    # END GENERATED fast paths
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

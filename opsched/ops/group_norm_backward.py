@@ -89,83 +89,149 @@ class GroupNormBackward(Operator):
         np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)
     )
 
+    # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        # the hot path of every repeated call (output_mask a tuple of bools, or left to its
-        # default): a flat tuple, no loop; the generic version otherwise
+        """The checks' cache key of a positional call (generated)."""
         count = len(args)
-        if count == 9:  # output_mask left to its default (the usual call)
-            dy, x, mean, rstd, gamma, n, c, hxw, group = args
-            mask = _ALL
-        elif count == 10:
-            dy, x, mean, rstd, gamma, n, c, hxw, group, mask = args
+        if count == 10:
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask = args
+        elif count == 9:
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group = args
+            output_mask = (True, True, True)
         else:
             return super().call_signature(args)
         kinds = ARRAY_TYPES
         if (
-            type(dy) in kinds
-            and type(x) in kinds
+            type(grad_out) in kinds
+            and type(input) in kinds
             and type(mean) in kinds
             and type(rstd) in kinds
             and (gamma is None or type(gamma) in kinds)
-            and type(n) is int
-            and type(c) is int
-            and type(hxw) is int
+            and type(N) is int
+            and type(C) is int
+            and type(HxW) is int
             and type(group) is int
             and (
-                mask is _ALL
-                or (
-                    type(mask) is tuple
-                    and len(mask) == 3
-                    and type(mask[0]) is bool
-                    and type(mask[1]) is bool
-                    and type(mask[2]) is bool
-                )
+                type(output_mask) is tuple
+                and len(output_mask) == 3
+                and type(output_mask[0]) is bool
+                and type(output_mask[1]) is bool
+                and type(output_mask[2]) is bool
             )
         ):
-            stats = None if gamma is None else (gamma.shape, gamma.dtype)
             return (
-                dy.shape,
-                dy.dtype,
-                x.shape,
-                x.dtype,
+                grad_out.shape,
+                grad_out.dtype,
+                input.shape,
+                input.dtype,
                 mean.shape,
                 mean.dtype,
                 rstd.shape,
                 rstd.dtype,
-                stats,
-                n,
-                c,
-                hxw,
+                None if gamma is None else (gamma.shape, gamma.dtype),
+                N,
+                C,
+                HxW,
                 group,
-                mask,
+                output_mask,
             )
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        if 9 <= len(args) <= 10 and out is None:  # the hot path: no generic loop
-            dy, x, mean, rstd, gamma, n, c, hxw, group = args[:9]
-            mask = args[9] if len(args) == 10 else _ALL
-            tensors = {
-                "grad_out": dy,
-                "input": x,
+        """The argument dicts of a positional call (generated)."""
+        count = len(args)
+        if count == 10:
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask = args
+        elif count == 9:
+            grad_out, input, mean, rstd, gamma, N, C, HxW, group = args
+            output_mask = (True, True, True)
+        else:
+            return super().arguments(args, out)
+        if out is not None:
+            return super().arguments(args, out)
+        return (
+            {
+                "grad_out": grad_out,
+                "input": input,
                 "mean": mean,
                 "rstd": rstd,
                 "gamma": gamma,
                 "dx": None,
                 "dgamma": None,
                 "dbeta": None,
-            }
-            return tensors, {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
-        tensors, scalars = super().arguments(args, out)
+            },
+            {"N": N, "C": C, "HxW": HxW, "group": group, "output_mask": output_mask},
+        )
+
+    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
+        """The checks' own cache key of a request (generated)."""
+        grad_out = tensors["grad_out"]
+        input = tensors["input"]
+        mean = tensors["mean"]
+        rstd = tensors["rstd"]
+        gamma = tensors["gamma"]
+        dx = tensors["dx"]
+        dgamma = tensors["dgamma"]
+        dbeta = tensors["dbeta"]
+        N = scalars["N"]
+        C = scalars["C"]
+        HxW = scalars["HxW"]
+        group = scalars["group"]
+        output_mask = scalars["output_mask"]
+        if (
+            type(grad_out) is np.ndarray
+            and type(input) is np.ndarray
+            and type(mean) is np.ndarray
+            and type(rstd) is np.ndarray
+            and (gamma is None or type(gamma) is np.ndarray)
+            and (dx is None or type(dx) is np.ndarray)
+            and (dgamma is None or type(dgamma) is np.ndarray)
+            and (dbeta is None or type(dbeta) is np.ndarray)
+            and type(N) is int
+            and type(C) is int
+            and type(HxW) is int
+            and type(group) is int
+            and (
+                type(output_mask) is tuple
+                and len(output_mask) == 3
+                and type(output_mask[0]) is bool
+                and type(output_mask[1]) is bool
+                and type(output_mask[2]) is bool
+            )
+        ):
+            return (
+                grad_out.shape,
+                grad_out.dtype,
+                input.shape,
+                input.dtype,
+                mean.shape,
+                mean.dtype,
+                rstd.shape,
+                rstd.dtype,
+                None if gamma is None else (gamma.shape, gamma.dtype),
+                None if dx is None else (dx.shape, dx.dtype),
+                None if dgamma is None else (dgamma.shape, dgamma.dtype),
+                None if dbeta is None else (dbeta.shape, dbeta.dtype),
+                N,
+                C,
+                HxW,
+                group,
+                output_mask,
+            )
+        return super().signature(tensors, scalars)
+
+    # END GENERATED fast paths
+
+    def unasked_outputs(self, scalars: Mapping[str, Any]) -> tuple[str, ...]:
+        # output_mask's False entries (a malformed mask is the checks' to refuse)
         given: Any = scalars.get("output_mask")
-        if type(given) in (tuple, list) and len(given) == 3:
-            # An array given for an output that output_mask turns off is not the request's:
-            # never written, and its entry of the result is None (a malformed mask is
-            # refused by the checks)
-            for name, wanted in zip(_OUTPUTS, given, strict=True):
-                if wanted is False or (type(wanted) is np.bool_ and not wanted):
-                    tensors[name] = None
-        return tensors, scalars
+        if type(given) not in (tuple, list) or len(given) != 3:
+            return ()
+        return tuple(
+            name
+            for name, wanted in zip(_OUTPUTS, given, strict=True)
+            if wanted is False or (type(wanted) is np.bool_ and not wanted)
+        )
 
     def check(
         self,
@@ -252,56 +318,6 @@ class GroupNormBackward(Operator):
                 msg = f"{op}: {name}.shape is {t[name].shape}; expected {want_shape} ({what})"
                 raise ParamInvalidError(msg)
         return {"N": n, "C": c, "HxW": hxw, "group": group, "output_mask": mask}
-
-    def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
-        # Plain arrays, int sizes and a mask of three bools (the usual call): a flat tuple
-        # built without loops, since this runs for every call; the generic one otherwise.
-        t, s = tensors, scalars
-        dy, x, mean, rstd, gamma = t["grad_out"], t["input"], t["mean"], t["rstd"], t["gamma"]
-        dx, dgamma, dbeta = t["dx"], t["dgamma"], t["dbeta"]
-        n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
-        nd = np.ndarray
-        if (
-            type(dy) is nd
-            and type(x) is nd
-            and type(mean) is nd
-            and type(rstd) is nd
-            and (gamma is None or type(gamma) is nd)
-            and (dx is None or type(dx) is nd)
-            and (dgamma is None or type(dgamma) is nd)
-            and (dbeta is None or type(dbeta) is nd)
-            and type(n) is int
-            and type(c) is int
-            and type(hxw) is int
-            and type(group) is int
-            and type(mask) in (tuple, list)
-            and len(mask) == 3
-            and type(mask[0]) is bool
-            and type(mask[1]) is bool
-            and type(mask[2]) is bool
-        ):
-            return (
-                dy.shape,
-                dy.dtype,
-                x.shape,
-                x.dtype,
-                mean.shape,
-                mean.dtype,
-                rstd.shape,
-                rstd.dtype,
-                None if gamma is None else (gamma.shape, gamma.dtype),
-                None if dx is None else (dx.shape, dx.dtype),
-                None if dgamma is None else (dgamma.shape, dgamma.dtype),
-                None if dbeta is None else (dbeta.shape, dbeta.dtype),
-                n,
-                c,
-                hxw,
-                group,
-                tuple(mask),
-            )
-        if isinstance(mask, list):
-            scalars = {**scalars, "output_mask": tuple(mask)}
-        return super().signature(tensors, scalars)
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]

@@ -98,61 +98,87 @@ class GroupNormalizationGrad(Operator):
                 raise ParamInvalidError(msg)
         return {}
 
+    # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        # the hot path of every repeated call (five arrays): a flat tuple, no loop
-        if len(args) == 5:
+        """The checks' cache key of a positional call (generated)."""
+        count = len(args)
+        if count == 5:
             x, dy, gamma, mean, rstd = args
-            kinds = ARRAY_TYPES
-            if (
-                type(x) in kinds
-                and type(dy) in kinds
-                and type(gamma) in kinds
-                and type(mean) in kinds
-                and type(rstd) in kinds
-            ):
-                return (
-                    x.shape,
-                    x.dtype,
-                    dy.shape,
-                    dy.dtype,
-                    gamma.shape,
-                    gamma.dtype,
-                    mean.shape,
-                    mean.dtype,
-                    rstd.shape,
-                    rstd.dtype,
-                )
+        else:
+            return super().call_signature(args)
+        kinds = ARRAY_TYPES
+        if (
+            type(x) in kinds
+            and type(dy) in kinds
+            and type(gamma) in kinds
+            and type(mean) in kinds
+            and type(rstd) in kinds
+        ):
+            return (
+                x.shape,
+                x.dtype,
+                dy.shape,
+                dy.dtype,
+                gamma.shape,
+                gamma.dtype,
+                mean.shape,
+                mean.dtype,
+                rstd.shape,
+                rstd.dtype,
+            )
         return super().call_signature(args)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        if len(args) == 5:  # the hot path: no generic loop
+        """The argument dicts of a positional call (generated)."""
+        count = len(args)
+        if count == 5:
             x, dy, gamma, mean, rstd = args
-            return {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": out}, {}
-        return super().arguments(args, out)
+        else:
+            return super().arguments(args, out)
+        return (
+            {
+                "x": x,
+                "dy": dy,
+                "gamma": gamma,
+                "mean": mean,
+                "rstd": rstd,
+                "dx": out,
+            },
+            {},
+        )
 
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
-        t = tensors
-        x, dy, gamma, mean, rstd, dx = t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"]
-        arrays = (x, dy, gamma, mean, rstd)
-        if any(type(a) is not np.ndarray for a in arrays):
-            return super().signature(tensors, scalars)
-        base = (
-            x.shape,
-            x.dtype,
-            dy.shape,
-            dy.dtype,
-            gamma.shape,
-            gamma.dtype,
-            mean.shape,
-            mean.dtype,
-            rstd.shape,
-            rstd.dtype,
-        )
-        if dx is None:
-            return base
-        if type(dx) is not np.ndarray:
-            return None
-        return (*base, dx.shape, dx.dtype)
+        """The checks' own cache key of a request (generated)."""
+        x = tensors["x"]
+        dy = tensors["dy"]
+        gamma = tensors["gamma"]
+        mean = tensors["mean"]
+        rstd = tensors["rstd"]
+        dx = tensors["dx"]
+        if (
+            type(x) is np.ndarray
+            and type(dy) is np.ndarray
+            and type(gamma) is np.ndarray
+            and type(mean) is np.ndarray
+            and type(rstd) is np.ndarray
+            and (dx is None or type(dx) is np.ndarray)
+        ):
+            return (
+                x.shape,
+                x.dtype,
+                dy.shape,
+                dy.dtype,
+                gamma.shape,
+                gamma.dtype,
+                mean.shape,
+                mean.dtype,
+                rstd.shape,
+                rstd.dtype,
+                None if dx is None else (dx.shape, dx.dtype),
+            )
+        return super().signature(tensors, scalars)
+
+    # END GENERATED fast paths
 
     def output_spec(
         self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]
