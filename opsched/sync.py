@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
+from threading import get_ident
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import anyio.from_thread
@@ -155,7 +156,9 @@ def _threadsafe(
         timeout: float | None = None,
         **named: Any,
     ) -> Future[Any]:
-        facade._portal.check_thread()
+        portal = facade._portal
+        if portal.closed or portal.forks != _FORKS[0] or get_ident() == portal.thread_id:
+            portal.check_thread()  # raises: see there
         if named:  # operator arguments given by name
             args = op.bind(args, named)
         return facade._engine.submit_threadsafe(op, args, out, priority, deadline, timeout)
@@ -186,7 +189,9 @@ def _blocking(
         timeout: float | None = None,
         **named: Any,
     ) -> Any:
-        facade._portal.check_thread()
+        portal = facade._portal
+        if portal.closed or portal.forks != _FORKS[0] or get_ident() == portal.thread_id:
+            portal.check_thread()  # raises: see there
         if named:  # operator arguments given by name
             args = op.bind(args, named)
         return facade._engine.call_threadsafe(op, args, out, priority, deadline, timeout)

@@ -2,9 +2,10 @@
 
 Each path serves tiny GluBackward requests (``self`` 8x64, FLOAT) in steady state (after a
 warm-up round of the same requests) while a profiler counts the Python function calls
-(``sys.setprofile`` 'call' events) of every thread the scheduler runs: the caller's, the
-event loop's and the streams'. A row is those calls divided by the requests served. The
-profiler is installed before the scheduler is opened, so the threads it starts count too.
+(``sys.setprofile`` 'call' events) of every thread the scheduler runs (the caller's, the
+event loop's and the streams'), and of the caller's thread alone. A row is those calls
+divided by the requests served. The profiler is installed before the scheduler is opened,
+so the threads it starts count too.
 
 - ``1 coroutine``: one coroutine awaiting ``sched.glu_backward`` request after request.
 - ``module-level``: the same through ``opsched.glu_backward`` (the default scheduler).
@@ -29,7 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
@@ -38,7 +39,7 @@ import opsched.sync
 from opsched.cli import bench_floors
 from opsched.cli.bench_paths import glu_inputs
 
-__all__ = ["CALL_PATHS", "FLOOR_ROWS", "bench_calls", "print_calls"]
+__all__ = ["CALL_PATHS", "FLOOR_ROWS", "Calls", "bench_calls", "print_calls"]
 
 #: The paths, in the order they run.
 CALL_PATHS = ("1 coroutine", "module-level", "256 coroutines", "blocking sync", "sync futures")
@@ -47,29 +48,46 @@ FLOOR_ROWS = tuple(f"256 coroutines, {floor}" for floor in bench_floors.FLOORS)
 
 
 @contextmanager
-def _counting() -> Iterator[Callable[[], int]]:
+def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
     """Count Python calls in this thread and every thread started inside the block;
-    yields a function returning the count so far."""
-    counter = itertools.count()
-    tick = counter.__next__  # atomic in CPython: threads may count at once
+    yields a function returning the counts so far: every thread's, and this one's."""
+    counter, mine = itertools.count(), itertools.count()
+    tick, tick_mine = counter.__next__, mine.__next__  # atomic in CPython
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             tick()
 
+    def profile_mine(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            tick()
+            tick_mine()
+
     reads = itertools.count(1)
 
-    def read() -> int:
-        # each read ticks twice itself: its own call, and the ``next`` that reads
-        return next(counter) - 2 * next(reads)
+    def read() -> tuple[int, int]:
+        # each read ticks each count twice itself: its own call, and the ``next`` that reads
+        twice = 2 * next(reads)
+        return next(counter) - twice, next(mine) - twice
 
     threading.setprofile(profile)
-    sys.setprofile(profile)
+    sys.setprofile(profile_mine)
     try:
         yield read
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+
+
+def _per_request(before: tuple[int, int], after: tuple[int, int], requests: int) -> Calls:
+    return Calls((after[0] - before[0]) / requests, (after[1] - before[1]) / requests)
+
+
+class Calls(NamedTuple):
+    """Python calls per request: in every thread, and in the caller's alone."""
+
+    all_threads: float
+    caller: float
 
 
 async def _one_coroutine(call: Callable[..., Any], inputs: list[Any]) -> None:
@@ -85,9 +103,9 @@ async def _many(call: Callable[..., Any], inputs: list[Any], clients: int) -> No
     await asyncio.gather(*(client(k) for k in range(clients)))
 
 
-def _async_path(path: str, inputs: list[Any]) -> float:
+def _async_path(path: str, inputs: list[Any]) -> Calls:
     """Calls per request of an async path (its own ``asyncio.run``)."""
-    result: list[float] = []
+    result: list[Calls] = []
 
     async def main() -> None:
         if path == "module-level":
@@ -96,7 +114,7 @@ def _async_path(path: str, inputs: list[Any]) -> float:
             with _counting() as read:
                 before = read()
                 await _one_coroutine(call, inputs)
-                result.append((read() - before) / len(inputs))
+                result.append(_per_request(before, read(), len(inputs)))
             return
         with _counting() as read:
             async with opsched.open_scheduler() as sched:
@@ -109,13 +127,13 @@ def _async_path(path: str, inputs: list[Any]) -> float:
                 await run()  # warm-up
                 before = read()
                 await run()
-                result.append((read() - before) / len(inputs))
+                result.append(_per_request(before, read(), len(inputs)))
 
     asyncio.run(main())
     return result[0]
 
 
-def _sync_path(path: str, inputs: list[Any]) -> float:
+def _sync_path(path: str, inputs: list[Any]) -> Calls:
     """Calls per request of a path of the sync facade."""
     with _counting() as read, opsched.sync.open_scheduler() as sched:
 
@@ -131,10 +149,10 @@ def _sync_path(path: str, inputs: list[Any]) -> float:
         run()  # warm-up
         before = read()
         run()
-        return (read() - before) / len(inputs)
+        return _per_request(before, read(), len(inputs))
 
 
-def _floor(floor: str, inputs: list[Any]) -> float:
+def _floor(floor: str, inputs: list[Any]) -> Calls:
     """Calls per request of a floor of the 256-coroutine path."""
     make = {
         bench_floors.FLOOR: lambda: bench_floors._BareBatcher(bench_floors._numpy_formula),
@@ -142,7 +160,7 @@ def _floor(floor: str, inputs: list[Any]) -> float:
             bench_floors._numpy_kernel, np.copy
         ),
     }[floor]
-    result: list[float] = []
+    result: list[Calls] = []
 
     async def main() -> None:
         batcher = make()
@@ -150,17 +168,17 @@ def _floor(floor: str, inputs: list[Any]) -> float:
         with _counting() as read:
             before = read()
             await bench_floors.clients(batcher, "glu", inputs, len(inputs))
-            result.append((read() - before) / len(inputs))
+            result.append(_per_request(before, read(), len(inputs)))
 
     asyncio.run(main())
     return result[0]
 
 
-def bench_calls(requests: int = 2048) -> dict[str, float]:
+def bench_calls(requests: int = 2048) -> dict[str, Calls]:
     """Python calls per request of each path (:data:`CALL_PATHS`) and of the floors
     (:data:`FLOOR_ROWS`)."""
     inputs = glu_inputs(np.random.default_rng(0), requests)
-    figures: dict[str, float] = {}
+    figures: dict[str, Calls] = {}
     for path in CALL_PATHS:
         if path in ("blocking sync", "sync futures"):
             figures[path] = _sync_path(path, inputs)
@@ -172,9 +190,12 @@ def bench_calls(requests: int = 2048) -> dict[str, float]:
     return figures
 
 
-def print_calls(figures: dict[str, float], out: TextIO) -> None:
-    """One line per path (the floors indented under theirs)."""
-    print("Python calls per request, tiny GLU 8x64 FLOAT, steady state (all threads)", file=out)
+def print_calls(figures: dict[str, Any], out: TextIO) -> None:
+    """One line per path (the floors indented under theirs): every thread's calls, and
+    the caller's thread's."""
+    print("Python calls per request, tiny GLU 8x64 FLOAT, steady state", file=out)
+    print(f"   {'path':<28}{'all threads':>12}{'caller':>8}", file=out)
     for path, calls in figures.items():
         name = f"  {path.split(', ')[1]}" if path in FLOOR_ROWS else path
-        print(f"   {name:<28}{calls:6.1f}", file=out)
+        every, caller = calls
+        print(f"   {name:<28}{every:12.1f}{caller:8.1f}", file=out)

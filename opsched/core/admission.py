@@ -82,7 +82,7 @@ class Admission:
 
     def full(self) -> bool:
         """Whether the queue is at the cap."""
-        return len(self._queue) >= self._cap
+        return self._queue.live >= self._cap
 
     async def wait_for_room(self) -> None:
         """Park the calling task until it may queue (FIFO); it then holds a slot, which the
@@ -128,7 +128,7 @@ class Admission:
             with self.lock:
                 if parked is not None:  # woken from the FIFO: its slot was held for it
                     self._woken -= 1
-                room = len(self.inbox) + len(self._queue) + self._woken < self._cap
+                room = len(self.inbox) + self._queue.live + self._woken < self._cap
                 if not self.open or parked is not None or (room and not self._waiters):
                     future.checked = checked  # no pair per request: one object less to hold
                     self.inbox.append(future)
@@ -155,7 +155,7 @@ class Admission:
             Whether room is left for the inbox after that.
         """
         with self.lock:
-            free = self._cap - len(self._queue) - len(self.inbox) - self._woken
+            free = self._cap - self._queue.live - len(self.inbox) - self._woken
             waiters = self._waiters
             while free > 0 and waiters:
                 waiters.popleft().set()

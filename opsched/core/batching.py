@@ -332,7 +332,7 @@ def form_batches(
     wake_at: float | None = None
     delay = config.max_delay_us / 1e6
     held: set[Hashable] = set()  # keys waiting for company this round
-    while idle and len(queue):
+    while idle and queue.live:
         key = _best_key(queue, held)
         if key is None:
             break

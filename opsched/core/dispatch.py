@@ -89,7 +89,7 @@ class Dispatcher:
 
     async def drained(self) -> None:
         """Wait until nothing is queued or in flight."""
-        while len(self.queue) or self.inflight:
+        while self.queue.live or self.inflight:
             self._quiet = self.loop.new_event()
             self.schedule()
             await self._quiet.wait()
@@ -99,13 +99,13 @@ class Dispatcher:
         self.pending = False
         if self.closed:
             return
-        if self.device.lost is not None and len(self.queue):
+        if self.device.lost is not None and self.queue.live:
             self._fail_queued_on_lost_device()
             return
         queue, tracer = self.queue, self.tracer
         if tracer is not None:
             self._trace_counters()
-        while self._idle and len(queue) and not self._memory_wait:
+        while self._idle and queue.live and not self._memory_wait:
             taken: list[Request] = []
             queue.taken = taken
             try:
@@ -140,7 +140,7 @@ class Dispatcher:
             if self._inline_runs != inline_runs and self.inflight:
                 # A launch ran inline while others computed on their streams: hand the
                 # loop back (their completions may be waiting in it), then go on.
-                if len(queue):
+                if queue.live:
                     self.schedule()
                 break
         self.engine.room()  # launched requests left the queue: backpressured callers go on
@@ -173,7 +173,7 @@ class Dispatcher:
         surface there): an error is reported, never raised into the dispatch."""
         assert self.tracer is not None
         try:
-            self.tracer.counters(len(self.queue), *self.device.memory_usage())
+            self.tracer.counters(self.queue.live, *self.device.memory_usage())
         except Exception as exc:  # boundary: the trace's, not the requests'
             self.loop.report(exc, "opsched: reading the device's memory for the trace failed")
 
@@ -327,7 +327,7 @@ class Dispatcher:
                     self._resolve(request)
                 else:  # the common case, without the call to _resolve
                     finish(request, done, counters)
-        if len(self.queue):
+        if self.queue.live:
             self.schedule()  # a stream and workspace came free for what waits
         else:
             self._check_quiet()
@@ -373,7 +373,7 @@ class Dispatcher:
         log_failure(what, exc, len(requests))
 
     def _check_quiet(self) -> None:
-        if self._quiet is not None and not len(self.queue) and not self.inflight:
+        if self._quiet is not None and not self.queue.live and not self.inflight:
             self._quiet.set()
             self._quiet = None
 

@@ -338,7 +338,9 @@ class Engine:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
             raise RuntimeError(msg)
         try:
-            checked = self._checked_call(op, args, out, priority, deadline, timeout)
+            if self.state is not SchedulerState.OPEN or self.device.lost is not None:
+                self.require_open("new requests")  # raises
+            checked = self.checks.call(op, args, out, priority, deadline, timeout)
         except BaseException:
             self.admission.refused_in_thread()
             raise
