@@ -20,12 +20,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from opsched._errors import SchedulerClosedError
 from opsched.core.batching import RequestQueue
 from opsched.core.loop import LoopEvent, LoopHandle, ThreadEvent
-from opsched.core.requests import RequestFuture
+from opsched.core.requests import Request, RequestFuture
 from opsched.core.stats import Counters
 
 __all__ = ["Admission"]
@@ -115,7 +114,7 @@ class Admission:
             raise SchedulerClosedError("the scheduler is closing; it accepts no new requests")
 
     def put_threadsafe(
-        self, checked: tuple[Any, ...], future: RequestFuture, drain: Callable[[], None]
+        self, request: Request, future: RequestFuture, drain: Callable[[], None]
     ) -> bool:
         """Hand a thread's checked request to the loop, parking the thread while the queue
         is full; ``drain`` is posted to the loop by the first of a burst.
@@ -130,7 +129,7 @@ class Admission:
                     self._woken -= 1
                 room = len(self.inbox) + self._queue.live + self._woken < self._cap
                 if not self.open or parked is not None or (room and not self._waiters):
-                    future.checked = checked  # no pair per request: one object less to hold
+                    future.checked = request  # no pair per request: one object less to hold
                     self.inbox.append(future)
                     first = len(self.inbox) == 1
                     break

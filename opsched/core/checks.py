@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from time import monotonic
 from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
 
 from opsched._lru import LRU
+from opsched.core.requests import Request
 from opsched.devices import Device
-from opsched.devices.base import Converter
 from opsched.ops import Operator
 from opsched.ops._base import check_writable, shapes_and_dtypes
 from opsched.ops.products import Product
 
-__all__ = ["CallPlan", "Checked", "Checks", "canonical_signature", "deadline_of", "priority_of"]
+__all__ = ["CallPlan", "Checks", "canonical_signature", "deadline_of", "priority_of"]
 
 #: Each output's shape and dtype (:meth:`Operator.output_spec`).
 OutputSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
@@ -77,34 +78,17 @@ class CallPlan:
     signature: Hashable
 
 
-class Checked(NamedTuple):
-    """A request that passed its checks, not yet queued."""
-
-    op: Operator
-    tensors: dict[str, Any]
-    scalars: dict[str, Any]
-    key: Hashable
-    units: int
-    nbytes: int
-    priority: int
-    deadline: float | None
-    signature: Hashable | None
-    #: Turns the device's result into what the caller gets (None: as it is).
-    convert: Converter | None = None
-
-
-#: Where :meth:`Checks.known`'s tuple holds the deadline.
-_DEADLINE = Checked._fields.index("deadline")
-
-
 class Checks:
-    """A scheduler's checks for one device and product, with the signature cache."""
+    """A scheduler's checks for one device and product, with the signature cache. A call
+    that passes becomes its request's record (:class:`~opsched.core.requests.Request`):
+    the one value it travels as from here on, numbered by ``new_id``."""
 
-    __slots__ = ("_device", "_meta", "_product", "plans")
+    __slots__ = ("_device", "_meta", "_new_id", "_product", "plans")
 
-    def __init__(self, device: Device, product: Product) -> None:
+    def __init__(self, device: Device, product: Product, new_id: Callable[[], int]) -> None:
         self._device = device
         self._product = product
+        self._new_id = new_id
         #: The plan of every call signature that passed, under its signature and under
         #: the positional call that made it (``Operator.call_signature``: the fast path of
         #: a repeated call, which builds no argument dicts to look).
@@ -119,8 +103,8 @@ class Checks:
         scalars: dict[str, Any],
         priority: int,
         deadline: float | None,
-    ) -> Checked:
-        """Check a request; return it with its outputs bound.
+    ) -> Request:
+        """Check a request; return its record, its outputs bound.
 
         Raises:
             ParamNullptrError, ParamInvalidError, InnerError, TypeError: the first failing
@@ -152,8 +136,9 @@ class Checks:
             )
             check_writable(op.name, op.outputs, tensors)  # not part of the signature
             tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
-        return Checked(
-            op, tensors, scalars, key, units, nbytes, priority, deadline, signature, convert
+        return Request(
+            self._new_id(), monotonic(), op, tensors, scalars, key, units, nbytes, priority,
+            deadline, signature, convert,
         )
 
     def call(
@@ -164,50 +149,52 @@ class Checks:
         priority: int,
         deadline: float | None,
         timeout: float | None,
-    ) -> tuple[Any, ...]:
-        """A public call checked: by one lookup (:meth:`known`) when the same call passed
-        before (its deadline is not part of the checks: added to the result; outputs given
-        as numpy arrays of the same shapes and dtypes, each checked writeable), else in
-        full (:meth:`check`), and then remembered for the lookup. Raises as
-        :meth:`check`."""
+    ) -> Request:
+        """A public call checked into its request's record: by one lookup (:meth:`known`)
+        when the same call passed before (its deadline is not part of the checks; outputs
+        given as numpy arrays of the same shapes and dtypes, each checked writeable), else
+        in full (:meth:`check`), and then remembered for the lookup. Raises as
+        :meth:`check`, and as :func:`deadline_of` for a bad deadline or timeout."""
         cacheable = type(priority) is int
         if cacheable:
-            known = self.known(op, args, priority, out)
+            when = None if deadline is None and timeout is None else deadline_of(deadline, timeout)
+            known = self.known(op, args, priority, out, when)
             if known is not None:
-                if deadline is None and timeout is None:
-                    return known
-                at = _DEADLINE
-                return (*known[:at], deadline_of(deadline, timeout), *known[at + 1 :])
+                return known
         tensors, scalars = op.arguments(args, out)
-        checked = self.check(
+        request = self.check(
             op, tensors, scalars, priority_of(priority), deadline_of(deadline, timeout)
         )
         if cacheable:
-            self.remember_call(op, args, checked, out)
-        return checked
+            self.remember_call(op, args, request, out)
+        return request
 
     def remember_call(
-        self, op: Operator, args: Sequence[Any], checked: Checked, out: Any = None
+        self, op: Operator, args: Sequence[Any], request: Request, out: Any = None
     ) -> None:
-        """After ``checked`` passed for a call of ``args`` (and ``out``): let :meth:`known`
-        find it by the call itself."""
+        """After ``request`` passed its checks for a call of ``args`` (and ``out``): let
+        :meth:`known` find it by the call itself."""
         call = op.call_signature(args)
         if out is not None:
             call = _with_outputs(call, out)
-        if call is not None and checked.signature is not None:
-            plan = self.plans.get(checked.signature)
+        if call is not None and request.signature is not None:
+            plan = self.plans.get(request.signature)
             if plan is not None:
                 self.plans.put(call, plan)
 
     def known(
-        self, op: Operator, args: Sequence[Any], priority: int, out: Any = None
-    ) -> tuple[Any, ...] | None:
-        """A call whose checks passed before, checked by one lookup: the fields of its
-        :class:`Checked`, as a plain tuple (the hot path builds no named tuple), without a
-        deadline; None when it is not known (the caller then checks it in full). With
-        outputs ``out``, the lookup is by the call and the outputs' shapes and dtypes, and
-        each output is checked writeable (not part of the checks' signature: as
-        :meth:`check` does for a signature seen before).
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        priority: int,
+        out: Any = None,
+        deadline: float | None = None,
+    ) -> Request | None:
+        """A call whose checks passed before, checked by one lookup: its request's record;
+        None when it is not known (the caller then checks it in full). With outputs
+        ``out``, the lookup is by the call and the outputs' shapes and dtypes, and each
+        output is checked writeable (not part of the checks' signature: as :meth:`check`
+        does for a signature seen before).
 
         Raises:
             ParamInvalidError: a read-only output.
@@ -232,7 +219,10 @@ class Checks:
         convert = None
         if not 0 < nbytes <= self._device.binds_as_given:  # (else it would change nothing)
             tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
-        return op, tensors, scalars, key, units, nbytes, priority, None, signature, convert
+        return Request(
+            self._new_id(), monotonic(), op, tensors, scalars, key, units, nbytes, priority,
+            deadline, signature, convert,
+        )
 
 
 def _with_outputs(call: Hashable | None, out: Any) -> Hashable | None:

@@ -151,7 +151,7 @@ class Engine:
             self.config.product, self.device.reported_product, self.device.name
         )
         self.admission = Admission(self.config.max_queued_requests, self.queue, self.loop)
-        self.checks = Checks(self.device, self.product)
+        self.checks = Checks(self.device, self.product, self._ids.__next__)
         self._withdraw_hook = self._withdraw_posted
         self.dispatcher = Dispatcher(self)
         config = self.config
@@ -300,12 +300,12 @@ class Engine:
                     self._unyielded += 1  # ran at submit: no yield this time (YIELD_EVERY)
                     return request.returned()
                 return await self.wait(request)
-        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
+        request = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
             await self.admission.wait_for_room()
             self.require_open("new requests")
-        return await self.wait(self.admit(checked))
+        return await self.wait(self.admit(request))
 
     def submit_nowait(
         self,
@@ -317,12 +317,12 @@ class Engine:
         timeout: float | None,
     ) -> Request:
         """Queue a call without waiting (the face wraps the record in a ``Pending``)."""
-        checked = self._checked_counted(op, args, out, priority, deadline, timeout)
+        request = self._checked_counted(op, args, out, priority, deadline, timeout)
         if not self.admission.has_room():
             self.counters.rejected += 1
             msg = f"{len(self.queue)} requests are queued (max_queued_requests)"
             raise QueueFullError(msg)
-        return self.admit(checked)
+        return self.admit(request)
 
     def submit_threadsafe(
         self,
@@ -340,12 +340,12 @@ class Engine:
         try:
             if self.state is not SchedulerState.OPEN or self.device.lost is not None:
                 self.require_open("new requests")  # raises
-            checked = self.checks.call(op, args, out, priority, deadline, timeout)
+            request = self.checks.call(op, args, out, priority, deadline, timeout)
         except BaseException:
             self.admission.refused_in_thread()
             raise
         future = new_request_future()
-        if not self.admission.put_threadsafe(checked, future, self._drain_inbox):
+        if not self.admission.put_threadsafe(request, future, self._drain_inbox):
             future.checked = None  # nothing will queue it: let go of its arrays
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
         return future
@@ -373,7 +373,7 @@ class Engine:
         priority: int,
         deadline: float | None,
         timeout: float | None,
-    ) -> tuple[Any, ...]:
+    ) -> Request:
         """A call's checked request (any thread; :meth:`Checks.call`)."""
         if self.state is not SchedulerState.OPEN or self.device.lost is not None:
             self.require_open("new requests")  # raises
@@ -387,7 +387,7 @@ class Engine:
         priority: int,
         deadline: float | None,
         timeout: float | None,
-    ) -> tuple[Any, ...]:
+    ) -> Request:
         """A call checked on the loop thread, a refusal counted as rejected."""
         try:
             return self._checked_call(op, args, out, priority, deadline, timeout)
@@ -395,19 +395,18 @@ class Engine:
             self.counters.rejected += 1
             raise
 
-    def record(self, checked: tuple[Any, ...]) -> Request:
-        """A new request record of this engine: its id, the time, the checked call's
-        fields (:class:`~opsched.core.checks.Checked`)."""
-        return Request(next(self._ids), time.monotonic(), *checked)
+    def record(self, fields: tuple[Any, ...]) -> Request:
+        """A new request record of this engine from a checked call's fields (a graph
+        node's: op, tensors, scalars, key, units, nbytes, priority, deadline, signature)."""
+        return Request(next(self._ids), time.monotonic(), *fields)
 
-    def admit(self, checked: tuple[Any, ...], future: RequestFuture | None = None) -> Request:
-        """Record a checked call and start its journey: finished at once when it has
-        nothing to compute, run now when it may (:meth:`runs_at_submit`), else queued.
+    def admit(self, request: Request, future: RequestFuture | None = None) -> Request:
+        """Start a checked request's journey: finished at once when it has nothing to
+        compute, run now when it may (:meth:`runs_at_submit`), else queued.
 
         ``future``: the request came from a thread, which holds that future; its dispatch
         is deferred to after the whole drained burst.
         """
-        request = Request(next(self._ids), time.monotonic(), *checked)  # (as record())
         request.future = future
         self.counters.submitted += 1
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
@@ -437,12 +436,12 @@ class Engine:
     def _drain_inbox(self) -> None:
         """Queue every request submitted from threads since the last drain (loop thread)."""
         for future in self.admission.take_inbox():
-            checked, future.checked = future.checked, None
-            assert checked is not None  # put_threadsafe set it
+            request, future.checked = future.checked, None
+            assert request is not None  # put_threadsafe set it
             if self.state is not SchedulerState.OPEN:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
-            self.admit(checked, future)
+            self.admit(request, future)
 
     def _withdraw_posted(self, request: Request) -> None:
         """A thread's future was cancelled (any thread): withdraw its request on the loop."""
@@ -512,11 +511,10 @@ class Engine:
         finished in that thread; returns its result or raises its error."""
         admission = self.admission
         try:
-            checked = self._checked_call(op, args, out, priority, deadline, timeout)
+            request = self._checked_call(op, args, out, priority, deadline, timeout)
         except BaseException:
             admission.refused_in_thread()
             raise
-        request = Request(next(self._ids), time.monotonic(), *checked)  # (as record())
         counts = admission.thread_counts
         state, error = self._solo_launch(request)
         with admission.lock:  # submitted, launched and finished at once: one lock round

@@ -225,7 +225,7 @@ class LeanRequestFuture(RequestFuture):
         self._done_callbacks: Any = ()
         #: The checked request, from submission until the loop queues it (the inbox holds
         #: the future alone).
-        self.checked: tuple[Any, ...] | None = None
+        self.checked: Request | None = None
         #: Set on the loop once the request is queued, with the request it withdraws
         #: (called with it); both cleared when the request has an outcome.
         self._withdraw: Callable[[Any], object] | None = None
@@ -341,8 +341,7 @@ class Request:
     """
 
     id: int
-    #: When it was recorded (``time.monotonic()``); then the fields of its checked call
-    #: (:class:`~opsched.core.checks.Checked`), in that order.
+    #: When its call passed its checks (``time.monotonic()``).
     enqueued_at: float
     op: Operator
     tensors: dict[str, Any]

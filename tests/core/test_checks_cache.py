@@ -185,7 +185,7 @@ async def test_requests_of_one_geometry_share_one_signature_object():
     assert fresh == full[0].signature and fresh is not full[0].signature  # equal, not same
     assert full[1].signature is full[0].signature and full[2].signature is full[0].signature
     assert all(h is not None for h in hot)
-    assert hot[1][-2] is hot[0][-2] and hot[2][-2] is hot[0][-2]
+    assert hot[1].signature is hot[0].signature and hot[2].signature is hot[0].signature
     nodes = []
     for _ in range(2):
         graph = opsched.Graph()
