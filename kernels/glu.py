@@ -55,7 +55,6 @@ __all__ = [
     "glu_grid",
     "make_glu_plan",
     "plan_glu_backward",
-    "prepare_glu_backward",
 ]
 
 
@@ -168,17 +167,14 @@ def glu_backward_fast(
             when the plan stages it).
         workspace: a ``uint8`` array of at least ``plan.workspace_bytes`` (None when 0).
     """
-    prepare_glu_backward(plan, grad_out, self, out)(workspace)
+    _prepared(plan, grad_out, self, out)(workspace)
 
 
-def prepare_glu_backward(
+def _prepared(
     plan: GluPlan, grad_out: np.ndarray, self: np.ndarray, out: np.ndarray
 ) -> Callable[[np.ndarray | None], None]:
-    """Do the per-array work of a launch once; return the launch, which takes the workspace.
-
-    A repeatable executor launched again on the same arrays calls only the returned function:
-    when nothing is staged, that is the compiled loop's call on arguments computed here.
-    """
+    """The launch of ``plan`` on these arrays, a function of the workspace: the staged
+    numpy or compiled path, or the compiled loop's call on arguments computed here."""
     outer, half = glu_grid(self.shape, plan.dim)  # sizes from the arrays: <= the plan's
     kind = _jit.kind_of(plan.dtype)
     if outer * half == 0:

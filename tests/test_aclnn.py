@@ -254,11 +254,11 @@ def test_repeat_launches_read_the_arrays_as_they_are_at_launch(dtype, strided):
         args[3][...] = np.abs(args[3]) + 0.5  # rstd > 0
 
 
-def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
-    # The plan cache keeps a runner for the usual launch (every output, float32 statistics,
-    # C-contiguous arrays): its single-use executors launch without Operator.prepare, a
-    # miss's as a hit's, their sums in the workspace given, with the reference kernel's
-    # bits; a launch that stages an operand, or a repeatable executor, prepares.
+def test_a_cached_group_norm_backward_launch_needs_no_preparing(monkeypatch):
+    # The plan cache keeps the launch prepared for each layout it caches (C-contiguous
+    # arrays): its executors, single-use or repeatable, a miss's as a hit's, launch
+    # without Operator.prepare, their sums in the workspace given, with the reference
+    # kernel's bits; an uncached call (a strided operand) prepares its own.
     from opsched.ops import GROUP_NORM_BACKWARD
 
     def boom(*args, **kwargs):
@@ -266,6 +266,7 @@ def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
 
     rng = np.random.default_rng(16)
     calls = [gnb_call(rng, hxw=23, repeatable=False) for _ in range(2)]  # a miss, a hit
+    calls.append(gnb_call(rng, hxw=23))  # repeatable: the same cached launch
     monkeypatch.setattr(GROUP_NORM_BACKWARD, "prepare", boom)
     names = ("grad_out", "input", "mean", "rstd", "gamma")
     for args, outs, size, ex in calls:
@@ -278,17 +279,14 @@ def test_the_usual_group_norm_backward_launch_needs_no_preparing(monkeypatch):
         )
         for got, want in zip(outs, ref, strict=True):
             assert_same_bits(got, want.reshape(got.shape))
-    for _, _, size, ex in (
-        gnb_call(rng, strided=True, hxw=23, repeatable=False),
-        gnb_call(rng, hxw=23),
-    ):
-        with pytest.raises(AssertionError, match="prepared per call"):
-            aclnn.group_norm_backward(ws(size), size, ex)
+    _, _, size, ex = gnb_call(rng, strided=True, hxw=23, repeatable=False)
+    with pytest.raises(AssertionError, match="prepared per call"):
+        aclnn.group_norm_backward(ws(size), size, ex)
 
 
-def test_the_usual_glu_backward_launch_needs_no_preparing(monkeypatch):
-    # As GroupNormBackward's: a cached plan's runner launches C-contiguous FLOAT calls,
-    # with the reference kernel's bits; DOUBLE (the numpy kernel) prepares.
+def test_a_cached_glu_backward_launch_needs_no_preparing(monkeypatch):
+    # As GroupNormBackward's: a cached plan's launch runs C-contiguous FLOAT calls, with
+    # the reference kernel's bits; a call of a layout not seen before prepares.
     def boom(*args, **kwargs):
         raise AssertionError("prepared per call")
 
@@ -304,8 +302,8 @@ def test_the_usual_glu_backward_launch_needs_no_preparing(monkeypatch):
         want = GLU_BACKWARD.reference({"grad_out": g, "self": x, "out": None}, {"dim": -1})
         assert_same_bits(out, want)
     g, x = (rand(rng, shape, np.dtype(np.float64)) for shape in ((6, 23), (6, 46)))
-    size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, np.empty_like(x))
-    with pytest.raises(AssertionError, match="prepared per call"):
+    with pytest.raises(AssertionError, match="prepared per call"):  # (when it is planned)
+        size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, np.empty_like(x))
         aclnn.glu_backward(ws(size), size, ex)
 
 

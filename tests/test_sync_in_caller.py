@@ -124,13 +124,13 @@ def test_lone_calls_get_the_outputs_their_cached_plan_allocates(mask):
                 assert_close(array, gold.reshape(array.shape), F32, "group_norm_backward")
                 assert array.flags.c_contiguous and array.flags.owndata
             results.append(got)
-        # (the solo plans of calls whose outputs the launch allocated: plan, outputs, runner)
-        entries = [e for e in sched.scheduler.device._solo_plans.values() if type(e) is tuple]
+        # (the solo plans of calls whose outputs the launch allocated)
+        entries = [e for e in sched.scheduler.device._solo_plans.values() if e.made]
     # one plan a layout (a C-ordered call's plan reads dy in place; the other stages it),
     # and one without gamma; a runner where the launch is the usual one
-    assert sorted(e[0].stage_dy for e in entries) == [False, False, True]
+    assert sorted(e.plan.stage_dy for e in entries) == [False, False, True]
     usual = mask == (True, True, True)
-    assert [e[2] is not None for e in entries] == [usual, False, usual]
+    assert [e.launch.__name__ == "usual" for e in entries] == [usual, False, usual]
     assert where.threads == [threading.get_ident()] * 6  # each ran in this thread
     assert all(a is not b for a, b in zip(results[0], results[1], strict=True) if a is not None)
 

@@ -137,8 +137,18 @@ class Checks:
             check_writable(op.name, op.outputs, tensors)  # not part of the signature
             tensors, convert = device.bind(op, tensors, scalars, spec, nbytes)
         return Request(
-            self._new_id(), monotonic(), op, tensors, scalars, key, units, nbytes, priority,
-            deadline, signature, convert,
+            self._new_id(),
+            monotonic(),
+            op,
+            tensors,
+            scalars,
+            key,
+            units,
+            nbytes,
+            priority,
+            deadline,
+            signature,
+            convert,
         )
 
     def call(
@@ -220,8 +230,18 @@ class Checks:
         if not 0 < nbytes <= self._device.binds_as_given:  # (else it would change nothing)
             tensors, convert = self._device.bind(op, tensors, scalars, spec, nbytes)
         return Request(
-            self._new_id(), monotonic(), op, tensors, scalars, key, units, nbytes, priority,
-            deadline, signature, convert,
+            self._new_id(),
+            monotonic(),
+            op,
+            tensors,
+            scalars,
+            key,
+            units,
+            nbytes,
+            priority,
+            deadline,
+            signature,
+            convert,
         )
 
 

@@ -24,7 +24,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import attrs
 import numpy as np
@@ -39,12 +39,25 @@ from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
 from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched.ops import Operator
+from opsched.ops._base import Launch
 from opsched.ops.executor import Executor, geometry_of
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
 
 #: The outputs a blocking call's launch allocates: (name, shape, dtype) each.
 _Made = tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+
+
+class SoloPlan(NamedTuple):
+    """A solo launch run in its caller's thread (:meth:`HostDevice.run_solo`), kept by
+    its layout: the kernel's plan, the outputs it allocates (for a call that gave none),
+    its prepared launch and the workspace it takes."""
+
+    plan: Any
+    made: _Made
+    launch: Launch
+    workspace_bytes: int
+
 
 _log = get_logger("opsched.device")
 
@@ -179,16 +192,16 @@ class HostDevice(Device):
             cache=ExecutorCache(executor_cache_limit),
         )
 
+    def launcher(self, op: Operator, plan: Any, tensors: Mapping[str, Any]) -> Launch:
+        """This device's one launcher of ``op``: ``plan`` prepared on ``tensors``' layout
+        (:meth:`Operator.prepare`, the fast kernels); ``launch(tensors, workspace)``."""
+        return op.prepare(plan, tensors)
+
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
     ) -> None:
-        """Compute ``op`` for ``plan`` into the output arrays."""
-        op.run(plan, tensors, workspace)
-
-    def runner(self, op: Operator, plan: Any, tensors: dict[str, np.ndarray]) -> Any:
-        """:meth:`run_kernel` for calls laid out as ``tensors`` with new outputs, its
-        checks done once (:meth:`Operator.runner`), or None."""
-        return op.runner(plan, tensors)
+        """Compute ``op`` for ``plan`` into the output arrays (prepared for them now)."""
+        self.launcher(op, plan, tensors)(tensors, workspace)
 
     # --------------------------------------------------------------------- admission
 
@@ -269,45 +282,45 @@ class HostDevice(Device):
             found = self._solo_plans.get(key)
             if found is None:
                 allocate_missing(op, tensors, request.scalars)
-                plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
                 made = tuple(
                     (n, tensors[n].shape, tensors[n].dtype)
                     for n in op.outputs
                     if tensors[n] is not None
                 )
-                runner = self.runner(op, plan, tensors)
-                self._solo_plans.put(key, (plan, made, runner))
+                found = self._solo_plan(op, tensors, request.scalars, made)
+                self._solo_plans.put(key, found)
             else:
                 try:  # (not contextlib.suppress: no Python call a request)  # noqa: SIM105
                     self._solo_plans.move_to_end(key)  # recently used
                 except KeyError:  # another thread's put evicted it meanwhile: still valid
                     pass
-                plan, made, runner = found
-                for name, shape, dtype in made:
+                for name, shape, dtype in found.made:
                     tensors[name] = np.empty(shape, dtype)
-            if runner is not None:  # the layout checked when the plan was made
-                if self._faulty is not None:
-                    self.check_fault([request])
-                runner(tensors, None)  # its sums in an array of its own: no workspace
-                return
         else:
             allocate_missing(op, tensors, request.scalars)
             if signature is None:  # arguments the checks could not key: planned afresh
-                plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
+                found = self._solo_plan(op, tensors, request.scalars, ())
             else:
                 key = (
                     signature,
                     tuple([_strides(tensors[n]) for n in op.tensor_names]),
                     op.overlaps_any(tensors),
                 )
-                plan = self._solo_plans.lookup(key)
-                if plan is None:
-                    plan = op.plan(tensors, request.scalars, DEFAULT_BLOCK)
-                    self._solo_plans.put(key, plan)
-        size = op.workspace_size(plan)
-        workspace = np.empty(size, np.uint8) if size else None
-        self.check_fault([request])
-        self.run_kernel(op, plan, tensors, workspace)
+                found = self._solo_plans.lookup(key)
+                if found is None:
+                    found = self._solo_plan(op, tensors, request.scalars, ())
+                    self._solo_plans.put(key, found)
+        if self._faulty is not None:
+            self.check_fault([request])
+        size = found.workspace_bytes  # (a fresh workspace: the pool is the loop thread's)
+        found.launch(tensors, np.empty(size, np.uint8) if size else None)
+
+    def _solo_plan(
+        self, op: Operator, tensors: dict[str, Any], scalars: Mapping[str, Any], made: _Made
+    ) -> SoloPlan:
+        """A solo launch's plan for ``tensors``' layout, prepared (:meth:`launcher`)."""
+        plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
+        return SoloPlan(plan, made, self.launcher(op, plan, tensors), op.workspace_size(plan))
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:
@@ -558,13 +571,8 @@ class ReferenceDevice(HostDevice):
     #: Everything runs on the loop thread, in submission order: callers' threads never.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
 
-    def run_kernel(
-        self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
-    ) -> None:
-        op.run_reference(plan, tensors)
-
-    def runner(self, op: Operator, plan: Any, tensors: dict[str, np.ndarray]) -> Any:
-        return None  # the reference kernels, always
+    def launcher(self, op: Operator, plan: Any, tensors: Mapping[str, Any]) -> Launch:
+        return op.prepare_reference(plan, tensors)
 
 
 def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout, Any, Any]:

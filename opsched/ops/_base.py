@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import ast
-import functools
 import inspect
 import itertools
 import operator
@@ -32,6 +31,7 @@ __all__ = [
     "ARRAY_TYPES",
     "DTYPE_NAMES",
     "FusedGeometry",
+    "Launch",
     "Operator",
     "Parameter",
     "Tensors",
@@ -58,6 +58,9 @@ DTYPE_NAMES: dict[np.dtype, str] = {
 }
 
 Tensors = Mapping[str, np.ndarray]
+
+#: A prepared launch (:meth:`Operator.prepare`): ``launch(tensors, workspace)``.
+Launch = Callable[[Mapping[str, Any], "np.ndarray | None"], None]
 
 #: The arrays of a fused launch, ``name -> (shape, dtype)``, and its scalar arguments.
 FusedGeometry = tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, Any]]
@@ -451,27 +454,13 @@ class Operator(abc.ABC):
         return int(plan.workspace_bytes)
 
     @abc.abstractmethod
-    def run(self, plan: Any, tensors: Tensors, workspace: np.ndarray | None) -> None:
-        """Run the fast kernel for ``plan`` on ``tensors``."""
-
-    def prepare(self, plan: Any, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
-        """:meth:`run` with its per-array work done once: a function of the workspace.
-
-        A repeatable executor keeps it while its arrays stay bound, so a launch on the same
-        arrays pays only for the kernel (as the device's executor keeps its kernel's
-        arguments). The default does no work ahead."""
-        return functools.partial(self.run, plan, tensors)
-
-    def runner(
-        self, plan: Any, tensors: Tensors
-    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
-        """:meth:`run` for every later call laid out as ``tensors`` (the same shapes,
-        dtypes and strides, outputs that overlap no input), its per-array checks done once,
-        here: a function of the call's tensors and workspace (None: it keeps its scratch in
-        arrays of its own; safe from any thread). A blocking call's cached plan and the
-        two-phase plan cache keep one. None where the operator has none for this launch
-        (the default): the caller then runs :meth:`run` (or :meth:`prepare`)."""
-        return None
+    def prepare(self, plan: Any, tensors: Tensors) -> Launch:
+        """The cpu device's launcher: the fast kernel for ``plan``, its per-layout work done
+        here, once, on ``tensors``: ``launch(tensors, workspace)`` then runs it on any
+        arrays laid out as these (the same shapes, dtypes and strides, and an output
+        overlapping an input only where ``tensors``' did). The only way a fast kernel is
+        launched: solo, fused (on the launch's gathered arrays), split, a blocking call's
+        cached plan, the two-phase executor. The returned launch holds no array."""
 
     @abc.abstractmethod
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
@@ -499,10 +488,15 @@ class Operator(abc.ABC):
             return self.dtypes, "generic"
         return tuple(DTYPES_BY_NAME[n] for n in support.dtypes), support.product
 
-    def run_reference(self, plan: Any, tensors: dict[str, Any]) -> None:
-        """Run the reference kernel for ``plan`` into the output arrays of ``tensors``
-        (the reference device's launch; also on a fused launch's arrays)."""
-        np.copyto(tensors[self.outputs[0]], self.reference(tensors, self.plan_scalars(plan)))
+    def prepare_reference(self, plan: Any, tensors: Tensors) -> Launch:
+        """The reference device's launcher (as :meth:`prepare`): :meth:`reference` for
+        ``plan`` into the output arrays; also on a fused launch's arrays."""
+        scalars, out = self.plan_scalars(plan), self.outputs[0]
+
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            np.copyto(t[out], self.reference(t, scalars))
+
+        return launch
 
     def plan_scalars(self, plan: Any) -> dict[str, Any]:
         """The scalar arguments a plan was made for (none by default)."""

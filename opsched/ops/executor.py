@@ -12,9 +12,8 @@ Every misuse is a ParamInvalidError (161002) whose message says what was wrong.
 from __future__ import annotations
 
 import enum
-import functools
 import operator
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from types import TracebackType
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
 from opsched._lru import LRU
 from opsched.kernels._common import DEFAULT_BLOCK
-from opsched.ops._base import Operator, check_array_kind, check_present, dtype_name
+from opsched.ops._base import Launch, Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
 
 #: numpy's uint8 dtype (a workspace's).
@@ -77,15 +76,12 @@ class Executor:
     _repeatable: bool = attrs.field(default=False, init=False)
     _state: ExecutorState = attrs.field(default=ExecutorState.READY, init=False)
     _launches: int = attrs.field(default=0, init=False)
-    #: The kernel prepared for the bound arrays (Operator.prepare); None until the first
-    #: launch after a bind.
-    _kernel: Callable[[np.ndarray | None], None] | None = attrs.field(default=None, init=False)
     #: Whether the bound arrays are the ones the plan was made for (so their overlap is
     #: planned): False after a bind, until the next launch checks it.
     _as_planned: bool = attrs.field(default=True, init=False)
-    #: The plan cache's runner for arrays laid out as the bound ones (Operator.runner),
-    #: or None: a single-use executor's launch (a repeatable one prepares its kernel).
-    _runner: Callable[..., None] | None = attrs.field(default=None, kw_only=True)
+    #: The kernel prepared for the bound arrays' layout (:meth:`Operator.prepare`: the
+    #: plan cache's, or made at the first launch); arrays bound later have that layout.
+    _launch: Launch | None = attrs.field(default=None, kw_only=True)
 
     @property
     def repeatable(self) -> bool:
@@ -154,7 +150,6 @@ class Executor:
                 )
                 raise ParamInvalidError(msg)
         self.tensors.update(arrays)
-        self._kernel = None
         self._as_planned = False
 
     def count_launch(self) -> None:
@@ -172,7 +167,7 @@ class Executor:
         """Release the executor (``aclDestroyAclOpExecutor``); a second call does nothing."""
         self._state = ExecutorState.DESTROYED
         self.tensors = {}
-        self._kernel = None
+        self._launch = None
 
     def __enter__(self) -> Executor:
         return self
@@ -196,10 +191,10 @@ class Executor:
             RuntimeLaunchError: the kernel failed (its exception chained).
         """
         ws = self.consume(op, workspace, workspace_size)
-        kernel = self._kernel
-        assert kernel is not None  # consume prepared it
+        launch = self._launch
+        assert launch is not None  # consume prepared it
         try:
-            kernel(ws)
+            launch(self.tensors, ws)
         except Exception as exc:
             msg = f"{op.name}: the launch failed: {type(exc).__name__}: {exc}"
             raise RuntimeLaunchError(msg) from exc
@@ -221,21 +216,16 @@ class Executor:
             )
             raise ParamInvalidError(msg)
         ws = self._check_workspace(name, workspace, workspace_size)
-        if self._kernel is None:  # arrays (re)bound since the last launch
-            tensors = dict(self.tensors)
-            if not self._as_planned and op.unplanned_overlap(self.plan, tensors):
+        if not self._as_planned:  # arrays rebound since the last launch
+            if op.unplanned_overlap(self.plan, self.tensors):
                 msg = (
                     f"{name}: the bound output overlaps an input, but the executor was "
                     "planned for separate buffers; plan a new executor for overlapping arrays"
                 )
                 raise ParamInvalidError(msg)
-            runner = self._runner
-            if runner is None or self._repeatable:
-                # (a repeatable executor relaunched on the same arrays does better with its
-                # arguments laid out once than through the runner)
-                self._kernel = op.prepare(self.plan, tensors)
-            else:  # a single launch of the layout the plan cache checked: the views alone
-                self._kernel = functools.partial(_run, runner, tensors)
+            self._as_planned = True
+        if self._launch is None:
+            self._launch = op.prepare(self.plan, self.tensors)
         self._launches += 1
         if not self._repeatable:
             self._state = ExecutorState.SPENT
@@ -277,11 +267,6 @@ class Executor:
         if self._state is ExecutorState.DESTROYED:
             msg = f"{self.op.name} executor: {what} after destroy()"
             raise ParamInvalidError(msg)
-
-
-def _run(runner: Callable[..., None], tensors: dict[str, Any], workspace: Any) -> None:
-    """A runner's launch on the executor's arrays and the launch's workspace."""
-    runner(tensors, workspace)
 
 
 def null_executor(name: str) -> InnerError:
@@ -350,15 +335,15 @@ class PlanCache:
         if found is None:
             checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
             plan = op.plan(tensors, checked, DEFAULT_BLOCK)
-            # a runner only where the key fixes the layout (plain, C-contiguous arrays)
-            runner = None if key is None else op.runner(plan, tensors)
-            found = checked, plan, op.workspace_size(plan), runner
+            # a launch kept only where the key fixes the layout (plain, C-contiguous arrays)
+            launch = None if key is None else op.prepare(plan, tensors)
+            found = checked, plan, op.workspace_size(plan), launch
             if key is None:
                 self._uncached += 1
             else:
                 self._plans.put(key, found)
-        checked, plan, size, runner = found
-        return size, Executor(op, tensors, dict(checked), plan, size, runner=runner)
+        checked, plan, size, launch = found
+        return size, Executor(op, tensors, dict(checked), plan, size, launch=launch)
 
     def statistics(self) -> PlanCacheStatistics:
         """A snapshot of the counters."""

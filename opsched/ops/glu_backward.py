@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -18,11 +18,11 @@ from opsched.kernels.glu import (
     glu_grid,
     make_glu_plan,
     plan_glu_backward,
-    prepare_glu_backward,
 )
 from opsched.ops._base import (
     ARRAY_TYPES,
     FusedGeometry,
+    Launch,
     Operator,
     Parameter,
     Tensors,
@@ -205,23 +205,20 @@ class GluBackward(Operator):
             tensors["grad_out"], tensors["self"], scalars["dim"], tensors["out"], block=block
         )
 
-    def run(self, plan: GluPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
-        glu_backward_fast(plan, tensors["grad_out"], tensors["self"], tensors["out"], workspace)
-
-    def prepare(self, plan: GluPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
-        return prepare_glu_backward(plan, tensors["grad_out"], tensors["self"], tensors["out"])
-
-    def runner(
-        self, plan: GluPlan, tensors: Tensors
-    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
+    def prepare(self, plan: GluPlan, tensors: Tensors) -> Launch:
+        # the usual layout: its flat views and the compiled call alone, checked once here
         run = glu_backward_runner(plan, tensors["grad_out"], tensors["self"], tensors["out"])
-        if run is None:
-            return None
+        if run is not None:
 
-        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
-            run(t["grad_out"], t["self"], t["out"])
+            def usual(t: Tensors, workspace: np.ndarray | None) -> None:
+                run(t["grad_out"], t["self"], t["out"])
 
-        return launch
+            return usual
+
+        def staged(t: Tensors, workspace: np.ndarray | None) -> None:
+            glu_backward_fast(plan, t["grad_out"], t["self"], t["out"], workspace)
+
+        return staged
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])

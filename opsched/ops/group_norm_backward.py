@@ -7,7 +7,7 @@ formula and its determinism are in :mod:`opsched.kernels.group_norm_backward`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import ml_dtypes
@@ -26,6 +26,7 @@ from opsched.kernels.group_norm_backward import (
 from opsched.ops._base import (
     ARRAY_TYPES,
     FusedGeometry,
+    Launch,
     Operator,
     Parameter,
     Tensors,
@@ -350,29 +351,14 @@ class GroupNormBackward(Operator):
             tensors["gamma"] is not None,
         )
 
-    def run(self, plan: GnbPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
-        self.prepare(plan, tensors)(workspace)
-
-    def runner(
-        self, plan: GnbPlan, tensors: Tensors
-    ) -> Callable[[Tensors, np.ndarray | None], None] | None:
+    def prepare(self, plan: GnbPlan, tensors: Tensors) -> Launch:
         t = tensors
-        run = group_norm_backward_runner(
-            plan,
-            t["grad_out"],
-            t["input"],
-            t["mean"],
-            t["rstd"],
-            t["gamma"],
-            t["dx"],
-            t["dgamma"],
-            t["dbeta"],
-        )
-        if run is None:
-            return None
-
-        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
-            run(
+        # the usual layout: the compiled call on the arrays as they are, checked once here
+        # (not a fused launch's, whose statistics go to its per-row sums)
+        run = None
+        if not plan.stats_out:
+            run = group_norm_backward_runner(
+                plan,
                 t["grad_out"],
                 t["input"],
                 t["mean"],
@@ -381,26 +367,40 @@ class GroupNormBackward(Operator):
                 t["dx"],
                 t["dgamma"],
                 t["dbeta"],
-                workspace,
             )
+        if run is not None:
 
-        return launch
+            def usual(t: Tensors, workspace: np.ndarray | None) -> None:
+                run(
+                    t["grad_out"],
+                    t["input"],
+                    t["mean"],
+                    t["rstd"],
+                    t["gamma"],
+                    t["dx"],
+                    t["dgamma"],
+                    t["dbeta"],
+                    workspace,
+                )
 
-    def prepare(self, plan: GnbPlan, tensors: Tensors) -> Callable[[np.ndarray | None], None]:
-        t = tensors
-        return prepare_group_norm_backward(
-            plan,
-            t["grad_out"],
-            t["input"],
-            t["mean"],
-            t["rstd"],
-            t.get("gamma"),
-            t.get("dx"),
-            t.get("dgamma"),
-            t.get("dbeta"),
-            ds_out=t.get("ds"),
-            db_out=t.get("db"),
-        )
+            return usual
+
+        def staged(t: Tensors, workspace: np.ndarray | None) -> None:
+            prepare_group_norm_backward(
+                plan,
+                t["grad_out"],
+                t["input"],
+                t["mean"],
+                t["rstd"],
+                t.get("gamma"),
+                t.get("dx"),
+                t.get("dgamma"),
+                t.get("dbeta"),
+                ds_out=t.get("ds"),
+                db_out=t.get("db"),
+            )(workspace)
+
+        return staged
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """``(dx, dgamma, dbeta)`` from the reference kernel (all three, new arrays)."""
@@ -417,8 +417,14 @@ class GroupNormBackward(Operator):
             s["group"],
         )
 
-    def run_reference(self, plan: GnbPlan, tensors: dict[str, Any]) -> None:
-        t = tensors
+    def prepare_reference(self, plan: GnbPlan, tensors: Tensors) -> Launch:
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            self._reference_into(plan, t)
+
+        return launch
+
+    def _reference_into(self, plan: GnbPlan, t: Mapping[str, Any]) -> None:
+        """The reference kernel for ``plan`` into the output arrays of ``t``."""
         if plan.stats_out:  # a fused launch: per-row gamma, stats to the caller
             rows, cpg = t["mean"].size, plan.cpg
             gamma = t.get("gamma")

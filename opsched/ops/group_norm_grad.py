@@ -25,6 +25,7 @@ from opsched.kernels.group_norm import (
 from opsched.ops._base import (
     ARRAY_TYPES,
     FusedGeometry,
+    Launch,
     Operator,
     Parameter,
     Tensors,
@@ -189,11 +190,13 @@ class GroupNormalizationGrad(Operator):
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GroupNormPlan:
         return plan_group_norm_grad(tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"])
 
-    def run(self, plan: GroupNormPlan, tensors: Tensors, workspace: np.ndarray | None) -> None:
-        t = tensors
-        group_norm_grad_fast(
-            plan, t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"], workspace
-        )
+    def prepare(self, plan: GroupNormPlan, tensors: Tensors) -> Launch:
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            group_norm_grad_fast(
+                plan, t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"], workspace
+            )
+
+        return launch
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         t = tensors

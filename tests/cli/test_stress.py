@@ -257,13 +257,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
     from opsched.ops.executor import PLANS
     from opsched.ops.glu_backward import GluBackward
 
-    real = GluBackward.run  # the scheduler's solo launches
     real_fused = HostDevice._run_fused
-
-    def negated(self, plan, tensors, workspace):
-        real(self, plan, tensors, workspace)
-        if not graphs_only:
-            wrong(tensors["out"])
 
     def fused(self, op, plan, arrays, workspace, requests, errors):
         real_fused(self, op, plan, arrays, workspace, requests, errors)
@@ -274,21 +268,9 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
 
     real_prepare = GluBackward.prepare
 
-    def negated_prepare(self, plan, tensors):  # the two-phase oracle's launch
-        kernel = real_prepare(self, plan, tensors)
-
-        def launch(workspace):
-            kernel(workspace)
-            if not graphs_only:
-                wrong(tensors["out"])
-
-        return launch
-
-    real_runner = GluBackward.runner
-
-    def negated_runner(self, plan, tensors):  # the usual launch of blocking / two-phase calls
-        launch = real_runner(self, plan, tensors)
-        if launch is None or graphs_only:  # (graph nodes: in run_solo, below)
+    def negated_prepare(self, plan, tensors):  # every launch of the fast kernel
+        launch = real_prepare(self, plan, tensors)
+        if graphs_only:  # (graph nodes: in the fused launch, above, and run_solo, below)
             return launch
 
         def perturbed(t, workspace):
@@ -305,9 +287,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
             wrong(request.tensors["out"])
 
     monkeypatch.setattr(HostDevice, "run_solo", here)
-    monkeypatch.setattr(GluBackward, "run", negated)
     monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
-    monkeypatch.setattr(GluBackward, "runner", negated_runner)
     monkeypatch.setattr(HostDevice, "_run_fused", fused)
     # the two-phase API's plan cache is the process's: runners an earlier test cached
     # would launch the real kernel, and the negated ones made here must not outlive this
