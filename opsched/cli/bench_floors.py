@@ -36,7 +36,7 @@ import numpy as np
 
 from opsched.cli.bench_kernels import BenchTarget
 from opsched.cli.bench_medium import on_device
-from opsched.devices.torch import aten as _torch_ops
+from opsched.devices.torch import aten as _aten
 from opsched.kernels import glu as _glu
 from opsched.ops import GLU_BACKWARD
 
@@ -120,7 +120,7 @@ def _torch_aten(requests: list[tuple[Any, ...]]) -> Any:
     import torch
 
     g, x = torch.stack([r[0] for r in requests]), torch.stack([r[1] for r in requests])
-    return _torch_ops.glu_backward(g, x, -1).unbind(0)
+    return _aten.glu_backward(g, x, -1).unbind(0)
 
 
 def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
@@ -139,7 +139,7 @@ def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
         return torch.stack([r[i] for r in requests]).view(shape)
 
     gamma = torch.stack([r[4] for r in requests]).unsqueeze(1).expand(k, n, c).reshape(-1)
-    dx, dgamma, dbeta = _torch_ops.group_norm_backward(
+    dx, dgamma, dbeta = _aten.group_norm_backward(
         stacked(0, (1, channels, hxw)),
         stacked(1, (1, channels, hxw)),
         stacked(2, (1, groups)),

@@ -23,7 +23,7 @@ import numpy as np
 
 import opsched
 from opsched import Executor, SchedulerConfig, aclnn
-from opsched.devices.torch import aten as _torch_ops
+from opsched.devices.torch import aten as _aten
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -50,7 +50,7 @@ class BenchTarget:
 
 def torch_peer() -> Any:
     """torch, set to one thread for a fair peer column, or None when not installed."""
-    if not _torch_ops.torch_available():
+    if not _aten.torch_available():
         return None
     import torch
 
@@ -89,10 +89,10 @@ def _glu_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[
     size, ex = aclnn.glu_backward_get_workspace_size(g, x, -1, out)
     peer = None
     if torch is not None:
-        tg, tx = _torch_ops.to_torch(g), _torch_ops.to_torch(x)
+        tg, tx = _aten.to_torch(g), _aten.to_torch(x)
 
         def peer() -> None:
-            _torch_ops.glu_backward(tg, tx, -1)
+            _aten.glu_backward(tg, tx, -1)
 
     return {
         "peer": peer,
@@ -117,10 +117,10 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[s
     size, ex = aclnn.group_norm_grad_get_workspace_size(x, dy, gamma, mean, rstd, dx)
     peer = None
     if torch is not None:
-        tensors = [_torch_ops.to_torch(a) for a in (x, dy, gamma, mean, rstd)]
+        tensors = [_aten.to_torch(a) for a in (x, dy, gamma, mean, rstd)]
 
         def peer() -> None:
-            _torch_ops.group_norm_grad(*tensors)
+            _aten.group_norm_grad(*tensors)
 
     return {
         "peer": peer,
@@ -148,10 +148,10 @@ def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[
     size, ex = aclnn.group_norm_backward_get_workspace_size(*args, mask, dx, dgamma, dbeta)
     peer = None
     if torch is not None:
-        t_dy, t_x, t_mean, t_rstd, t_gamma = (_torch_ops.to_torch(a) for a in args[:5])
+        t_dy, t_x, t_mean, t_rstd, t_gamma = (_aten.to_torch(a) for a in args[:5])
 
         def peer() -> None:
-            _torch_ops.group_norm_backward(
+            _aten.group_norm_backward(
                 t_dy, t_x, t_mean, t_rstd, t_gamma, batch, c, hxw, group, mask
             )
 
@@ -285,7 +285,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
     }
-    if _torch_ops.torch_available():
+    if _aten.torch_available():
         import torch
 
         info["torch"] = torch.__version__

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.devices.torch import aten as torch_ops
+from opsched.devices.torch import aten
 
 __all__ = ["as_tensors", "bench_medium", "on_device", "print_medium"]
 
@@ -54,14 +54,14 @@ def _gnb(rng: np.random.Generator, nbytes: int, n: int) -> list[tuple[Any, ...]]
 
 def _gnb_peer(args: tuple[Any, ...]) -> object:
     dy, x, mean, rstd, gamma, n, c, hxw, group = args
-    return torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
+    return aten.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, [True] * 3)
 
 
 def as_tensors(work: list[tuple[Any, ...]], device: str = "cpu") -> list[tuple[Any, ...]]:
     """Each call of ``work`` with its numpy arrays as torch tensors on ``device`` (a torch
     device string: ``cpu``, ``cuda:0``, ``npu``)."""
     return [
-        tuple(torch_ops.to_torch(a, device) if isinstance(a, np.ndarray) else a for a in w)
+        tuple(aten.to_torch(a, device) if isinstance(a, np.ndarray) else a for a in w)
         for w in work
     ]
 
@@ -110,7 +110,7 @@ def bench_medium(
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
     cases: list[tuple[str, Callable[..., Any], Callable[[Any], object]]] = [
-        ("glu_backward", _glu, lambda a: torch_ops.glu_backward(a[0], a[1], -1)),
+        ("glu_backward", _glu, lambda a: aten.glu_backward(a[0], a[1], -1)),
         ("group_norm_backward", _gnb, _gnb_peer),
     ]
     for op, make, peer in cases:

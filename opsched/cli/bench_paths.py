@@ -41,7 +41,7 @@ import opsched.sync
 from opsched import aclnn
 from opsched.cli.bench_floors import CLIENTS, FLOORS, METHODS, clients, floors_of, run_floor
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.devices.torch import aten as _torch_ops
+from opsched.devices.torch import aten as _aten
 
 __all__ = [
     "INPUTS",
@@ -110,20 +110,20 @@ INPUTS: dict[str, Callable[[np.random.Generator, int], list[tuple[Any, ...]]]] =
 def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int], object]:
     """Torch's operator on request ``k`` (``glu``, ``gn`` or ``gnb`` inputs), on tensors
     converted beforehand: the peer of the scheduler benchmarks."""
-    tensors = [[_torch_ops.to_torch(a) for a in args[:5]] for args in inputs]
+    tensors = [[_aten.to_torch(a) for a in args[:5]] for args in inputs]
     count = len(tensors)
     if op == "glu":
 
         def glu(k: int) -> object:
             g, x = tensors[k % count]
-            return _torch_ops.glu_backward(g, x, -1)
+            return _aten.glu_backward(g, x, -1)
 
         return glu
     if op == "gn":
 
         def gn(k: int) -> object:
             x, dy, gamma, mean, rstd = tensors[k % count]
-            return _torch_ops.group_norm_grad(x, dy, gamma, mean, rstd)
+            return _aten.group_norm_grad(x, dy, gamma, mean, rstd)
 
         return gn
     n, c, hxw, group = inputs[0][5:9]
@@ -131,7 +131,7 @@ def torch_per_request(op: str, inputs: list[tuple[Any, ...]]) -> Callable[[int],
 
     def gnb(k: int) -> object:
         dy, x, mean, rstd, gamma = tensors[k % count]
-        return _torch_ops.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, mask)
+        return _aten.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, mask)
 
     return gnb
 
