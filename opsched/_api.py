@@ -34,7 +34,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.engine import Engine, SchedulerState
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.loop import current_loop
-from opsched.core.requests import Pending
+from opsched.core.requests import Call, Pending
 from opsched.core.trace import Tracer
 from opsched.devices import make_device
 from opsched.ops import Operator, entry_point
@@ -120,7 +120,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+            Call((ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout))
         )
 
     glu_backward_nowait = _nowait(ops.GLU_BACKWARD, glu_backward)
@@ -153,7 +153,9 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+            Call(
+                (ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout)
+            ),
         )
 
     group_norm_grad_nowait = _nowait(ops.GROUP_NORM_GRAD, group_norm_grad)
@@ -197,12 +199,16 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GROUP_NORM_BACKWARD,
-            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-            out,
-            priority,
-            deadline,
-            timeout,
+            Call(
+                (
+                    ops.GROUP_NORM_BACKWARD,
+                    (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+                    out,
+                    priority,
+                    deadline,
+                    timeout,
+                )
+            ),
         )
 
     group_norm_backward_nowait = _nowait(ops.GROUP_NORM_BACKWARD, group_norm_backward)
@@ -468,7 +474,7 @@ def glu_backward(
     :meth:`Scheduler.glu_backward`.
     """
     return _here().engine.submit(
-        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+        Call((ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout))
     )
 
 
@@ -488,7 +494,7 @@ def group_norm_grad(
     when it is called: see :meth:`Scheduler.group_norm_grad`.
     """
     return _here().engine.submit(
-        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+        Call((ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout))
     )
 
 
@@ -513,12 +519,16 @@ def group_norm_backward(
     called: see :meth:`Scheduler.group_norm_backward`.
     """
     return _here().engine.submit(
-        ops.GROUP_NORM_BACKWARD,
-        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-        out,
-        priority,
-        deadline,
-        timeout,
+        Call(
+            (
+                ops.GROUP_NORM_BACKWARD,
+                (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+                out,
+                priority,
+                deadline,
+                timeout,
+            )
+        ),
     )
 
 

@@ -65,7 +65,7 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
 
     def submit(self, *a, **kw):
         future = real(self, *a, **kw)
-        if a[1][1] is x:
+        if a[0].args[1] is x:
             queued.set()
         return future
 

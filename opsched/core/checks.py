@@ -23,7 +23,7 @@ import attrs
 import numpy as np
 
 from opsched._lru import LRU
-from opsched.core.requests import Request
+from opsched.core.requests import Call, Request
 from opsched.devices import Device
 from opsched.ops import Operator
 from opsched.ops._base import check_writable, shapes_and_dtypes
@@ -151,20 +151,13 @@ class Checks:
             convert,
         )
 
-    def call(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
+    def call(self, call: Call) -> Request:
         """A public call checked into its request's record: by one lookup (:meth:`known`)
         when the same call passed before (its deadline is not part of the checks; outputs
         given as numpy arrays of the same shapes and dtypes, each checked writeable), else
         in full (:meth:`check`), and then remembered for the lookup. Raises as
         :meth:`check`, and as :func:`deadline_of` for a bad deadline or timeout."""
+        op, args, out, priority, deadline, timeout = call
         cacheable = type(priority) is int
         if cacheable:
             when = None if deadline is None and timeout is None else deadline_of(deadline, timeout)

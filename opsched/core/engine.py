@@ -37,7 +37,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -53,6 +52,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.dispatch import Dispatcher, device_lost, launch_error
 from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
 from opsched.core.requests import (
+    Call,
     Request,
     RequestFuture,
     RequestState,
@@ -63,7 +63,6 @@ from opsched.core.requests import (
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
-from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
 __all__ = ["FEW_READY", "Engine", "SchedulerState"]
@@ -272,16 +271,9 @@ class Engine:
 
     # ----------------------------------------------------------------------- submission
 
-    async def submit(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Any:
+    async def submit(self, call: Call) -> Any:
         """A coroutine's call, from its arguments to its result (the face's ``submit``)."""
+        op, args, out, priority, deadline, timeout = call
         if (
             out is None
             and deadline is None
@@ -300,39 +292,23 @@ class Engine:
                     self._unyielded += 1  # ran at submit: no yield this time (YIELD_EVERY)
                     return request.returned()
                 return await self.wait(request)
-        request = self._checked_counted(op, args, out, priority, deadline, timeout)
+        request = self._checked_counted(call)
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
             await self.admission.wait_for_room()
             self.require_open("new requests")
         return await self.wait(self.admit(request))
 
-    def submit_nowait(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
+    def submit_nowait(self, call: Call) -> Request:
         """Queue a call without waiting (the face wraps the record in a ``Pending``)."""
-        request = self._checked_counted(op, args, out, priority, deadline, timeout)
+        request = self._checked_counted(call)
         if not self.admission.has_room():
             self.counters.rejected += 1
             msg = f"{len(self.queue)} requests are queued (max_queued_requests)"
             raise QueueFullError(msg)
         return self.admit(request)
 
-    def submit_threadsafe(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Future[Any]:
+    def submit_threadsafe(self, call: Call) -> Future[Any]:
         """A thread's call, checked in that thread and handed to the loop."""
         if threading.get_ident() == self._loop_thread:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
@@ -340,7 +316,7 @@ class Engine:
         try:
             if self.state is not SchedulerState.OPEN or self.device.lost is not None:
                 self.require_open("new requests")  # raises
-            request = self.checks.call(op, args, out, priority, deadline, timeout)
+            request = self.checks.call(call)
         except BaseException:
             self.admission.refused_in_thread()
             raise
@@ -350,47 +326,23 @@ class Engine:
             future.set_exception(SchedulerClosedError("the scheduler's event loop has ended"))
         return future
 
-    def call_threadsafe(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Any:
+    def call_threadsafe(self, call: Call) -> Any:
         """A thread's blocking call: its solo launch in that thread when the scheduler is
         idle (:meth:`runs_in_thread`), else submitted and waited for."""
         if self.runs_in_thread():
-            return self._run_in_thread(op, args, out, priority, deadline, timeout)
-        return self.submit_threadsafe(op, args, out, priority, deadline, timeout).result()
+            return self._run_in_thread(call)
+        return self.submit_threadsafe(call).result()
 
-    def _checked_call(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
+    def _checked_call(self, call: Call) -> Request:
         """A call's checked request (any thread; :meth:`Checks.call`)."""
         if self.state is not SchedulerState.OPEN or self.device.lost is not None:
             self.require_open("new requests")  # raises
-        return self.checks.call(op, args, out, priority, deadline, timeout)
+        return self.checks.call(call)
 
-    def _checked_counted(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Request:
+    def _checked_counted(self, call: Call) -> Request:
         """A call checked on the loop thread, a refusal counted as rejected."""
         try:
-            return self._checked_call(op, args, out, priority, deadline, timeout)
+            return self._checked_call(call)
         except BaseException:
             self.counters.rejected += 1
             raise
@@ -498,20 +450,12 @@ class Engine:
             batch = Batch([request], 0, request.key, fused=False)
             log_launch(request.op, batch, (None, start, end) if error is None else None)
 
-    def _run_in_thread(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Any:
+    def _run_in_thread(self, call: Call) -> Any:
         """A thread's lone blocking call (:meth:`runs_in_thread` said so), checked, run and
         finished in that thread; returns its result or raises its error."""
         admission = self.admission
         try:
-            request = self._checked_call(op, args, out, priority, deadline, timeout)
+            request = self._checked_call(call)
         except BaseException:
             admission.refused_in_thread()
             raise

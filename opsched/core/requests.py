@@ -14,6 +14,7 @@ import _thread
 import asyncio
 import collections
 import enum
+import operator
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from opsched.core.engine import Engine
 
 __all__ = [
+    "Call",
     "LeanRequestFuture",
     "Pending",
     "Request",
@@ -328,6 +330,24 @@ class LeanRequestFuture(RequestFuture):
 new_request_future: Callable[[], RequestFuture] = (
     LeanRequestFuture if PYTHON_INTERNALS else RequestFuture
 )
+
+
+class Call(tuple[Any, ...]):
+    """One operator call as its caller made it, before its checks: the value a call
+    travels as from a face to its checks, where it becomes its :class:`Request`.
+
+    ``Call((op, args, out, priority, deadline, timeout))``: a tuple, so making one runs no
+    Python code, and its fields are read by name (C-level getters) or unpacked.
+    """
+
+    __slots__ = ()
+
+    op = property(operator.itemgetter(0), doc="The operator's description.")
+    args = property(operator.itemgetter(1), doc="Its parameters, in order.")
+    out = property(operator.itemgetter(2), doc="Where to write the result (None: allocated).")
+    priority = property(operator.itemgetter(3), doc="Higher runs first.")
+    deadline = property(operator.itemgetter(4), doc="Absolute ``time.monotonic()``, or None.")
+    timeout = property(operator.itemgetter(5), doc="Seconds from now, or None.")
 
 
 @attrs.define(eq=False, slots=True)
