@@ -8,23 +8,24 @@ import math
 import ml_dtypes
 import numpy as np
 
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GLU_DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
 GN_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
 
-#: The tolerances (rtol, atol) of docs/operators.md against a higher-precision golden.
-_TOL = {
-    np.dtype(np.float64): (1e-10, 1e-10),
-    np.dtype(np.float32): (1e-4, 1e-4),
-    BF16: (2e-2, 2e-3),
+#: The operators by the short names the tests use, and by their methods' names.
+_OPS = {
+    "glu": GLU_BACKWARD,
+    "gn": GROUP_NORM_GRAD,
+    "gnb": GROUP_NORM_BACKWARD,
+    **{op.method: op for op in (GLU_BACKWARD, GROUP_NORM_GRAD, GROUP_NORM_BACKWARD)},
 }
 
 
 def tolerance(dtype: np.dtype, op: str) -> tuple[float, float]:
-    """(rtol, atol) of docs/operators.md for ``dtype``; FLOAT16's depend on the operator."""
-    if dtype == np.float16:
-        return (1e-3, 1e-3) if op == "glu" else (1e-2, 1e-3)
-    return _TOL[np.dtype(dtype)]
+    """(rtol, atol) of docs/operators.md for ``dtype`` (the operator's description's)."""
+    return _OPS[op].tolerance(dtype)
 
 
 def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, scale: float = 1.0):
@@ -33,16 +34,15 @@ def rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype, scal
 
 
 def glu_golden(grad_out: np.ndarray, x: np.ndarray, dim: int) -> np.ndarray:
-    """GluBackward in float64 from the inputs' exact values, written independently."""
-    x64 = x.astype(np.float64)
-    g = grad_out.astype(np.float64)
-    a, b = np.split(x64, 2, axis=dim)
-    s = 0.5 * (1.0 + np.tanh(0.5 * b))  # sigmoid, another formula than the kernels'
-    return np.concatenate([g * s, g * s * a * (1.0 - s)], axis=dim)
+    """GluBackward in float64 from the inputs' exact values: the description's oracle
+    (written independently of the kernels)."""
+    return GLU_BACKWARD.oracle(grad_out, x, dim)
 
 
 def gn_golden(x, dy, gamma, mean, rstd) -> np.ndarray:
-    """GroupNormalizationGrad in float64, one explicit group at a time."""
+    """GroupNormalizationGrad in float64, one explicit group at a time, sums by
+    ``math.fsum``: a second oracle, apart from the description's vectorised one (a test
+    holds the two to each other)."""
     n, g = x.shape[:2]
     m = math.prod(x.shape[2:])
     out = np.empty(x.shape, np.float64)

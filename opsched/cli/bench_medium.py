@@ -61,8 +61,7 @@ def as_tensors(work: list[tuple[Any, ...]], device: str = "cpu") -> list[tuple[A
     """Each call of ``work`` with its numpy arrays as torch tensors on ``device`` (a torch
     device string: ``cpu``, ``cuda:0``, ``npu``)."""
     return [
-        tuple(aten.to_torch(a, device) if isinstance(a, np.ndarray) else a for a in w)
-        for w in work
+        tuple(aten.to_torch(a, device) if isinstance(a, np.ndarray) else a for a in w) for w in work
     ]
 
 

@@ -42,6 +42,7 @@ from opsched import aclnn
 from opsched.cli.bench_floors import CLIENTS, FLOORS, METHODS, clients, floors_of, run_floor
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices.torch import aten as _aten
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 
 __all__ = [
     "INPUTS",
@@ -67,36 +68,21 @@ OPS = {"glu": "GLU 8x64", "gnb": "GroupNormBackward 4x8x64", "gn": "GroupNormali
 _OWN_PEER = "gn"
 
 
-def glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
-    """``n`` tiny GluBackward requests: ``(grad_out 8x32, self 8x64)``, FLOAT."""
-    return [
-        (rng.standard_normal((8, 32)).astype(F32), rng.standard_normal((8, 64)).astype(F32))
-        for _ in range(n)
-    ]
+def glu_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """``n`` tiny GluBackward requests (the description's example: ``self`` 8x64, FLOAT)."""
+    return [GLU_BACKWARD.example(rng) for _ in range(n)]
 
 
-def gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
-    """``n`` tiny GroupNormalizationGrad requests: ``(x, dy, gamma, mean, rstd)``, x of
-    4 samples x 8 groups x 64, FLOAT."""
-    out: list[tuple[np.ndarray, ...]] = []
-    for _ in range(n):
-        x, dy, gamma = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(3))
-        mean = rng.standard_normal((4, 8)).astype(F32)
-        rstd = (rng.random((4, 8)) + 0.5).astype(F32)
-        out.append((x, dy, gamma, mean, rstd))
-    return out
+def gn_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """``n`` tiny GroupNormalizationGrad requests (the description's example: x of 4
+    samples x 8 groups x 64, FLOAT)."""
+    return [GROUP_NORM_GRAD.example(rng) for _ in range(n)]
 
 
 def gnb_inputs(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
-    """``n`` tiny GroupNormBackward requests: N=4, C=8, HxW=64, group=4, FLOAT."""
-    out: list[tuple[Any, ...]] = []
-    for _ in range(n):
-        x, dy = (rng.standard_normal((4, 8, 64)).astype(F32) for _ in range(2))
-        mean = rng.standard_normal((4, 4)).astype(F32)
-        rstd = (rng.random((4, 4)) + 0.5).astype(F32)
-        gamma = rng.standard_normal(8).astype(F32)
-        out.append((dy, x, mean, rstd, gamma, 4, 8, 64, 4))
-    return out
+    """``n`` tiny GroupNormBackward requests (the description's example: N=4, C=8,
+    HxW=64, group=4, FLOAT)."""
+    return [GROUP_NORM_BACKWARD.example(rng) for _ in range(n)]
 
 
 #: Each operator's tiny requests (``n`` of them from a generator).

@@ -462,6 +462,31 @@ class Operator(abc.ABC):
         launched: solo, fused (on the launch's gathered arrays), split, a blocking call's
         cached plan, the two-phase executor. The returned launch holds no array."""
 
+    def tolerance(self, dtype: np.dtype) -> tuple[float, float]:
+        """``(rtol, atol)`` a result in ``dtype`` keeps against the float64 :meth:`oracle`
+        (docs/operators.md, "Tolerances"): the vendor's, per dtype."""
+        return self.tolerances[np.dtype(dtype)]
+
+    #: :meth:`tolerance`'s table; an operator with a tighter one for a dtype overrides it.
+    tolerances: ClassVar[Mapping[np.dtype, tuple[float, float]]] = {
+        np.dtype(np.float64): (1e-10, 1e-10),
+        np.dtype(np.float32): (1e-4, 1e-4),
+        np.dtype(np.float16): (1e-2, 1e-3),
+        np.dtype(ml_dtypes.bfloat16): (2e-2, 2e-3),
+    }
+
+    @abc.abstractmethod
+    def oracle(self, *args: Any) -> Any:
+        """The float64 result of a positional call (its parameters, in order): the formula
+        of docs/operators.md from the inputs' exact values, written independently of the
+        kernels (the tests' and the stress harness's expectation); a tuple, None where an
+        output is not asked for, for several outputs."""
+
+    @abc.abstractmethod
+    def example(self, rng: np.random.Generator, dtype: Any = np.float32) -> tuple[Any, ...]:
+        """A positional call of tiny example inputs in ``dtype`` (the benchmarks' per-request
+        workload: a few KiB), random from ``rng``."""
+
     @abc.abstractmethod
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """Return the reference kernel's result (a new array; a tuple for several outputs)

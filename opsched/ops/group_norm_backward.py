@@ -402,6 +402,46 @@ class GroupNormBackward(Operator):
 
         return staged
 
+    def oracle(
+        self,
+        grad_out: np.ndarray,
+        input: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        gamma: np.ndarray | None,
+        N: int,
+        C: int,
+        HxW: int,
+        group: int,
+        output_mask: Sequence[bool] = _ALL,
+    ) -> tuple[np.ndarray | None, ...]:
+        # the true gradient of y = gamma * xhat + beta over (N, C, HxW) in `group` groups
+        n, c, hxw, d = N, C, HxW, C // group
+        dy = grad_out.astype(np.float64).reshape(n, group, d, hxw)
+        xs = input.astype(np.float64).reshape(n, group, d, hxw)
+        mu = mean.astype(np.float64).reshape(n, group, 1, 1)
+        r = rstd.astype(np.float64).reshape(n, group, 1, 1)
+        w = np.ones(c) if gamma is None else gamma.astype(np.float64).reshape(c)
+        xhat = (xs - mu) * r
+        dxhat = dy * w.reshape(1, group, d, 1)
+        m = d * hxw
+        mean_dxhat = dxhat.sum(axis=(2, 3), keepdims=True) / m
+        mean_dxhat_xhat = (dxhat * xhat).sum(axis=(2, 3), keepdims=True) / m
+        dx = r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat)
+        stat_shape = gamma.shape if gamma is not None else (c,)
+        dgamma = (dy * xhat).sum(axis=(0, 3)).reshape(stat_shape)
+        dbeta = dy.sum(axis=(0, 3)).reshape(stat_shape)
+        outs = (dx.reshape(input.shape), dgamma, dbeta)
+        return tuple(o if wanted else None for o, wanted in zip(outs, output_mask, strict=True))
+
+    def example(self, rng: np.random.Generator, dtype: Any = np.float32) -> tuple[Any, ...]:
+        # N=4, C=8, HxW=64, 4 groups
+        x, dy = (rng.standard_normal((4, 8, 64)).astype(dtype) for _ in range(2))
+        mean = rng.standard_normal((4, 4)).astype(dtype)
+        rstd = (rng.random((4, 4)) + 0.5).astype(dtype)
+        gamma = rng.standard_normal(8).astype(dtype)
+        return dy, x, mean, rstd, gamma, 4, 8, 64, 4
+
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
         """``(dx, dgamma, dbeta)`` from the reference kernel (all three, new arrays)."""
         t, s = tensors, scalars

@@ -198,6 +198,28 @@ class GroupNormalizationGrad(Operator):
 
         return launch
 
+    def oracle(
+        self, x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
+    ) -> np.ndarray:
+        # per group (n, g) of M elements: dx = (rstd / M) * gamma
+        #   * (M * dy - sum(dy * gamma) - xhat * sum(dy * gamma * xhat))
+        n, g = x.shape[:2]
+        m = math.prod(x.shape[2:])
+        xs, dys, gs = (a.astype(np.float64).reshape(n, g, m) for a in (x, dy, gamma))
+        mu = mean.astype(np.float64).reshape(n, g, 1)
+        r = rstd.astype(np.float64).reshape(n, g, 1)
+        xhat = (xs - mu) * r
+        s1 = (dys * gs).sum(axis=-1, keepdims=True)
+        s2 = (dys * gs * xhat).sum(axis=-1, keepdims=True)
+        return ((r / m) * gs * (m * dys - s1 - xhat * s2)).reshape(x.shape)
+
+    def example(self, rng: np.random.Generator, dtype: Any = np.float32) -> tuple[Any, ...]:
+        # x of 4 samples x 8 groups x 64 elements
+        x, dy, gamma = (rng.standard_normal((4, 8, 64)).astype(dtype) for _ in range(3))
+        mean = rng.standard_normal((4, 8)).astype(dtype)
+        rstd = (rng.random((4, 8)) + 0.5).astype(dtype)
+        return x, dy, gamma, mean, rstd
+
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         t = tensors
         return group_norm_grad_reference(t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"])

@@ -15,6 +15,7 @@ from opsched.kernels.group_norm import (
     group_norm_grad_reference,
     plan_group_norm_grad,
 )
+from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 from tests.helpers import (
     GLU_DTYPES,
     GN_DTYPES,
@@ -358,3 +359,36 @@ def test_unaligned_workspace_still_exact(dims):
         size, ex = aclnn.group_norm_grad_get_workspace_size(*args, out)
         aclnn.group_norm_grad(np.empty(size + 5, np.uint8)[5:], size, ex)
     assert_same_bits(out, expected)
+
+
+@pytest.mark.parametrize(
+    "op", [GLU_BACKWARD, GROUP_NORM_GRAD, GROUP_NORM_BACKWARD], ids=lambda op: op.name
+)
+def test_each_description_s_example_and_oracle_agree_with_the_kernels(op):
+    # The description's example inputs run through the operator, and its float64 oracle
+    # (written apart from the kernels) holds the results within its tolerance; a second,
+    # loop-by-loop oracle of the tests agrees with the description's.
+    rng = np.random.default_rng(41)
+    args = op.example(rng)
+    size, ex = getattr(aclnn, f"{op.method}_get_workspace_size")(*args, *_outputs(op, args))
+    outs = ex.tensors
+    getattr(aclnn, op.method)(np.empty(size, np.uint8) if size else None, size, ex)
+    got = op.result(outs)
+    want = op.oracle(*args)
+    pairs = zip(*((x,) if not isinstance(x, tuple) else x for x in (got, want)), strict=True)
+    for g, w in pairs:
+        assert_close(g, w.reshape(g.shape), g.dtype, op.method)
+    if op is GROUP_NORM_GRAD:
+        np.testing.assert_allclose(want, gn_golden(*args), rtol=1e-12, atol=1e-12)
+    for other in (GLU_BACKWARD, GROUP_NORM_GRAD, GROUP_NORM_BACKWARD):
+        assert other.tolerance(np.float32) == (1e-4, 1e-4)
+
+
+def _outputs(op, args):
+    """The rest of ``op``'s two-phase call ``args``: defaulted scalars and fresh outputs."""
+    if op is GLU_BACKWARD:
+        return (-1, np.empty_like(args[1]))
+    if op is GROUP_NORM_GRAD:
+        return (np.empty_like(args[0]),)
+    x, c = args[1], args[6]
+    return ((True, True, True), np.empty_like(x), np.empty(c, x.dtype), np.empty(c, x.dtype))
