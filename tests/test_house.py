@@ -237,3 +237,37 @@ def test_the_torch_devices_have_one_launcher_for_every_operator():
     from opsched.devices.torch.launchers import LAUNCHERS
 
     assert sorted(LAUNCHERS) == sorted(OPERATORS)
+
+
+def _runtime_imports(path: pathlib.Path, room: str) -> set[str]:
+    """The modules of ``room`` (``opsched.core``) that ``path`` imports when it runs: its
+    imports outside ``if TYPE_CHECKING:`` blocks."""
+    found = set()
+    for statement in ast.parse(path.read_text()).body:
+        if isinstance(statement, ast.If) and "TYPE_CHECKING" in ast.unparse(statement.test):
+            continue
+        for node in ast.walk(statement):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith(room + "."):
+                    found.add(node.module.split(".")[2])
+                elif node.module == room:
+                    found |= {alias.name for alias in node.names}
+    return found
+
+
+def test_the_core_modules_import_each_other_without_a_cycle():
+    modules = {p.stem: p for p in CORE if p.stem != "__init__"}
+    edges = {m: _runtime_imports(p, "opsched.core") & set(modules) for m, p in modules.items()}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, " -> ".join([*path[path.index(module) :], module])
+        if module in done:
+            return
+        for imported in sorted(edges[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(modules):
+        visit(module, [])
+    assert edges["engine"] and edges["scheduler"]  # the scan sees the imports there are
