@@ -50,7 +50,7 @@ from opsched.devices import (
     Stream,
     StreamStatistics,
 )
-from opsched.ops.executor import Executor, ExecutorState, PlanCacheStatistics
+from opsched.devices.host.executor import Executor, ExecutorState, PlanCacheStatistics
 
 try:
     __version__ = importlib.metadata.version("opsched")

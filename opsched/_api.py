@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+from asyncio import get_running_loop
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
@@ -269,6 +270,8 @@ _current: contextvars.ContextVar[_Opened | None] = contextvars.ContextVar(
     "opsched_scheduler", default=None
 )
 _defaults: dict[Hashable, _Opened] = {}
+#: (read by the generated module-level functions)
+_OPEN = SchedulerState.OPEN
 # A forked child has none of the parent's loops' default schedulers: it makes its own.
 os.register_at_fork(after_in_child=_defaults.clear)
 
@@ -473,7 +476,15 @@ def glu_backward(
     """GluBackward (``aclnnGluBackward``) on the current scheduler, found when it is called: see
     :meth:`Scheduler.glu_backward`.
     """
-    return _here().engine.submit(
+    opened = _current.get()
+    if opened is None or opened.engine.state is not _OPEN:
+        try:
+            opened = _defaults[get_running_loop()]
+        except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
+            opened = _here()
+        if opened.engine.state is not _OPEN:
+            opened = _here()
+    return opened.engine.submit(
         Call((ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout))
     )
 
@@ -493,7 +504,15 @@ def group_norm_grad(
     """GroupNormalizationGrad (``aclnnGroupNormalizationGrad``) on the current scheduler, found
     when it is called: see :meth:`Scheduler.group_norm_grad`.
     """
-    return _here().engine.submit(
+    opened = _current.get()
+    if opened is None or opened.engine.state is not _OPEN:
+        try:
+            opened = _defaults[get_running_loop()]
+        except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
+            opened = _here()
+        if opened.engine.state is not _OPEN:
+            opened = _here()
+    return opened.engine.submit(
         Call((ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout))
     )
 
@@ -518,7 +537,15 @@ def group_norm_backward(
     """GroupNormBackward (``aclnnGroupNormBackward``) on the current scheduler, found when it is
     called: see :meth:`Scheduler.group_norm_backward`.
     """
-    return _here().engine.submit(
+    opened = _current.get()
+    if opened is None or opened.engine.state is not _OPEN:
+        try:
+            opened = _defaults[get_running_loop()]
+        except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
+            opened = _here()
+        if opened.engine.state is not _OPEN:
+            opened = _here()
+    return opened.engine.submit(
         Call(
             (
                 ops.GROUP_NORM_BACKWARD,

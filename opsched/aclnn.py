@@ -21,8 +21,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from opsched import ops
+from opsched.devices.host.executor import (
+    PLANS,
+    Executor,
+    PlanCacheStatistics,
+    get_workspace_size,
+    launch,
+)
 from opsched.ops import Operator
-from opsched.ops.executor import PLANS, Executor, PlanCacheStatistics, get_workspace_size, launch
 
 __all__ = [
     "Executor",

@@ -207,7 +207,20 @@ def module_functions(op: Operator) -> list[str]:
         ],
         "    ",
     )
-    lines += _call("return _here().engine.submit(", call, "    ")
+    # The current scheduler by C-level lookups alone in steady state (the enclosing
+    # block's, else the running asyncio loop's default): finding it costs no Python call,
+    # so a module-level call costs what the method's does; _here() does the rest.
+    lines += [
+        "    opened = _current.get()",
+        "    if opened is None or opened.engine.state is not _OPEN:",
+        "        try:",
+        "            opened = _defaults[get_running_loop()]",
+        "        except (RuntimeError, KeyError):  # no asyncio loop, or no default yet",
+        "            opened = _here()",
+        "        if opened.engine.state is not _OPEN:",
+        "            opened = _here()",
+    ]
+    lines += _call("return opened.engine.submit(", call, "    ")
     return lines
 
 

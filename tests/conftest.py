@@ -4,7 +4,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-import opsched.devices.host
+import opsched.devices.host.device
 
 # Deterministic property tests: fixed examples in CI, no wall-clock deadline on a noisy box.
 settings.register_profile(
@@ -24,7 +24,7 @@ def fused_batches(monkeypatch):
     """The host devices gather every batch of two requests or more: for tests of the fused
     launch (by default a batch of up to ``SOLO_BATCH_MAX`` runs its requests on their own
     arrays, one after another)."""
-    monkeypatch.setattr(opsched.devices.host, "SOLO_BATCH_MAX", 1)
+    monkeypatch.setattr(opsched.devices.host.device, "SOLO_BATCH_MAX", 1)
 
 
 #: The real standard error, kept when pytest is configured (its capture is off then; while

@@ -15,8 +15,9 @@ from opsched import (
     Status,
     aclnn,
 )
+from opsched.devices.host.executor import PlanCache
+from opsched.devices.host.launchers import launcher_of
 from opsched.ops import GLU_BACKWARD
-from opsched.ops.executor import PlanCache
 from tests.helpers import assert_close, assert_same_bits, glu_golden, gn_inputs, rand
 
 F32 = np.dtype(np.float32)
@@ -164,7 +165,7 @@ def test_kernel_failure_is_runtime_launch_error_with_cause(monkeypatch):
     def boom(*a, **k):
         raise FloatingPointError("injected")
 
-    monkeypatch.setattr("opsched.ops.group_norm_grad.group_norm_grad_fast", boom)
+    monkeypatch.setattr("opsched.devices.host.group_norm_grad.group_norm_grad_fast", boom)
     with pytest.raises(RuntimeLaunchError, match="injected") as info:
         aclnn.group_norm_grad(ws(size), size, ex)
     assert info.value.status == 361001
@@ -259,7 +260,6 @@ def test_a_cached_group_norm_backward_launch_needs_no_preparing(monkeypatch):
     # arrays): its executors, single-use or repeatable, a miss's as a hit's, launch
     # without Operator.prepare, their sums in the workspace given, with the reference
     # kernel's bits; an uncached call (a strided operand) prepares its own.
-    from opsched.ops import GROUP_NORM_BACKWARD
 
     def boom(*args, **kwargs):
         raise AssertionError("prepared per call")
@@ -267,13 +267,13 @@ def test_a_cached_group_norm_backward_launch_needs_no_preparing(monkeypatch):
     rng = np.random.default_rng(16)
     calls = [gnb_call(rng, hxw=23, repeatable=False) for _ in range(2)]  # a miss, a hit
     calls.append(gnb_call(rng, hxw=23))  # repeatable: the same cached launch
-    monkeypatch.setattr(GROUP_NORM_BACKWARD, "prepare", boom)
+    monkeypatch.setattr(launcher_of("GroupNormBackward"), "prepare", boom)
     names = ("grad_out", "input", "mean", "rstd", "gamma")
     for args, outs, size, ex in calls:
         workspace = np.zeros(size, np.uint8)
         aclnn.group_norm_backward(workspace, size, ex)
         assert workspace.any()  # the sums were carved from it
-        ref = GROUP_NORM_BACKWARD.reference(
+        ref = launcher_of("GroupNormBackward").reference(
             dict(zip(names, args[:5], strict=True)),
             dict(zip(("N", "C", "HxW", "group"), args[5:9], strict=True)),
         )
@@ -296,10 +296,12 @@ def test_a_cached_glu_backward_launch_needs_no_preparing(monkeypatch):
         g, x = rand(rng, (6, 23), F32), rand(rng, (6, 46), F32)
         out = np.empty_like(x)
         calls.append((g, x, out, aclnn.glu_backward_get_workspace_size(g, x, -1, out)))
-    monkeypatch.setattr(GLU_BACKWARD, "prepare", boom)
+    monkeypatch.setattr(launcher_of("GluBackward"), "prepare", boom)
     for g, x, out, (size, ex) in calls:
         aclnn.glu_backward(ws(size), size, ex)
-        want = GLU_BACKWARD.reference({"grad_out": g, "self": x, "out": None}, {"dim": -1})
+        want = launcher_of("GluBackward").reference(
+            {"grad_out": g, "self": x, "out": None}, {"dim": -1}
+        )
         assert_same_bits(out, want)
     g, x = (rand(rng, shape, np.dtype(np.float64)) for shape in ((6, 23), (6, 46)))
     with pytest.raises(AssertionError, match="prepared per call"):  # (when it is planned)

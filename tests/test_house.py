@@ -271,3 +271,30 @@ def test_the_core_modules_import_each_other_without_a_cycle():
     for module in sorted(modules):
         visit(module, [])
     assert edges["engine"] and edges["scheduler"]  # the scan sees the imports there are
+
+
+def test_an_operator_is_a_description_and_each_device_brings_its_launcher():
+    # What runs an operator is its device's: the host devices' launchers (plan, prepared
+    # kernel launches, fused layout, gather, scatter) live in opsched/devices/host/, the
+    # torch devices' in opsched/devices/torch/; a description defines none of it.
+    from opsched.devices.host.launchers import LAUNCHERS
+    from opsched.ops import Operator
+
+    launching = {
+        "plan",
+        "prepare",
+        "prepare_reference",
+        "reference",
+        "fused_geometry",
+        "fused_prefix",
+        "fused_plan",
+        "gather",
+        "scatter",
+        "run",
+        "runner",
+    }
+    for op in OPERATORS.values():
+        assert not launching & set(vars(type(op))), op.name
+    assert not launching & set(vars(Operator))
+    assert sorted(LAUNCHERS) == sorted(OPERATORS)
+    assert all(launcher.op is OPERATORS[name] for name, launcher in LAUNCHERS.items())

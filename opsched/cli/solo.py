@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from opsched.devices.host.executor import Executor, get_workspace_size, launch
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
-from opsched.ops.executor import Executor, get_workspace_size, launch
 from opsched.ops.products import product_named
 
 __all__ = ["same_bits", "solo", "solo_glu", "solo_gn", "solo_gnb", "solo_workspace"]

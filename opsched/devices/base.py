@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from opsched.devices.cache import CacheStatistics
+from opsched._lru import LRUStatistics as CacheStatistics
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import Event, Stream
 from opsched.ops import Operator

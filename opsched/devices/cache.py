@@ -11,10 +11,13 @@ evicted executor is destroyed.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from opsched._log import INFO, enabled, get_logger
 from opsched._lru import LRU, LRUStatistics
-from opsched.ops.executor import Executor
+
+if TYPE_CHECKING:  # (the host devices' executors: a module that imports this one)
+    from opsched.devices.host.executor import Executor
 
 __all__ = ["CacheStatistics", "ExecutorCache"]
 
@@ -24,7 +27,7 @@ _log = get_logger("opsched.cache")
 CacheStatistics = LRUStatistics
 
 
-class ExecutorCache(LRU[Hashable, Executor]):
+class ExecutorCache(LRU[Hashable, "Executor"]):
     """Repeatable executors by key, least recently used evicted (and destroyed) beyond
     ``limit``; :meth:`~opsched._lru.LRU.lookup` counts hits and misses."""
 

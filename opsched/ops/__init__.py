@@ -2,11 +2,12 @@
 
 Each module is the single place that knows what is true of its operator on every device:
 the public call's parameters (the entry points are generated from them:
-``scripts/gen_entry_points.py``), the checks of docs/operators.md in order, outputs,
-fusion, gather / scatter / split and its numpy kernels. How a framework device computes it
-is that device's launcher (``opsched/devices/torch/``). A new operator is one new module
-here, its kernels, a line in :data:`OPERATORS`, a launcher per device that supports it,
-and a regenerated set of entry points.
+``scripts/gen_entry_points.py``), the checks of docs/operators.md in order, outputs, the
+fusion key and units, how it splits, its tolerance, its float64 oracle and its example
+inputs. How a device runs it is that device's launcher (``opsched/devices/host/``,
+``opsched/devices/torch/``). A new operator is one new module here, its kernels, a line
+in :data:`OPERATORS`, a launcher per device that supports it, and a regenerated set of
+entry points.
 
 This room never imports the scheduler core, the devices or the CLI.
 """

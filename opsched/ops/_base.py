@@ -2,10 +2,11 @@
 
 An operator description holds what is true of its operator on every device: its public
 call (parameters, from which every entry point is generated: ``scripts/gen_entry_points.py``),
-its checks (docs/operators.md) in their order, output allocation, fusion, planning and its
-numpy kernels. A framework device brings its own launcher of it (``opsched/devices/torch/``).
-The two-phase API, the scheduler, graphs, the devices and the stress harness talk only to
-descriptions, so a new operator is one new module here, its kernels and its launchers.
+its checks (docs/operators.md) in their order, outputs, the fusion key and units, how it
+splits, its tolerance, its float64 oracle and its example inputs. Each device brings its
+own launcher of it (``opsched/devices/host/``, ``opsched/devices/torch/``). The scheduler,
+graphs and the stress harness talk only to descriptions and devices, so a new operator is
+one new module here, its kernels and its launchers.
 
 This room never imports the scheduler core, the devices or the CLI.
 """
@@ -59,7 +60,7 @@ DTYPE_NAMES: dict[np.dtype, str] = {
 
 Tensors = Mapping[str, np.ndarray]
 
-#: A prepared launch (:meth:`Operator.prepare`): ``launch(tensors, workspace)``.
+#: A prepared launch (a device launcher's): ``launch(tensors, workspace)``.
 Launch = Callable[[Mapping[str, Any], "np.ndarray | None"], None]
 
 #: The arrays of a fused launch, ``name -> (shape, dtype)``, and its scalar arguments.
@@ -288,7 +289,8 @@ class Operator(abc.ABC):
 
     A request is a mapping of argument names to arrays (``tensors``) plus scalar arguments
     (``scalars``, e.g. ``dim``). Subclasses describe the public call and define the
-    checks, allocation, planning, fusion and the numpy kernels.
+    checks, outputs, fusion key, split, tolerance, oracle and example inputs; each device's
+    launcher runs it.
     """
 
     #: The aclnn operator name, e.g. ``"GluBackward"``.
@@ -445,23 +447,6 @@ class Operator(abc.ABC):
         spec = self.output_spec(tensors, scalars)
         return {name: np.empty(*spec[name]) for name in spec if tensors[name] is None}
 
-    @abc.abstractmethod
-    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:
-        """Plan a launch (geometry, staging, workspace layout) for checked arguments."""
-
-    def workspace_size(self, plan: Any) -> int:
-        """Bytes of workspace the planned launch uses (every plan carries its own count)."""
-        return int(plan.workspace_bytes)
-
-    @abc.abstractmethod
-    def prepare(self, plan: Any, tensors: Tensors) -> Launch:
-        """The cpu device's launcher: the fast kernel for ``plan``, its per-layout work done
-        here, once, on ``tensors``: ``launch(tensors, workspace)`` then runs it on any
-        arrays laid out as these (the same shapes, dtypes and strides, and an output
-        overlapping an input only where ``tensors``' did). The only way a fast kernel is
-        launched: solo, fused (on the launch's gathered arrays), split, a blocking call's
-        cached plan, the two-phase executor. The returned launch holds no array."""
-
     def tolerance(self, dtype: np.dtype) -> tuple[float, float]:
         """``(rtol, atol)`` a result in ``dtype`` keeps against the float64 :meth:`oracle`
         (docs/operators.md, "Tolerances"): the vendor's, per dtype."""
@@ -487,11 +472,6 @@ class Operator(abc.ABC):
         """A positional call of tiny example inputs in ``dtype`` (the benchmarks' per-request
         workload: a few KiB), random from ``rng``."""
 
-    @abc.abstractmethod
-    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
-        """Return the reference kernel's result (a new array; a tuple for several outputs)
-        for a checked request."""
-
     def check_on(
         self,
         product: Product,
@@ -513,20 +493,6 @@ class Operator(abc.ABC):
             return self.dtypes, "generic"
         return tuple(DTYPES_BY_NAME[n] for n in support.dtypes), support.product
 
-    def prepare_reference(self, plan: Any, tensors: Tensors) -> Launch:
-        """The reference device's launcher (as :meth:`prepare`): :meth:`reference` for
-        ``plan`` into the output arrays; also on a fused launch's arrays."""
-        scalars, out = self.plan_scalars(plan), self.outputs[0]
-
-        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
-            np.copyto(t[out], self.reference(t, scalars))
-
-        return launch
-
-    def plan_scalars(self, plan: Any) -> dict[str, Any]:
-        """The scalar arguments a plan was made for (none by default)."""
-        return {}
-
     def signature(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Hashable | None:
         """What the checks depend on: each tensor's shape and dtype (None when absent) and
         each scalar's type and value; None when an argument is not exactly an ndarray or a
@@ -545,11 +511,6 @@ class Operator(abc.ABC):
         except TypeError:
             return None
         return key
-
-    def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
-        """True when an output overlaps an input but ``plan`` does not stage the output
-        (arrays rebound on a repeatable executor planned for separate buffers)."""
-        return not plan.stage_out and self.overlaps_any(tensors)
 
     def overlaps_any(self, tensors: Tensors) -> bool:
         """True when an output may share memory with an input the kernel reads."""
@@ -573,29 +534,6 @@ class Operator(abc.ABC):
     def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
         """``(key, units)``: requests with equal keys fuse; ``units`` is a request's share
         of a fused launch's capacity (elements for GLU, groups for group norm)."""
-
-    @abc.abstractmethod
-    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
-        """The arrays and scalars of a fused launch of ``capacity`` units."""
-
-    @abc.abstractmethod
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        """Views of the first ``units`` of a fused launch's arrays: the part in use. The
-        kernel runs on these, so a launch never computes its capacity's padding."""
-
-    @abc.abstractmethod
-    def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
-        """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
-
-    @abc.abstractmethod
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
-        the fused arrays; return each request's unit offset. Few numpy calls per launch, not
-        per request, where the layouts allow."""
-
-    @abc.abstractmethod
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
-        """Copy each request's slice of the fused outputs into its own output arrays."""
 
     @abc.abstractmethod
     def split(

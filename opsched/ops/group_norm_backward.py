@@ -14,19 +14,8 @@ import ml_dtypes
 import numpy as np
 
 from opsched._errors import ParamInvalidError
-from opsched.kernels.group_norm_backward import (
-    GnbPlan,
-    group_norm_backward_reference,
-    group_norm_backward_rows_reference,
-    group_norm_backward_runner,
-    make_gnb_plan,
-    plan_group_norm_backward,
-    prepare_group_norm_backward,
-)
 from opsched.ops._base import (
     ARRAY_TYPES,
-    FusedGeometry,
-    Launch,
     Operator,
     Parameter,
     Tensors,
@@ -37,7 +26,6 @@ from opsched.ops._base import (
     index_value,
     may_overlap,
 )
-from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_BACKWARD", "GroupNormBackward"]
@@ -337,71 +325,6 @@ class GroupNormBackward(Operator):
             spec["dbeta"] = stat
         return spec
 
-    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
-        s = scalars
-        return plan_group_norm_backward(
-            tensors["grad_out"],
-            tensors["input"],
-            tensors["dx"] if s["output_mask"][0] else None,
-            s["N"],
-            s["C"],
-            s["HxW"],
-            s["group"],
-            s["output_mask"],
-            tensors["gamma"] is not None,
-        )
-
-    def prepare(self, plan: GnbPlan, tensors: Tensors) -> Launch:
-        t = tensors
-        # the usual layout: the compiled call on the arrays as they are, checked once here
-        # (not a fused launch's, whose statistics go to its per-row sums)
-        run = None
-        if not plan.stats_out:
-            run = group_norm_backward_runner(
-                plan,
-                t["grad_out"],
-                t["input"],
-                t["mean"],
-                t["rstd"],
-                t["gamma"],
-                t["dx"],
-                t["dgamma"],
-                t["dbeta"],
-            )
-        if run is not None:
-
-            def usual(t: Tensors, workspace: np.ndarray | None) -> None:
-                run(
-                    t["grad_out"],
-                    t["input"],
-                    t["mean"],
-                    t["rstd"],
-                    t["gamma"],
-                    t["dx"],
-                    t["dgamma"],
-                    t["dbeta"],
-                    workspace,
-                )
-
-            return usual
-
-        def staged(t: Tensors, workspace: np.ndarray | None) -> None:
-            prepare_group_norm_backward(
-                plan,
-                t["grad_out"],
-                t["input"],
-                t["mean"],
-                t["rstd"],
-                t.get("gamma"),
-                t.get("dx"),
-                t.get("dgamma"),
-                t.get("dbeta"),
-                ds_out=t.get("ds"),
-                db_out=t.get("db"),
-            )(workspace)
-
-        return staged
-
     def oracle(
         self,
         grad_out: np.ndarray,
@@ -442,59 +365,11 @@ class GroupNormBackward(Operator):
         gamma = rng.standard_normal(8).astype(dtype)
         return dy, x, mean, rstd, gamma, 4, 8, 64, 4
 
-    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
-        """``(dx, dgamma, dbeta)`` from the reference kernel (all three, new arrays)."""
-        t, s = tensors, scalars
-        return group_norm_backward_reference(
-            t["grad_out"],
-            t["input"],
-            t["mean"],
-            t["rstd"],
-            t["gamma"],
-            s["N"],
-            s["C"],
-            s["HxW"],
-            s["group"],
-        )
-
-    def prepare_reference(self, plan: GnbPlan, tensors: Tensors) -> Launch:
-        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
-            self._reference_into(plan, t)
-
-        return launch
-
-    def _reference_into(self, plan: GnbPlan, t: Mapping[str, Any]) -> None:
-        """The reference kernel for ``plan`` into the output arrays of ``t``."""
-        if plan.stats_out:  # a fused launch: per-row gamma, stats to the caller
-            rows, cpg = t["mean"].size, plan.cpg
-            gamma = t.get("gamma")
-            dx, ds, db = group_norm_backward_rows_reference(
-                t["grad_out"], t["input"], t["mean"], t["rstd"], gamma, rows, cpg, plan.hxw
-            )
-            np.copyto(t["ds"], ds)
-            np.copyto(t["db"], db)
-            if plan.want_dx:
-                np.copyto(t["dx"], dx.reshape(t["dx"].shape))
-            return
-        scalars = {
-            "N": plan.n,
-            "C": plan.c,
-            "HxW": plan.hxw,
-            "group": plan.group,
-            "output_mask": (plan.want_dx, plan.want_dgamma, plan.want_dbeta),
-        }
-        for name, value in zip(_OUTPUTS, self.reference(t, scalars), strict=True):
-            if t.get(name) is not None:
-                np.copyto(t[name], value.reshape(t[name].shape))
-
     def overlaps_any(self, tensors: Tensors) -> bool:
         dx = tensors["dx"]  # against overlap_inputs, spelled out: this runs for every call
         return dx is not None and (
             may_overlap(dx, tensors["grad_out"]) or may_overlap(dx, tensors["input"])
         )
-
-    def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
-        return not plan.stage_dx and self.overlaps_any(tensors)
 
     def nbytes(self, tensors: Tensors) -> int:
         return sum(tensors[n].nbytes for n in self.tensor_names if tensors[n] is not None)
@@ -518,112 +393,10 @@ class GroupNormBackward(Operator):
         )
         return key, s["N"] * s["group"]
 
-    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
-        dtype, cpg, hxw, mask, has_gamma = _unkey(key)
-        stat_dtype: np.dtype = key[6]  # type: ignore[index]
-        rows = ((capacity * cpg, hxw), dtype)
-        stats = ((capacity,), stat_dtype)
-        arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-            "grad_out": rows,
-            "input": rows,
-            "mean": stats,
-            "rstd": stats,
-        }
-        if has_gamma:
-            arrays["gamma"] = ((capacity, cpg), stat_dtype)
-        if mask[0]:
-            arrays["dx"] = rows
-        arrays["ds"] = ((capacity * cpg,), F32)
-        arrays["db"] = ((capacity * cpg,), F32)
-        return arrays, {"N": capacity, "C": cpg, "HxW": hxw, "group": 1, "output_mask": mask}
-
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        out = {}
-        for name, array in fused.items():
-            per_unit = cpg if name in ("grad_out", "input", "dx", "ds", "db") else 1
-            out[name] = array[: units * per_unit]
-        return out
-
-    def fused_plan(self, key: Hashable, capacity: int, block: int) -> GnbPlan:
-        dtype, cpg, hxw, mask, has_gamma = _unkey(key)
-        return make_gnb_plan(
-            capacity,
-            cpg,
-            hxw,
-            1,
-            dtype,
-            mask,
-            has_gamma=has_gamma,
-            row_gamma=True,
-            stats_out=True,
-        )
-
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        # Requests of one signature (same shapes, N, C, group) move together: one
-        # concatenate per operand, one broadcast copy of their gammas.
-        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        offsets = [0] * len(requests)
-        offset = 0
-        for members in signature_groups(requests):
-            first = requests[members[0]]
-            start = offset
-            for i in members:
-                offsets[i] = offset
-                offset += first.units
-            for name in ("grad_out", "input"):
-                parts = [requests[i].tensors[name] for i in members]
-                gather_into(parts, fused[name][start * cpg : offset * cpg])
-            for name in ("mean", "rstd"):
-                parts = [requests[i].tensors[name] for i in members]
-                gather_into(parts, fused[name][start:offset])
-            if "gamma" in fused:
-                n, c = first.scalars["N"], first.scalars["C"]
-                rows = fused["gamma"][start:offset].reshape(len(members), n, c)
-                # the group's gammas in a row (np.stack adds an axis to each array in
-                # Python), then broadcast over each request's samples
-                parts = [requests[i].tensors["gamma"] for i in members]
-                gammas = np.empty(len(members) * parts[0].size, parts[0].dtype)
-                gather_into(parts, gammas)
-                np.copyto(rows, gammas.reshape(len(members), 1, c))
-        return offsets
-
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
-        # dgamma / dbeta: each request's per-row sums added over its own samples in order
-        # 0, 1, ..., N-1 in FLOAT (as reduce_over_samples does for a solo launch), a whole
-        # group at a time, then rounded once into the output dtype.
-        cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        for members in signature_groups(requests):
-            first = requests[members[0]]
-            k, n, c = len(members), first.scalars["N"], first.scalars["C"]
-            lo = offsets[members[0]] * cpg
-            hi = lo + k * first.units * cpg
-            want_dx, want_dgamma, want_dbeta = first.scalars["output_mask"]
-            shape = first.tensors["input"].shape
-            if want_dx:
-                deliver_each(requests, members, "dx", fused["dx"][lo:hi].reshape(k, *shape))
-            gamma, mean = first.tensors["gamma"], first.tensors["mean"]
-            stat_shape = gamma.shape if gamma is not None else (c,)
-            for name, stats, wanted in (("dgamma", "db", want_dgamma), ("dbeta", "ds", want_dbeta)):
-                if not wanted:
-                    continue
-                rows = fused[stats][lo:hi].reshape(k, n, c)
-                sums = rows[:, 0].copy() if n else np.zeros((k, c), F32)
-                for sample in range(1, n):
-                    sums += rows[:, sample]
-                results = sums.astype(mean.dtype).reshape(k, *stat_shape)
-                deliver_each(requests, members, name, results)
-
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int
     ) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]] | None:
         return None  # dgamma / dbeta reduce over every sample: a request runs whole
-
-
-def _unkey(key: Hashable) -> tuple[np.dtype, int, int, tuple[bool, bool, bool], bool]:
-    """The parts of a fusion key: dtype, cpg, HxW, output_mask, has gamma."""
-    parts: tuple[Any, ...] = key  # type: ignore[assignment]
-    return parts[1], parts[2], parts[3], parts[4], parts[5]
 
 
 def _mask(op: str, value: object) -> tuple[bool, bool, bool]:

@@ -15,17 +15,8 @@ import numpy as np
 
 from opsched._errors import ParamInvalidError
 from opsched.kernels._common import overlaps, rows_view
-from opsched.kernels.group_norm import (
-    GroupNormPlan,
-    group_norm_grad_fast,
-    group_norm_grad_reference,
-    make_group_norm_plan,
-    plan_group_norm_grad,
-)
 from opsched.ops._base import (
     ARRAY_TYPES,
-    FusedGeometry,
-    Launch,
     Operator,
     Parameter,
     Tensors,
@@ -34,7 +25,6 @@ from opsched.ops._base import (
     check_types,
     cuts,
 )
-from opsched.ops._fusion import deliver_each, gather_into, signature_groups
 from opsched.ops.products import OpSupport
 
 __all__ = ["GROUP_NORM_GRAD", "GroupNormalizationGrad"]
@@ -187,17 +177,6 @@ class GroupNormalizationGrad(Operator):
         x = tensors["x"]
         return {"dx": (x.shape, x.dtype)}
 
-    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GroupNormPlan:
-        return plan_group_norm_grad(tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"])
-
-    def prepare(self, plan: GroupNormPlan, tensors: Tensors) -> Launch:
-        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
-            group_norm_grad_fast(
-                plan, t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"], workspace
-            )
-
-        return launch
-
     def oracle(
         self, x: np.ndarray, dy: np.ndarray, gamma: np.ndarray, mean: np.ndarray, rstd: np.ndarray
     ) -> np.ndarray:
@@ -220,58 +199,12 @@ class GroupNormalizationGrad(Operator):
         rstd = (rng.random((4, 8)) + 0.5).astype(dtype)
         return x, dy, gamma, mean, rstd
 
-    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
-        t = tensors
-        return group_norm_grad_reference(t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"])
-
     # Fusion: a request is N * G groups of M elements; requests fuse when dtype and M match.
     # The fused launch is a GroupNormalizationGrad of x shape (capacity, 1, M).
 
     def fusion(self, tensors: Tensors, scalars: Mapping[str, Any]) -> tuple[Hashable, int]:
         x = tensors["x"]
         return (self.name, x.dtype, math.prod(x.shape[2:])), x.shape[0] * x.shape[1]
-
-    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
-        dtype: np.dtype = key[1]  # type: ignore[index]
-        m: int = key[2]  # type: ignore[index]
-        rows: tuple[tuple[int, ...], np.dtype] = ((capacity, 1, m), dtype)
-        stats: tuple[tuple[int, ...], np.dtype] = ((capacity, 1), dtype)
-        arrays = {"x": rows, "dy": rows, "gamma": rows, "mean": stats, "rstd": stats, "dx": rows}
-        return arrays, {}
-
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        return {name: array[:units] for name, array in fused.items()}
-
-    def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
-        dtype: np.dtype = key[1]  # type: ignore[index]
-        m: int = key[2]  # type: ignore[index]
-        return make_group_norm_plan((capacity, 1, m), dtype)
-
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        # Requests of one signature (same shapes) move together: one concatenate per
-        # operand into their rows, seen in their own shape (no reshape per request).
-        offsets = [0] * len(requests)
-        offset = 0
-        for members in signature_groups(requests):
-            x = requests[members[0]].tensors["x"]
-            rows = x.shape[0] * x.shape[1]
-            start = offset
-            for i in members:
-                offsets[i] = offset
-                offset += rows
-            for name in ("x", "dy", "gamma", "mean", "rstd"):
-                parts = [requests[i].tensors[name] for i in members]
-                gather_into(parts, fused[name][start:offset])
-        return offsets
-
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
-        # A signature group's rows are contiguous (the gather placed them so).
-        dx_all = fused["dx"]
-        for members in signature_groups(requests):
-            shape = requests[members[0]].tensors["x"].shape
-            start = offsets[members[0]]
-            stop = start + len(members) * shape[0] * shape[1]
-            deliver_each(requests, members, "dx", dx_all[start:stop].reshape(-1, *shape))
 
     def split(
         self, tensors: Tensors, scalars: Mapping[str, Any], parts: int

@@ -16,9 +16,9 @@ from opsched.cli.stress.driver import _replay_command
 from opsched.core import dispatch
 from opsched.core.engine import Engine
 from opsched.devices.host import HostDevice
+from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.pool import WorkspacePool
 from opsched.devices.streams import ThreadStream
-from opsched.ops.glu_backward import GluBackward
 
 SMALL = {"requests": 1500, "clients": 8, "sync_clients": 1, "templates": 64, "watchdog": 3.0}
 
@@ -102,7 +102,7 @@ def broken(monkeypatch, what: str) -> None:
         monkeypatch.setattr(dispatch, "finish", twice)
     elif what == "corrupts":
         # one wrong element in some GluBackward results, gathered or run on their own arrays
-        real_scatter, real_here = GluBackward.scatter, HostDevice.run_solo
+        real_scatter, real_here = GluBackwardLauncher.scatter, HostDevice.run_solo
 
         def spoil(request):
             if request.op.name == "GluBackward" and request.id % 13 == 3:
@@ -119,7 +119,7 @@ def broken(monkeypatch, what: str) -> None:
             real_here(self, request)
             spoil(request)
 
-        monkeypatch.setattr(GluBackward, "scatter", scatter)
+        monkeypatch.setattr(GluBackwardLauncher, "scatter", scatter)
         monkeypatch.setattr(HostDevice, "run_solo", run_solo)
     elif what == "counts a refusal twice":
         real_checked = Engine._checked_counted
@@ -254,8 +254,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
     alone)."""
     from opsched._lru import LRU
     from opsched.devices.host import HostDevice
-    from opsched.ops.executor import PLANS
-    from opsched.ops.glu_backward import GluBackward
+    from opsched.devices.host.executor import PLANS
 
     real_fused = HostDevice._run_fused
 
@@ -266,7 +265,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
                 if r.graph is not None:
                     wrong(r.tensors["out"])
 
-    real_prepare = GluBackward.prepare
+    real_prepare = GluBackwardLauncher.prepare
 
     def negated_prepare(self, plan, tensors):  # every launch of the fast kernel
         launch = real_prepare(self, plan, tensors)
@@ -287,7 +286,7 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
             wrong(request.tensors["out"])
 
     monkeypatch.setattr(HostDevice, "run_solo", here)
-    monkeypatch.setattr(GluBackward, "prepare", negated_prepare)
+    monkeypatch.setattr(GluBackwardLauncher, "prepare", negated_prepare)
     monkeypatch.setattr(HostDevice, "_run_fused", fused)
     # the two-phase API's plan cache is the process's: runners an earlier test cached
     # would launch the real kernel, and the negated ones made here must not outlive this

@@ -30,6 +30,7 @@ from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
 from opsched.core.engine import FEW_READY, YIELD_EVERY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
+from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.streams import Stream, ThreadStream
 from tests.helpers import assert_same_bits, rand
 from tests.sched_helpers import (
@@ -81,13 +82,13 @@ async def together(sched, calls, *, errors=False):
 def spy_glu_gathers(monkeypatch) -> list[int]:
     """The number of requests of each GluBackward gather from now on (the list fills)."""
     gathered: list[int] = []
-    gather_of = type(ops.GLU_BACKWARD).gather
+    gather_of = GluBackwardLauncher.gather
 
     def gather_spy(self, requests, fused):
         gathered.append(len(requests))
         return gather_of(self, requests, fused)
 
-    monkeypatch.setattr(type(ops.GLU_BACKWARD), "gather", gather_spy)
+    monkeypatch.setattr(GluBackwardLauncher, "gather", gather_spy)
     return gathered
 
 
@@ -547,14 +548,14 @@ async def test_kernel_exception_becomes_runtime_launch_error(monkeypatch):
     rng = np.random.default_rng(11)
     g, x = rand(rng, (64, 256), F32), rand(rng, (64, 512), F32)
 
-    def broken(self, plan, tensors):  # the cpu device's launcher of GluBackward
+    def broken(self, plan, tensors):  # the cpu device's launch entry of GluBackward
         def launch(t, workspace):
             raise MemoryError("kernel blew up")
 
         return launch
 
     async with opsched.open_scheduler(fuse_max_bytes=1024, split_min_bytes=1 << 30) as sched:
-        monkeypatch.setattr(ops.GLU_BACKWARD.__class__, "prepare", broken)
+        monkeypatch.setattr(GluBackwardLauncher, "prepare", broken)
         with pytest.raises(RuntimeLaunchError, match="MemoryError: kernel blew up"):
             await sched.glu_backward(g, x)
         monkeypatch.undo()

@@ -12,11 +12,11 @@ import pytest
 import opsched
 import opsched.sync
 from opsched import ParamInvalidError, ParamNullptrError, aclnn
+from opsched.devices.host.launchers import launcher_of
 from opsched.kernels.group_norm_backward import (
     plan_group_norm_backward,
     prepare_group_norm_backward,
 )
-from opsched.ops import GROUP_NORM_BACKWARD
 from tests.helpers import BF16, GN_DTYPES, assert_same_bits, rand, tolerance
 
 F32 = np.dtype(np.float32)
@@ -198,7 +198,7 @@ def test_matches_an_independent_float64_derivation(dtype, geometry):
     args = case(rng, *geometry, dtype=dtype)
     for result, expected in zip(solo(args), golden(args), strict=True):
         close(result, expected, dtype)
-    ref = GROUP_NORM_BACKWARD.reference(
+    ref = launcher_of("GroupNormBackward").reference(
         dict(zip(("grad_out", "input", "mean", "rstd", "gamma"), args[:5], strict=True)),
         dict(zip(("N", "C", "HxW", "group"), args[5:], strict=True)),
     )
@@ -389,7 +389,7 @@ def test_launches_of_large_groups_match_the_reference_bit_for_bit(dtype):
     # 560 KB (FLOAT) or 280 KB (BFLOAT16) of each input per group, 10 groups (N * group):
     # more than the core's cache holds, with a tail of 70_000 % LANES elements per row
     args = case(np.random.default_rng(12), 5, 4, 70_000, 2, dtype=dtype)
-    ref = GROUP_NORM_BACKWARD.reference(
+    ref = launcher_of("GroupNormBackward").reference(
         dict(zip(("grad_out", "input", "mean", "rstd", "gamma"), args[:5], strict=True)),
         dict(zip(("N", "C", "HxW", "group"), args[5:], strict=True)),
     )
@@ -410,7 +410,7 @@ def test_rows_of_every_length_match_the_reference_bit_for_bit(dtype, hxw, layout
         for buffer, array in zip(wide, args[:2], strict=True):
             buffer[..., 1 : hxw + 1] = array
         args = (wide[0][..., 1 : hxw + 1], wide[1][..., 1 : hxw + 1], *args[2:])
-    ref = GROUP_NORM_BACKWARD.reference(
+    ref = launcher_of("GroupNormBackward").reference(
         dict(zip(("grad_out", "input", "mean", "rstd", "gamma"), args[:5], strict=True)),
         dict(zip(("N", "C", "HxW", "group"), args[5:], strict=True)),
     )
@@ -429,7 +429,7 @@ def test_reference_device_fuses_to_the_reference_kernel_bit_for_bit():
 
     names = ("grad_out", "input", "mean", "rstd", "gamma")
     for r, out in zip(requests, asyncio.run(main()), strict=True):
-        ref = GROUP_NORM_BACKWARD.reference(
+        ref = launcher_of("GroupNormBackward").reference(
             dict(zip(names, r[:5], strict=True)),
             dict(zip(("N", "C", "HxW", "group"), r[5:], strict=True)),
         )

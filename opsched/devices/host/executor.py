@@ -22,6 +22,7 @@ import numpy as np
 
 from opsched._errors import InnerError, ParamInvalidError, RuntimeLaunchError, Status
 from opsched._lru import LRU
+from opsched.devices.host.launchers import LAUNCHERS
 from opsched.kernels._common import DEFAULT_BLOCK
 from opsched.ops._base import Launch, Operator, check_array_kind, check_present, dtype_name
 from opsched.ops.products import product_named
@@ -217,7 +218,7 @@ class Executor:
             raise ParamInvalidError(msg)
         ws = self._check_workspace(name, workspace, workspace_size)
         if not self._as_planned:  # arrays rebound since the last launch
-            if op.unplanned_overlap(self.plan, self.tensors):
+            if LAUNCHERS[op.name].unplanned_overlap(self.plan, self.tensors):
                 msg = (
                     f"{name}: the bound output overlaps an input, but the executor was "
                     "planned for separate buffers; plan a new executor for overlapping arrays"
@@ -225,7 +226,7 @@ class Executor:
                 raise ParamInvalidError(msg)
             self._as_planned = True
         if self._launch is None:
-            self._launch = op.prepare(self.plan, self.tensors)
+            self._launch = LAUNCHERS[op.name].prepare(self.plan, self.tensors)
         self._launches += 1
         if not self._repeatable:
             self._state = ExecutorState.SPENT
@@ -334,10 +335,11 @@ class PlanCache:
         found = self._plans.lookup(key) if key is not None else None
         if found is None:
             checked = op.check_on(product_named(product), tensors, scalars, allocate=False)
-            plan = op.plan(tensors, checked, DEFAULT_BLOCK)
+            host = LAUNCHERS[op.name]
+            plan = host.plan(tensors, checked, DEFAULT_BLOCK)
             # a launch kept only where the key fixes the layout (plain, C-contiguous arrays)
-            launch = None if key is None else op.prepare(plan, tensors)
-            found = checked, plan, op.workspace_size(plan), launch
+            launch = None if key is None else host.prepare(plan, tensors)
+            found = checked, plan, host.workspace_size(plan), launch
             if key is None:
                 self._uncached += 1
             else:

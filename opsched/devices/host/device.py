@@ -34,13 +34,14 @@ from opsched._log import WARNING, enabled, get_logger
 from opsched._lru import LRU
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
+from opsched.devices.host.executor import Executor, geometry_of
+from opsched.devices.host.launchers import LAUNCHERS
 from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
 from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched.ops import Operator
 from opsched.ops._base import Launch
-from opsched.ops.executor import Executor, geometry_of
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
 
@@ -193,9 +194,10 @@ class HostDevice(Device):
         )
 
     def launcher(self, op: Operator, plan: Any, tensors: Mapping[str, Any]) -> Launch:
-        """This device's one launcher of ``op``: ``plan`` prepared on ``tensors``' layout
-        (:meth:`Operator.prepare`, the fast kernels); ``launch(tensors, workspace)``."""
-        return op.prepare(plan, tensors)
+        """This device's one launch entry of ``op``: ``plan`` prepared on ``tensors``'
+        layout (:meth:`HostLauncher.prepare`, the fast kernels); ``launch(tensors,
+        workspace)``."""
+        return LAUNCHERS[op.name].prepare(plan, tensors)
 
     def run_kernel(
         self, op: Operator, plan: Any, tensors: dict[str, np.ndarray], workspace: Any
@@ -245,7 +247,8 @@ class HostDevice(Device):
                     return
         # outputs left to the launch (a request that may fuse): plan with arrays of theirs
         tensors = {**tensors, **op.allocate(tensors, scalars)}
-        need = op.workspace_size(op.plan(tensors, scalars, DEFAULT_BLOCK))
+        host = LAUNCHERS[op.name]
+        need = host.workspace_size(host.plan(tensors, scalars, DEFAULT_BLOCK))
         if not pool.fits(need):
             msg = (
                 f"{op.name}: this request needs {need} bytes of workspace, more than "
@@ -319,8 +322,9 @@ class HostDevice(Device):
         self, op: Operator, tensors: dict[str, Any], scalars: Mapping[str, Any], made: _Made
     ) -> SoloPlan:
         """A solo launch's plan for ``tensors``' layout, prepared (:meth:`launcher`)."""
-        plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
-        return SoloPlan(plan, made, self.launcher(op, plan, tensors), op.workspace_size(plan))
+        host = LAUNCHERS[op.name]
+        plan = host.plan(tensors, scalars, DEFAULT_BLOCK)
+        return SoloPlan(plan, made, self.launcher(op, plan, tensors), host.workspace_size(plan))
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:
@@ -346,11 +350,12 @@ class HostDevice(Device):
         executor = self._cache.lookup(cache_key)
         hit = executor is not None
         if executor is None:
-            plan = op.plan(tensors, scalars, DEFAULT_BLOCK)
+            host = LAUNCHERS[op.name]
+            plan = host.plan(tensors, scalars, DEFAULT_BLOCK)
             # The cache keeps the plan, never a request's arrays (the launch binds its own,
             # below): bound to the executor, a caller's inputs and result stayed alive until
             # the next request of that geometry came, if ever.
-            executor = Executor(op, {}, scalars, plan, op.workspace_size(plan))
+            executor = Executor(op, {}, scalars, plan, host.workspace_size(plan))
             executor.set_repeatable()
             self._cache.put(cache_key, executor)
         size = executor.workspace_size
@@ -484,10 +489,11 @@ class HostDevice(Device):
         """Gather, compute, scatter; on failure re-run in halves to isolate the culprits."""
         try:
             self.check_fault(requests)
-            offsets = op.gather(requests, arrays)
+            host = LAUNCHERS[op.name]
+            offsets = host.gather(requests, arrays)
             units = sum([r.units for r in requests])
-            self.run_kernel(op, plan, op.fused_prefix(arrays, units), workspace)
-            op.scatter(requests, arrays, offsets)
+            self.run_kernel(op, plan, host.fused_prefix(arrays, units), workspace)
+            host.scatter(requests, arrays, offsets)
         except Exception as exc:
             if len(requests) == 1:
                 errors[requests[0].id] = exc
@@ -572,14 +578,15 @@ class ReferenceDevice(HostDevice):
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
 
     def launcher(self, op: Operator, plan: Any, tensors: Mapping[str, Any]) -> Launch:
-        return op.prepare_reference(plan, tensors)
+        return LAUNCHERS[op.name].prepare_reference(plan, tensors)
 
 
 def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout, Any, Any]:
     """A fused launch of ``capacity`` units: its block's layout, its plan and scalars."""
-    geometry, scalars = op.fused_geometry(key, capacity)
-    plan = op.fused_plan(key, capacity, DEFAULT_BLOCK)
-    return FusedLayout.of(geometry, op.workspace_size(plan)), plan, scalars
+    host = LAUNCHERS[op.name]
+    geometry, scalars = host.fused_geometry(key, capacity)
+    plan = host.fused_plan(key, capacity, DEFAULT_BLOCK)
+    return FusedLayout.of(geometry, host.workspace_size(plan)), plan, scalars
 
 
 def _strides(array: np.ndarray | None) -> tuple[int, ...] | None:

@@ -1,0 +1,100 @@
+"""The host devices' launcher of an operator: how the cpu and reference devices run it.
+
+One :class:`HostLauncher` per operator (one module each beside this one, registered in
+:mod:`opsched.devices.host.launchers`) holds what running the operator's numpy kernels
+takes and no other device needs: the kernel's plan, its prepared launch (the cpu device's
+fast kernel, the reference device's reference kernel: one entry each), and the fused
+launch's layout, gather and scatter. What is true of the operator on every device (its
+call, checks, outputs, fusion key, split, oracle) is its description's
+(:class:`~opsched.ops.Operator`).
+
+A fused launch gathers many requests of one fusion key into contiguous arrays of a
+bucketed capacity (the fused geometry), runs the operator's own kernel on them once, and
+scatters each request's slice of the output back. Each element or group is computed by the
+same float operations on the same contiguous buffers as when launched alone, so the results
+are bit-identical.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from opsched.ops import Operator
+from opsched.ops._base import FusedGeometry, Launch, Tensors
+
+__all__ = ["HostLauncher"]
+
+
+class HostLauncher(abc.ABC):
+    """One operator on the host devices; stateless, one instance per operator."""
+
+    #: The operator's description.
+    op: ClassVar[Operator]
+
+    @abc.abstractmethod
+    def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:
+        """Plan a launch (geometry, staging, workspace layout) for checked arguments."""
+
+    def workspace_size(self, plan: Any) -> int:
+        """Bytes of workspace the planned launch uses (every plan carries its own count)."""
+        return int(plan.workspace_bytes)
+
+    @abc.abstractmethod
+    def prepare(self, plan: Any, tensors: Tensors) -> Launch:
+        """The cpu device's launcher: the fast kernel for ``plan``, its per-layout work done
+        here, once, on ``tensors``: ``launch(tensors, workspace)`` then runs it on any
+        arrays laid out as these (the same shapes, dtypes and strides, and an output
+        overlapping an input only where ``tensors``' did). The only way a fast kernel is
+        launched: solo, fused (on the launch's gathered arrays), split, a blocking call's
+        cached plan, the two-phase executor. The returned launch holds no array."""
+
+    @abc.abstractmethod
+    def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
+        """Return the reference kernel's result (a new array; a tuple for several outputs)
+        for a checked request."""
+
+    def prepare_reference(self, plan: Any, tensors: Tensors) -> Launch:
+        """The reference device's launcher (as :meth:`prepare`): :meth:`reference` for
+        ``plan`` into the output arrays; also on a fused launch's arrays."""
+        scalars, out = self.plan_scalars(plan), self.op.outputs[0]
+
+        def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            np.copyto(t[out], self.reference(t, scalars))
+
+        return launch
+
+    def plan_scalars(self, plan: Any) -> dict[str, Any]:
+        """The scalar arguments a plan was made for (none by default)."""
+        return {}
+
+    def unplanned_overlap(self, plan: Any, tensors: Tensors) -> bool:
+        """True when an output overlaps an input but ``plan`` does not stage the output
+        (arrays rebound on a repeatable executor planned for separate buffers)."""
+        return not plan.stage_out and self.op.overlaps_any(tensors)
+
+    @abc.abstractmethod
+    def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
+        """The arrays and scalars of a fused launch of ``capacity`` units."""
+
+    @abc.abstractmethod
+    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+        """Views of the first ``units`` of a fused launch's arrays: the part in use. The
+        kernel runs on these, so a launch never computes its capacity's padding."""
+
+    @abc.abstractmethod
+    def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
+        """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
+
+    @abc.abstractmethod
+    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+        """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
+        the fused arrays; return each request's unit offset. Few numpy calls per launch, not
+        per request, where the layouts allow."""
+
+    @abc.abstractmethod
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        """Copy each request's slice of the fused outputs into its own output arrays."""
