@@ -51,13 +51,12 @@ _Made = tuple[tuple[str, tuple[int, ...], np.dtype], ...]
 
 class SoloPlan(NamedTuple):
     """A solo launch run in its caller's thread (:meth:`HostDevice.run_solo`), kept by
-    its layout: the kernel's plan, the outputs it allocates (for a call that gave none),
-    its prepared launch and the workspace it takes."""
+    its layout: the kernel's plan, the outputs it allocates (for a call that gave none)
+    and its prepared launch (which takes scratch of its own in a caller's thread)."""
 
     plan: Any
     made: _Made
     launch: Launch
-    workspace_bytes: int
 
 
 _log = get_logger("opsched.device")
@@ -315,16 +314,14 @@ class HostDevice(Device):
                     self._solo_plans.put(key, found)
         if self._faulty is not None:
             self.check_fault([request])
-        size = found.workspace_bytes  # (a fresh workspace: the pool is the loop thread's)
-        found.launch(tensors, np.empty(size, np.uint8) if size else None)
+        found.launch(tensors, None)  # its scratch its own (the pool is the loop thread's)
 
     def _solo_plan(
         self, op: Operator, tensors: dict[str, Any], scalars: Mapping[str, Any], made: _Made
     ) -> SoloPlan:
         """A solo launch's plan for ``tensors``' layout, prepared (:meth:`launcher`)."""
-        host = LAUNCHERS[op.name]
-        plan = host.plan(tensors, scalars, DEFAULT_BLOCK)
-        return SoloPlan(plan, made, self.launcher(op, plan, tensors), host.workspace_size(plan))
+        plan = LAUNCHERS[op.name].plan(tensors, scalars, DEFAULT_BLOCK)
+        return SoloPlan(plan, made, self.launcher(op, plan, tensors))
 
     def prepare(self, batch: LaunchBatch, *, overflow: bool = False) -> Prepared | None:
         if batch.fused:

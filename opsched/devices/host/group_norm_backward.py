@@ -85,7 +85,11 @@ class GroupNormBackwardLauncher(HostLauncher):
 
             return usual
 
+        size = plan.workspace_bytes
+
         def staged(t: Tensors, workspace: np.ndarray | None) -> None:
+            if workspace is None and size:  # (a launch in a caller's thread: its own)
+                workspace = np.empty(size, np.uint8)
             prepare_group_norm_backward(
                 plan,
                 t["grad_out"],

@@ -40,7 +40,11 @@ class GroupNormalizationGradLauncher(HostLauncher):
         return plan_group_norm_grad(tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"])
 
     def prepare(self, plan: GroupNormPlan, tensors: Tensors) -> Launch:
+        size = plan.workspace_bytes
+
         def launch(t: Tensors, workspace: np.ndarray | None) -> None:
+            if workspace is None and size:  # (a launch in a caller's thread: its own)
+                workspace = np.empty(size, np.uint8)
             group_norm_grad_fast(
                 plan, t["x"], t["dy"], t["gamma"], t["mean"], t["rstd"], t["dx"], workspace
             )

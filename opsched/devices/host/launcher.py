@@ -48,9 +48,11 @@ class HostLauncher(abc.ABC):
         """The cpu device's launcher: the fast kernel for ``plan``, its per-layout work done
         here, once, on ``tensors``: ``launch(tensors, workspace)`` then runs it on any
         arrays laid out as these (the same shapes, dtypes and strides, and an output
-        overlapping an input only where ``tensors``' did). The only way a fast kernel is
-        launched: solo, fused (on the launch's gathered arrays), split, a blocking call's
-        cached plan, the two-phase executor. The returned launch holds no array."""
+        overlapping an input only where ``tensors``' did), its scratch in ``workspace``
+        (at least :meth:`workspace_size` bytes), or where that is None in memory of its
+        own. The only way a fast kernel is launched: solo, fused (on the launch's gathered
+        arrays), split, a blocking call's cached plan, the two-phase executor. The returned
+        launch holds no array."""
 
     @abc.abstractmethod
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> Any:
