@@ -167,6 +167,25 @@ def _medium(medium: dict[str, Any]) -> list[str]:
     return ["### Medium requests, 32 coroutines", "", *_table(head, rows), ""]
 
 
+def _calls(calls: dict[str, Any]) -> list[str]:
+    """The Python calls one request enters on each path (a count, not a time)."""
+    head = ["path (tiny GLU 8x64 FLOAT)", "every thread", "the caller's"]
+    rows = [
+        [path.replace(", ", ": "), f"{every:.1f}", f"{caller:.1f}"]
+        for path, (every, caller) in calls.items()
+    ]
+    return [
+        "### Python calls per request",
+        "",
+        "`--parts calls`: the Python functions one request enters in steady state "
+        "(`sys.setprofile` 'call' events over requests served), beside the same count of "
+        "the paths' floors (`256 coroutines: bare batcher`, `featured batcher`).",
+        "",
+        *_table(head, rows),
+        "",
+    ]
+
+
 def _others(sched: dict[str, Any]) -> list[str]:
     rows = []
     if "latency" in sched:
@@ -292,6 +311,8 @@ def render_page(doc: dict[str, Any], source: str) -> str:
         lines += _paths(sched["paths"])
     if "medium" in sched:
         lines += _medium(sched["medium"])
+    if "calls" in sched:
+        lines += _calls(sched["calls"])
     lines += _others(sched)
     if "graphs" in results:
         lines += _graphs(results["graphs"])
