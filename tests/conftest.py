@@ -46,10 +46,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """With the public fallbacks forced (``OPSCHED_PUBLIC_ONLY``, tests/test_public_fallback.py),
-    the tests of what the gated internals do are skipped: nothing uses them."""
-    if os.environ.get("OPSCHED_PUBLIC_ONLY", "") in ("", "0"):
+    or on a Python past the gate (opsched/_compat.py), the tests of what the gated
+    internals do are skipped: nothing uses them."""
+    from opsched._compat import PYTHON_INTERNALS
+
+    if PYTHON_INTERNALS:
         return
-    skip = pytest.mark.skip(reason="OPSCHED_PUBLIC_ONLY: the gated internals are not used")
+    skip = pytest.mark.skip(reason="the gated internals are not used here (opsched._compat)")
     for item in items:
         if item.get_closest_marker("internals"):
             item.add_marker(skip)
