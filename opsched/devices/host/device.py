@@ -163,9 +163,9 @@ class HostDevice(Device):
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
-    #: :meth:`run_solo`'s plans, by geometry: of requests whose outputs the launch
-    #: allocates, by signature and the inputs' strides, with the outputs' shapes and dtypes
-    #: and the launch's runner (or None); of the others, by signature, every array's
+    #: :meth:`run_solo`'s plans (:class:`SoloPlan`: the plan, the outputs it allocates,
+    #: the prepared launch), by layout: of requests whose outputs the launch allocates, by
+    #: signature and the inputs' strides; of the others, by signature, every array's
     #: strides and whether an output overlaps an input. Callers' threads share it.
     _solo_plans: LRU[Hashable, Any] = attrs.field(factory=lambda: LRU(_PLANS_KEPT), init=False)
 

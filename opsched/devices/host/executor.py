@@ -1,4 +1,5 @@
-"""Executors: the prepared plan of one launch (the device's ``aclOpExecutor``).
+"""Executors of the two-phase API: the prepared plan of one launch (the device's
+``aclOpExecutor``), run on the cpu device's kernels in the calling thread.
 
 ``*_get_workspace_size`` checks the arguments, plans the launch and returns an executor.
 By default it is single-use. :meth:`Executor.set_repeatable` (right after planning, as
@@ -80,8 +81,8 @@ class Executor:
     #: Whether the bound arrays are the ones the plan was made for (so their overlap is
     #: planned): False after a bind, until the next launch checks it.
     _as_planned: bool = attrs.field(default=True, init=False)
-    #: The kernel prepared for the bound arrays' layout (:meth:`Operator.prepare`: the
-    #: plan cache's, or made at the first launch); arrays bound later have that layout.
+    #: The kernel prepared for the bound arrays' layout (the host launcher's ``prepare``:
+    #: the plan cache's, or made at the first launch); arrays bound later have that layout.
     _launch: Launch | None = attrs.field(default=None, kw_only=True)
 
     @property
