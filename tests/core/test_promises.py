@@ -186,7 +186,7 @@ async def test_a_newcomer_never_overtakes_a_woken_waiter():
 @pytest.mark.parametrize("device", THREADED_DEVICES)
 async def test_a_deadline_bounds_how_long_an_idle_scheduler_holds_a_request(device):
     # With half a second of max_delay_us, a lone request whose timeout is shorter than the
-    # delay launches without waiting out the delay for company (it used to expire).
+    # delay launches without waiting out the delay for company: held longer, it would expire.
     import opsched
 
     rng = np.random.default_rng(5)

@@ -73,7 +73,8 @@ class Executor:
     scalars: dict[str, Any]
     plan: Any
     workspace_size: int
-    #: Free for the owner's bookkeeping (the scheduler keeps a fused launch's layout here).
+    #: Free for the owner's bookkeeping (the host devices keep a fused launch's layout
+    #: here, and a solo launch's prepared launch).
     layout: Any = attrs.field(default=None, init=False)
     _repeatable: bool = attrs.field(default=False, init=False)
     _state: ExecutorState = attrs.field(default=ExecutorState.READY, init=False)
