@@ -87,6 +87,12 @@ class RequestQueue:
     Removal (cancel, expiry) is lazy: the request's state changes and the entry is
     skipped when reached. ``len()`` counts live requests.
 
+    Which key goes next (:meth:`best_key`) comes from a heap of the keys' heads, so a queue
+    of many shapes costs a heap step per launch, not a look at every key: each key stands
+    on it by a lower bound of its head's ``(-priority, id)`` (a key's head only rises as
+    requests leave; a push that lowers it lists the key again), raised to the true head
+    when it reaches the top. Entries a later listing outdated are dropped at the top.
+
     Requests with a deadline are also on one heap by deadline (:meth:`expire_due`,
     :meth:`next_deadline`): the scheduler keeps one timer for all of them, at the earliest,
     instead of one per request. The heap refers to them weakly (it keeps no request, nor
@@ -109,6 +115,10 @@ class RequestQueue:
     #: ``(deadline, id, weak reference to the request)`` of requests queued with a
     #: deadline: a heap.
     _deadlines: list[tuple[float, int, weakref.ref[Request]]] = attrs.field(factory=list)
+    #: ``(-priority, id, key)`` per key (see the class's docstring): a heap.
+    _heads: list[tuple[int, int, Hashable]] = attrs.field(factory=list)
+    #: Per key: the ``(-priority, id)`` it stands on the heads' heap by.
+    _listed: dict[Hashable, tuple[int, int]] = attrs.field(factory=dict)
 
     def __len__(self) -> int:
         return self.live
@@ -127,6 +137,10 @@ class RequestQueue:
         else:  # put back after its launch could not start: to its place by id
             lane.insert(bisect.bisect(lane, request.id, key=_request_id), request)
         self._bytes[key] = self._bytes.get(key, 0) + request.nbytes
+        listed = self._listed.get(key)
+        entry = (-request.priority, request.id)
+        if listed is None or entry < listed:  # a new key, or a head that came before
+            self._list(key, entry)
         self.live += 1
         if self.live > self.peak:
             self.peak = self.live
@@ -139,6 +153,14 @@ class RequestQueue:
             if len(deadlines) > 2 * self.live + 64:  # mostly requests gone: keep the rest
                 self._deadlines = [e for e in deadlines if _queued(e[2]())]
                 heapq.heapify(self._deadlines)
+
+    def _list(self, key: Hashable, entry: tuple[int, int]) -> None:
+        self._listed[key] = entry
+        heads = self._heads
+        heapq.heappush(heads, (*entry, key))
+        if len(heads) > 2 * len(self._listed) + 64:  # mostly outdated entries: keep the rest
+            self._heads = [(*e, k) for k, e in self._listed.items()]
+            heapq.heapify(self._heads)
 
     def expire_due(self, now: float) -> list[Request]:
         """Take every queued request whose deadline is at or before ``now`` out of the
@@ -245,6 +267,7 @@ class RequestQueue:
         del self._lanes[key]
         self._bytes.pop(key, None)
         self._earliest.pop(key, None)
+        self._listed.pop(key, None)
 
     def earliest_deadline(self, key: Hashable) -> float | None:
         """No later than the earliest deadline of a live request of ``key`` (None: none of
@@ -261,13 +284,22 @@ class RequestQueue:
 
     def best_key(self) -> Hashable | None:
         """The key whose head request goes next: highest priority, then oldest."""
-        best: tuple[int, int] | None = None
-        best_key: Hashable | None = None
-        for key in list(self._lanes):
+        heads, listed = self._heads, self._listed
+        while heads:
+            priority, rid, key = heads[0]
+            if listed.get(key) != (priority, rid):  # outdated, or the key left
+                heapq.heappop(heads)
+                continue
             head = self.head(key)
-            if head is not None and (best is None or (-head.priority, head.id) < best):
-                best, best_key = (-head.priority, head.id), key
-        return best_key
+            if head is None:  # (head() forgot the key)
+                heapq.heappop(heads)
+                continue
+            entry = (-head.priority, head.id)
+            if entry == (priority, rid):
+                return key  # every other key's head is at or above its own entry
+            listed[key] = entry  # its head moved on: stand in line by the new one
+            heapq.heapreplace(heads, (*entry, key))
+        return None
 
     def keys(self) -> list[Hashable]:
         """Keys with entries, in no particular order."""
@@ -280,6 +312,8 @@ class RequestQueue:
         self._bytes.clear()
         self._earliest.clear()
         self._deadlines.clear()
+        self._heads.clear()
+        self._listed.clear()
         self.live = 0
         return [r for r in out if r.state is RequestState.QUEUED]
 

@@ -40,6 +40,11 @@ def test_ci_run_of_20000_requests_passes(tmp_path):
     assert {"completed", "invalid", "cancelled", "expired", "faulted"} <= set(data["outcomes"])
     assert data["scheduler"]["graph_runs"] > 0 and data["scheduler"]["queued_peak"] > 1
     assert data["latency_ms"]["p99"] >= data["latency_ms"]["p50"] > 0
+    # the harness's own time is counted apart: some, and less than the whole run
+    assert 0 < data["harness_seconds"] < data["seconds"]
+    assert data["scheduler_throughput_per_s"] > data["throughput_per_s"] > 0
+    assert data["cores_busy"] > 0
+    assert "the harness's own cost" in text
 
 
 def test_reference_device_run_passes():

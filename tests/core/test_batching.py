@@ -9,6 +9,8 @@ import weakref
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from opsched import SchedulerConfig
 from opsched.core.batching import SMALL_FUSED_BYTES, RequestQueue, form_batches
@@ -301,3 +303,51 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
         assert q.queued_bytes(key) == sum(r.nbytes for r in live)
         head = q.head(key)
         assert head is min(live, key=lambda r: (-r.priority, r.id), default=None)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push", "push", "pop", "take", "cancel", "requeue"]),
+            st.integers(0, 8),
+        ),
+        min_size=4,
+        max_size=120,
+    )
+)
+def test_the_next_key_is_always_the_one_whose_head_comes_first(steps):
+    # Against a scan of every queued request: the next key is the key of the queued
+    # request with the highest priority, then the lowest id, whatever pushes, pops,
+    # takes, lazy cancellations and put-back requests came before.
+    q = RequestQueue()
+    dtypes = [np.float32, np.float16, np.float64]  # three fusion keys
+    queued: list[Request] = []
+    taken: list[Request] = []
+    for what, n in steps:
+        if what == "push":
+            request = glu_request(dtype=dtypes[n % 3], priority=n // 3)
+            q.push(request)
+            queued.append(request)
+        elif what == "requeue" and taken:
+            request = taken.pop(n % len(taken))
+            request.state = RequestState.QUEUED
+            q.push(request)
+            queued.append(request)
+        elif what == "cancel" and queued:
+            request = queued.pop(n % len(queued))
+            q.discard(request, RequestState.CANCELLED)
+        elif what in ("pop", "take") and queued:
+            key = q.best_key()
+            if what == "pop":
+                assert q.head(key) is not None
+                out = [q.pop(key)]
+            else:
+                out, _ = q.take(key, n + 1, 1 << 30, 1 << 30, now=0.0)
+            for request in out:
+                queued.remove(request)
+                request.state = RequestState.RUNNING
+                taken.append(request)
+        assert len({r.key for r in queued}) <= 3
+        first = min(queued, key=lambda r: (-r.priority, r.id), default=None)
+        assert q.best_key() == (None if first is None else first.key)
+        assert len(q) == len(queued)

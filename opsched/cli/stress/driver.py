@@ -17,7 +17,6 @@ import numpy as np
 import opsched
 import opsched.sync
 from opsched._api import resolve_config
-from opsched._errors import DeadlineExceededError
 from opsched.cli.stress.harness import REFUSED, _Harness, _submit_async, _submit_sync, _Tally
 from opsched.cli.stress.workload import (
     Solos,
@@ -35,6 +34,12 @@ def _rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak * (1 if sys.platform == "darwin" else 1024))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process so far, every thread's, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _scheduler_threads(before: frozenset[threading.Thread] = frozenset()) -> list[str]:
@@ -118,17 +123,19 @@ def run_stress(opts: StressOptions, out: TextIO) -> int:
         ]
         for t in threads:
             t.start()
-        run_start = time.perf_counter()
+        run_start, cpu_start = time.perf_counter(), _cpu_seconds()
         facade._portal.portal.call(_async_clients, sched, harness, clock, opts)
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - run_start
+        busy = (_cpu_seconds() - cpu_start) / elapsed if elapsed else 0.0
     stats = sched.statistics()
     if progress is not None:
         progress.close()
 
     checks = _final_checks(stats, tally, clock, bound, before)
     report = _report(opts, stats, tally, clock, elapsed, checks, bound, started)
+    report["cores_busy"] = busy
     report["product"] = config.product
     _print_summary(report, out)
     if opts.report:
@@ -161,14 +168,22 @@ async def _async_clients(
 async def _async_client(
     sched: opsched.Scheduler, harness: _Harness, clock: _Clock, opts: StressOptions
 ) -> None:
-    while (index := clock.take()) is not None:
+    spent = 0.0  # this client's harness time (see _Tally.harness_seconds)
+    cpu = time.thread_time
+    while True:
+        began = cpu()
+        index = clock.take()
+        if index is None:
+            break
         case = make_case(opts.seed, index, opts)
         kind, args, kw, expect = harness.prepare(case)
         result: Any = None
         error: BaseException | None = None
         start = time.perf_counter()
-        try:
-            with anyio.fail_after(opts.watchdog):
+        # The watchdog: a cancel scope of its own, whose expiry marks the request lost.
+        with anyio.CancelScope(deadline=anyio.current_time() + opts.watchdog) as watchdog:
+            spent += cpu() - began
+            try:
                 if case.fate == "cancel":
                     # Cancelled before it is submitted: the cancellation reaches the caller
                     # at its first wait, whatever the request's stage by then.
@@ -179,15 +194,16 @@ async def _async_client(
                     result = None if error is None else result
                 else:
                     result = await _submit_async(sched, kind, args, kw)
-        except TimeoutError as exc:
-            if isinstance(exc, DeadlineExceededError):
+            except Exception as exc:
                 error = exc
-            else:
-                harness.tally.record(case, "lost", f"no outcome within {opts.watchdog} s")
-                continue
-        except Exception as exc:
-            error = exc
-        harness.check(case, expect, result, error, time.perf_counter() - start, kw.get("out"))
+            latency = time.perf_counter() - start
+            began = cpu()
+        if watchdog.cancelled_caught:
+            harness.tally.record(case, "lost", f"no outcome within {opts.watchdog} s")
+        else:
+            harness.check(case, expect, result, error, latency, kw.get("out"))
+        spent += cpu() - began
+    harness.tally.add_harness_time(spent)
 
 
 def _sync_client(
@@ -198,17 +214,21 @@ def _sync_client(
     Graph cases run through the blocking ``facade.run`` at once (a blocking run cannot be
     cancelled, so there a cancel case runs as a valid one).
     """
+    spent = 0.0  # this thread's harness time (see _Tally.harness_seconds)
+    cpu = time.thread_time
     while True:
         burst: list[tuple[_Case, Any, Any, float, BaseException | None, Any]] = []
         for _ in range(256):
+            began = cpu()
             index = clock.take()
             if index is None:
                 break
             case = make_case(opts.seed, index, opts)
             kind, args, kw, expect = harness.prepare(case)
+            spent += cpu() - began
             start = time.perf_counter()
             if kind == "graph":
-                _sync_graph(facade, harness, case, args, kw, start, expect)
+                spent += _sync_graph(facade, harness, case, args, kw, start, expect)
                 continue
             try:
                 future = _submit_sync(facade, kind, args, kw)
@@ -220,12 +240,14 @@ def _sync_client(
                 case = attrs.evolve(case, fate="valid")
             burst.append((case, expect, future, start, None, kw.get("out")))
         if not burst:
-            return
+            break
         for case, expect, future, start, error, out in burst:
             result = None
             if future is not None:
                 if future.cancelled():
+                    began = cpu()
                     harness.check(case, expect, None, None, 0.0, out)
+                    spent += cpu() - began
                     continue
                 try:
                     result = future.result(timeout=opts.watchdog)
@@ -236,7 +258,11 @@ def _sync_client(
                     error = exc
                 except Exception as exc:  # the request's own error
                     error = exc
-            harness.check(case, expect, result, error, time.perf_counter() - start, out)
+            latency = time.perf_counter() - start
+            began = cpu()
+            harness.check(case, expect, result, error, latency, out)
+            spent += cpu() - began
+    harness.tally.add_harness_time(spent)
 
 
 def _sync_graph(
@@ -247,18 +273,24 @@ def _sync_graph(
     kw: dict[str, Any],
     start: float,
     expect: int | None,
-) -> None:
+) -> float:
+    """Run a graph case through the blocking facade and check it; return the harness's
+    time in it (building the graph, checking the result)."""
+    began = time.thread_time()
     g = opsched.Graph()
     x, dy, gamma, mean, rstd, gate = args
     b = g.glu_backward(g.group_norm_grad(x, dy, gamma, mean, rstd), gate, dim=-1)
+    spent = time.thread_time() - began
     result, error = None, None
     try:
         (result,) = facade.run(g, [b], **{k: v for k, v in kw.items() if k == "deadline"})
     except Exception as exc:
         error = exc
+    began = time.thread_time()
     if case.fate == "cancel":
         case = attrs.evolve(case, fate="valid")
     harness.check(case, expect, result, error, time.perf_counter() - start)
+    return spent + time.thread_time() - began
 
 
 class _Progress:
@@ -414,6 +446,7 @@ def _report(
         return lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3 if lat else 0.0
 
     issued = len(tally.resolved)
+    scheduler_seconds = elapsed - tally.harness_seconds
     return {
         "ok": all(held for held, _ in checks.values()),
         "options": attrs.asdict(opts),
@@ -421,6 +454,10 @@ def _report(
         "seconds": elapsed,
         "throughput_per_s": issued / elapsed if elapsed else 0.0,
         "latency_ms": {"p50": pct(0.50), "p99": pct(0.99)},
+        "harness_seconds": tally.harness_seconds,
+        "scheduler_throughput_per_s": (
+            issued / scheduler_seconds if scheduler_seconds > 0 else float("inf")
+        ),
         "outcomes": dict(sorted(tally.outcomes.items())),
         "checks": {name: {"held": held, "detail": d} for name, (held, d) in checks.items()},
         "discrepancies": tally.discrepancies,
@@ -453,6 +490,13 @@ def _print_summary(r: dict[str, Any], out: TextIO) -> None:
     print(
         f"  {r['throughput_per_s']:,.0f} requests/s over {r['seconds']:.1f} s; latency p50 "
         f"{r['latency_ms']['p50']:.2f} ms, p99 {r['latency_ms']['p99']:.2f} ms",
+        file=out,
+    )
+    print(
+        f"  the harness's own cost: {r['harness_seconds']:.1f} s of CPU drawing, preparing and "
+        f"checking requests; the scheduler's share: {r['scheduler_throughput_per_s']:,.0f} "
+        f"requests/s over the other {r['seconds'] - r['harness_seconds']:.1f} s; "
+        f"{r['cores_busy']:.2f} cores busy",
         file=out,
     )
     outcomes = ", ".join(f"{k} {v}" for k, v in r["outcomes"].items())

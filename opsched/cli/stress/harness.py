@@ -39,6 +39,16 @@ class _Tally:
     graph_outcomes: dict[str, int] = attrs.field(factory=dict)
     #: How to rerun one request: the command with ``{index}`` to fill in.
     replay: str = "opsched stress --replay {index}"
+    #: CPU time the harness itself spent, over every client: drawing each case, making its
+    #: arguments, arming its watchdog and checking its outcome against the solo call and
+    #: the oracle. Its Python holds the GIL the scheduler needs, so the run's time less
+    #: this is the scheduler's share of it.
+    harness_seconds: float = 0.0
+
+    def add_harness_time(self, seconds: float) -> None:
+        """Add one client's harness time (each client adds its own once, at its end)."""
+        with self.lock:
+            self.harness_seconds += seconds
 
     def record(
         self,
