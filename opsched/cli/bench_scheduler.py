@@ -1,4 +1,4 @@
-"""The scheduler benchmark: ten figures, each against a baseline measured in the same run.
+"""The scheduler benchmark: twelve figures, each against a baseline measured in the same run.
 
 1. Small-request throughput: 256 coroutines each awaiting 200 requests through the
    scheduler, against the same requests one at a time through the two-phase API with no
@@ -25,6 +25,10 @@
    (:mod:`opsched.cli.bench_medium`).
 11. Calls: the Python functions one request enters on each path, in steady state
    (:mod:`opsched.cli.bench_calls`): a count, not a time.
+12. Cost targets: every path, device and workload against torch's call per request, each
+   beside its target, median and spread of at least five interleaved rounds
+   (:mod:`opsched.cli.bench_targets`; on the host device and ``torch:cpu`` whatever
+   ``--device`` says).
 
 On a torch device the scheduler is given torch tensors (a torch user's calls), and (1)'s
 torch line compares it with the framework's call once per request.
@@ -61,6 +65,7 @@ from opsched.cli.bench_paths import (
     torch_per_request,
     two_phase_call,
 )
+from opsched.cli.bench_targets import bench_targets, print_targets
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
 
@@ -387,6 +392,7 @@ PARTS = (
     "memory",
     "medium",
     "calls",
+    "targets",
 )
 
 
@@ -397,10 +403,12 @@ def bench_scheduler(
     per_client: int = 200,
     target: BenchTarget | None = None,
     trace: str | None = None,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Run the chosen parts; return their figures (steady state rides on throughput).
 
-    ``trace``: record the first GLU throughput run's timeline to this path.
+    ``trace``: record the first GLU throughput run's timeline to this path. ``quick``:
+    the cost targets on small workloads (a smoke run).
     """
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -430,6 +438,8 @@ def bench_scheduler(
         result["medium"] = bench_medium(target, repeats)
     if "calls" in parts and target.device == "cpu":
         result["calls"] = bench_calls()
+    if "targets" in parts:
+        result["targets"] = bench_targets(max(5, repeats), quick=quick)
     return result
 
 
@@ -525,3 +535,5 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
     if "calls" in r:
         print("11. ", end="", file=out)
         print_calls(r["calls"], out)
+    if "targets" in r:
+        print_targets(r["targets"], out)

@@ -345,7 +345,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         parts = ("throughput", "tracing", "sweeps") if quick else tuple(args.parts.split(","))
         results["scheduler"] = _bench_scheduler.bench_scheduler(
-            repeats, parts, clients, per_client, target, args.trace
+            repeats, parts, clients, per_client, target, args.trace, quick
         )
         traced = bool(args.trace) and "throughput" in parts
         _bench_scheduler.print_scheduler_report(results["scheduler"], out)

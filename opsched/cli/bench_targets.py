@@ -1,0 +1,341 @@
+"""The cost targets: every way into the scheduler against the operator called once per
+request, each row beside its target (``opsched bench scheduler --parts targets``).
+
+A row is one path, device and workload; its figure is the peer's time over the path's for
+the same requests (above 1.0x the scheduler costs less than no scheduler at all), the
+median of interleaved rounds (every row runs once per round, its peer right before it),
+printed with the spread of the rounds. The peer is torch's CPU operator at one thread
+(``torch.ops.aten.glu_backward``, ``native_group_norm_backward``) on the same tensors;
+for the graph row it is the same chains awaited call by call.
+
+- Tiny requests (GluBackward 8x64, GroupNormBackward N=4, C=8, HxW=64, 4 groups, FLOAT):
+  the module-level function and an explicit scheduler with 256 coroutines, a burst of
+  ``submit_*`` futures from one thread, the blocking facade one call at a time, the
+  two-phase API per request; on ``torch:cpu`` with 256 coroutines as well.
+- Mixed shapes on ``torch:cpu``: GluBackward of 1-8 rows and 16-160 columns,
+  GroupNormBackward of N 1-4, C 4-16, HxW 16-160 (groups dividing C), every request its
+  own draw: what fusion by signature meets in a real training step.
+- Medium requests (:mod:`opsched.cli.bench_medium`): 64 KiB to 1 MiB, 32 coroutines, on
+  both devices.
+- Graphs (:mod:`opsched.cli.bench_graphs`): 64 clients' 8-node chains as graphs against the
+  same chains awaited.
+
+Beside the coroutine rows, the floors of :mod:`opsched.cli.bench_floors` in the same
+rounds, without a target: a row whose target lies above the floor of a batcher with the
+same features cannot reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import attrs
+import numpy as np
+
+import opsched
+from opsched.cli.bench_floors import CLIENTS, clients, floors_of, run_floor
+from opsched.cli.bench_graphs import _Chain, _concurrent
+from opsched.cli.bench_kernels import BenchTarget, torch_peer
+from opsched.cli.bench_medium import SIZES, _glu, _gnb, _gnb_peer, _scheduled, as_tensors, on_device
+from opsched.cli.bench_paths import INPUTS, _calls, _facade, _two_phase, torch_per_request
+from opsched.devices.torch import aten
+
+__all__ = ["TargetRow", "bench_targets", "print_targets"]
+
+F32 = np.float32
+#: Seconds for one round of a row: (the peer's, the path's).
+Round = Callable[[], tuple[float, float]]
+
+
+@attrs.frozen
+class TargetRow:
+    """One row of the table: what it measures, its target (None: a floor, for reference),
+    the requests a round runs, and one round."""
+
+    label: str
+    target: float | None
+    requests: int
+    round: Round
+    peer: str = "torch"
+
+
+def _timed(run: Callable[[], object]) -> float:
+    gc.collect()  # a window never pays for a full collection another one made due
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _coroutines(target: BenchTarget | None, op: str, inputs: list[Any], n: int) -> float:
+    """Seconds for ``n`` requests from :data:`CLIENTS` coroutines, after a warm-up round:
+    through ``opsched``'s module-level functions (``target`` None: the default scheduler)
+    or an explicit scheduler on ``target``."""
+
+    async def main() -> float:
+        if target is None:
+            await clients(opsched, op, inputs, n)
+            gc.collect()
+            start = time.perf_counter()
+            await clients(opsched, op, inputs, n)
+            return time.perf_counter() - start
+        async with target.open() as sched:
+            await clients(sched, op, inputs, n)
+            gc.collect()
+            start = time.perf_counter()
+            await clients(sched, op, inputs, n)
+            return time.perf_counter() - start
+
+    return asyncio.run(main())
+
+
+def _tiny_rows(n: int) -> list[TargetRow]:
+    cpu, torch_cpu = BenchTarget(), BenchTarget("torch:cpu")
+    rng = np.random.default_rng(0)
+    inputs = {"glu": INPUTS["glu"](rng, 4096), "gnb": INPUTS["gnb"](rng, 4096)}
+    on_torch = {op: on_device(torch_cpu, work) for op, work in inputs.items()}
+    few = max(CLIENTS, n // 10)  # the one-at-a-time paths: fewer requests, the same ratio
+
+    def row(
+        label: str, target: float | None, op: str, ours: Callable[[int], float], count: int = n
+    ) -> TargetRow:
+        peer = torch_per_request(op, inputs[op])
+        return TargetRow(
+            label, target, count, lambda: (_timed(lambda: _calls(peer, count)), ours(count))
+        )
+
+    glu, gnb = inputs["glu"], inputs["gnb"]
+    rows = [
+        row(
+            "GLU, module-level `await opsched.glu_backward`, 256 coroutines",
+            1.0,
+            "glu",
+            lambda k: _coroutines(None, "glu", glu, k),
+        ),
+        row(
+            "GLU, `await sched.glu_backward`, 256 coroutines",
+            1.0,
+            "glu",
+            lambda k: _coroutines(cpu, "glu", glu, k),
+        ),
+        row(
+            "GLU, a burst of `submit_glu_backward` futures, one thread",
+            1.0,
+            "glu",
+            lambda k: _facade(cpu, "glu", glu, k, submit=True),
+        ),
+        row(
+            "GLU, `opsched.sync.glu_backward` one at a time",
+            1.0,
+            "glu",
+            lambda k: _facade(cpu, "glu", glu, k, submit=False),
+            few,
+        ),
+        row(
+            "GLU, two-phase `opsched.aclnn` per request",
+            1.0,
+            "glu",
+            lambda k: _two_phase("glu", glu, k),
+            few,
+        ),
+        row(
+            "GLU, torch:cpu, 256 coroutines",
+            1.0,
+            "glu",
+            lambda k: _coroutines(torch_cpu, "glu", on_torch["glu"], k),
+        ),
+        row(
+            "GroupNormBackward 4x8x64, 256 coroutines",
+            0.8,
+            "gnb",
+            lambda k: _coroutines(cpu, "gnb", gnb, k),
+        ),
+        row(
+            "GroupNormBackward 4x8x64, torch:cpu, 256 coroutines",
+            0.8,
+            "gnb",
+            lambda k: _coroutines(torch_cpu, "gnb", on_torch["gnb"], k),
+        ),
+    ]
+    for op, where in (("glu", cpu), ("glu", torch_cpu), ("gnb", torch_cpu)):
+        name = "GLU" if op == "glu" else "GroupNormBackward 4x8x64"
+        device = "" if where is cpu else f", {where.device}"
+        for floor in floors_of(op, where):
+            measure = functools.partial(run_floor, floor, where, op, inputs[op])
+            rows.append(row(f"{name}{device}, floor: {floor}", None, op, measure))
+    return rows
+
+
+def mixed_glu(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """``n`` GluBackward requests of 1-8 rows and 16-160 (even) columns, FLOAT."""
+    out = []
+    for _ in range(n):
+        rows, cols = int(rng.integers(1, 9)), 2 * int(rng.integers(8, 81))
+        x = rng.standard_normal((rows, cols)).astype(F32)
+        out.append((rng.standard_normal((rows, cols // 2)).astype(F32), x))
+    return out
+
+
+def mixed_gnb(rng: np.random.Generator, n: int) -> list[tuple[Any, ...]]:
+    """``n`` GroupNormBackward requests of N 1-4, C 4-16, HxW 16-160 and a group count
+    dividing C, FLOAT, all three outputs."""
+    out: list[tuple[Any, ...]] = []
+    for _ in range(n):
+        c = int(rng.choice([4, 8, 16]))
+        samples, hxw = int(rng.integers(1, 5)), int(rng.integers(16, 161))
+        group = int(rng.choice([g for g in (1, 2, 4) if c % g == 0]))
+        dy, x = (rng.standard_normal((samples, c, hxw)).astype(F32) for _ in range(2))
+        mean = rng.standard_normal((samples, group)).astype(F32)
+        rstd = (rng.random((samples, group)) + 0.5).astype(F32)
+        gamma = rng.standard_normal(c).astype(F32)
+        out.append((dy, x, mean, rstd, gamma, samples, c, hxw, group))
+    return out
+
+
+def _mixed_rows(n: int) -> list[TargetRow]:
+    torch_cpu = BenchTarget("torch:cpu")
+    rng = np.random.default_rng(1)
+    rows = []
+    for op, make, target in (("glu", mixed_glu, 1.0), ("gnb", mixed_gnb, 0.8)):
+        work = make(rng, 4096)
+        tensors = as_tensors(work)
+        if op == "glu":
+
+            def peer(k: int, tensors: list[Any] = tensors) -> object:
+                g, x = tensors[k % len(tensors)]
+                return aten.glu_backward(g, x, -1)
+
+        else:
+
+            def peer(k: int, tensors: list[Any] = tensors) -> object:
+                return _gnb_peer(tensors[k % len(tensors)])
+
+        def ours(k: int, op: str = op, tensors: list[Any] = tensors) -> float:
+            return _coroutines(torch_cpu, op, tensors, k)
+
+        def measure(peer: Callable[[int], object] = peer, ours: Any = ours) -> tuple[float, float]:
+            return _timed(lambda: _calls(peer, n)), ours(n)
+
+        name = "GLU" if op == "glu" else "GroupNormBackward"
+        rows.append(
+            TargetRow(f"{name}, torch:cpu, mixed shapes, 256 coroutines", target, n, measure)
+        )
+    return rows
+
+
+def _glu_peer(args: tuple[Any, ...]) -> object:
+    return aten.glu_backward(args[0], args[1], -1)
+
+
+def _medium_rows(round_bytes: int) -> list[TargetRow]:
+    rng = np.random.default_rng(2)
+    rows = []
+    for device in ("cpu", "torch:cpu"):
+        target = BenchTarget(device)
+        for op, make in (("glu_backward", _glu), ("group_norm_backward", _gnb)):
+            for nbytes in SIZES:
+                n = max(32, round_bytes // nbytes // 32 * 32)
+                work = make(rng, nbytes, n)
+                tensors = as_tensors(work)
+                mine = on_device(target, work)
+                call: Callable[[Any], object] = _gnb_peer
+                if op == "glu_backward":
+                    call = _glu_peer
+
+                def measure(
+                    call: Callable[[Any], object] = call,
+                    tensors: list[Any] = tensors,
+                    target: BenchTarget = target,
+                    op: str = op,
+                    mine: list[Any] = mine,
+                ) -> tuple[float, float]:
+                    peer = _timed(lambda: [call(a) for a in tensors])
+                    (ours,) = asyncio.run(_scheduled(target, op, mine, 1))
+                    return peer, ours
+
+                name = "GLU" if op == "glu_backward" else "GroupNormBackward"
+                where = "" if device == "cpu" else f", {device}"
+                label = f"{name} medium {nbytes >> 10} KiB{where}, 32 coroutines"
+                rows.append(TargetRow(label, 0.95, n, measure))
+    return rows
+
+
+def _graph_rows(chains: int, repeats: int) -> list[TargetRow]:
+    target = BenchTarget()
+    work = [_Chain(np.random.default_rng(3)) for _ in range(chains)]
+
+    def measure() -> tuple[float, float]:
+        awaited, _ = asyncio.run(_concurrent(target, work, repeats, _Chain.as_awaits))
+        graphs, _ = asyncio.run(_concurrent(target, work, repeats, _Chain.as_graph))
+        return awaited, graphs
+
+    label = f"8-node chains as graphs, {chains} clients"
+    return [TargetRow(label, 1.2, chains * repeats, measure, peer="awaited chains")]
+
+
+def bench_targets(rounds: int = 5, quick: bool = False) -> dict[str, Any]:
+    """Every row of the cost table: per row, the ratio of each round (peer / path) and the
+    microseconds per request of both; empty without torch (the peer)."""
+    if torch_peer() is None:
+        return {}
+    rows = [
+        *_tiny_rows(2048 if quick else 25_600),
+        *_mixed_rows(2048 if quick else 25_600),
+        *_medium_rows(8 << 20 if quick else 64 << 20),
+        *_graph_rows(8 if quick else 64, 2 if quick else 20),
+    ]
+    measured: list[list[tuple[float, float]]] = [[] for _ in rows]
+    for _ in range(rounds):  # interleaved: every row once a round
+        for row, times in zip(rows, measured, strict=True):
+            times.append(row.round())
+    out = []
+    for row, times in zip(rows, measured, strict=True):
+        ratios = [peer / ours for peer, ours in times]
+        out.append(
+            {
+                "path": row.label,
+                "target": row.target,
+                "peer": row.peer,
+                "requests": row.requests,
+                "ratio": statistics.median(ratios),
+                "rounds": ratios,
+                "us": statistics.median(ours for _, ours in times) / row.requests * 1e6,
+                "peer_us": statistics.median(peer for peer, _ in times) / row.requests * 1e6,
+            }
+        )
+    return {"rounds": rounds, "rows": out}
+
+
+def print_targets(r: dict[str, Any], out: TextIO) -> None:
+    """Print the table: each row's median ratio, spread, target and whether it is met."""
+    if not r:
+        print("12. cost targets: needs torch (the peer); not measured", file=out)
+        return
+    print(
+        f"12. cost targets, median of {r['rounds']} interleaved rounds (peer: torch's call "
+        "per request; graphs: the same chains awaited)",
+        file=out,
+    )
+    print(
+        f"{'path':<66}{'us':>7}{'peer us':>9}{'ratio':>8}  {'rounds':<13}{'target':>7}",
+        file=out,
+    )
+    for row in r["rows"]:
+        rounds = row["rounds"]
+        spread = f"{min(rounds):.2f}-{max(rounds):.2f}x"
+        if row["target"] is None:
+            verdict = "  (a floor)"
+            goal = ""
+        else:
+            goal = f">= {row['target']:.2f}x"
+            verdict = "  met" if row["ratio"] >= row["target"] else "  below"
+        print(
+            f"{row['path']:<66}{row['us']:>7.1f}{row['peer_us']:>9.1f}{row['ratio']:>7.2f}x  "
+            f"{spread:<13}{goal:>7}{verdict}",
+            file=out,
+        )
