@@ -123,6 +123,7 @@ class Checks:
             full = device.meta(tensors) if self._meta else tensors
             key, units = op.fusion(full, scalars)
             device.check_fits(op, full, scalars, key, units, nbytes)
+            key = device.launch_key(op, full, key)
             if signature is not None:
                 plan = CallPlan(op, scalars, spec, key, units, nbytes, signature)
                 self.plans.put(signature, plan)

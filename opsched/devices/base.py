@@ -6,7 +6,7 @@ is prepared. The core calls these hooks and never learns which device it has:
 - **admission**: :meth:`Device.meta` (what the checks see of the arguments),
   :meth:`Device.bind` (the request's arrays on the device, outputs allocated, and how its
   result returns to the caller), :meth:`Device.check_fits` (a request too big for the
-  device's workspace);
+  device's workspace), :meth:`Device.launch_key` (which requests may share a launch);
 - **launches**: :meth:`Device.prepare` turns a batch (solo, fused or one part of a split
   request) into the work its stream runs, or None when out of memory;
   :meth:`Device.release` returns what a finished launch held;
@@ -225,6 +225,12 @@ class Device(abc.ABC):
     ) -> None:
         """Raise ParamInvalidError when this request alone could never get its workspace
         (default: nothing to check)."""
+
+    def launch_key(self, op: Operator, tensors: Mapping[str, Any], key: Hashable) -> Hashable:
+        """The key of the launches a checked request may share (``key``: the operator's
+        fusion key, which a fused kernel's layout needs). Asked once per signature, never
+        per request. Default: the fusion key."""
+        return key
 
     def admit(self, where: str, name: str, value: Any) -> Any:
         """An input array bound at a graph run, as the launch uses it (default: as is)."""

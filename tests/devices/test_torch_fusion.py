@@ -29,6 +29,7 @@ import opsched
 from opsched.devices import make_device
 from opsched.devices.base import meta_of
 from opsched.devices.torch import aten as torch_ops
+from opsched.devices.torch import group_norm_backward as torch_group_norm_backward
 from opsched.devices.torch import launchers
 from opsched.devices.torch.layout import HostOperands
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD, Operator
@@ -456,7 +457,36 @@ def test_requests_of_different_shapes_with_rows_alike_share_one_call():
     assert [all_bits(GLU_BACKWARD, r) for r in batch] == solo * 2
 
 
-def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
+@pytest.fixture(params=[False, True], ids=["cpu calls", "stacked"])
+def stacked(request, monkeypatch):
+    """Whether GroupNormBackward's requests on the CPU take the accelerators' stacked
+    layout (forced here, where no accelerator is: its batch invariance is checked on the
+    CPU's aten) or, as the CPU runs them, each its own call."""
+    if request.param:
+        monkeypatch.setattr(torch_group_norm_backward, "_own_call", lambda r: False)
+    return request.param
+
+
+def test_on_the_cpu_each_group_norm_backward_is_its_own_aten_call():
+    # tiny requests of every geometry: each launched as aten's own call on its own
+    # tensors, in any batch, so bit for bit what aten gives a caller who calls it alone
+    rng = np.random.default_rng(15)
+    pool = []
+    for n, c, group in ((1, 4, 2), (2, 4, 4), (3, 8, 2), (2, 8, 1)):
+        dy, x = rand(rng, (n, c, 7), F32), rand(rng, (n, c, 7), F32)
+        mean, rstd = rand(rng, (n, group), F32), (rng.random((n, group)) + 0.5).astype(F32)
+        pool.append((t(dy), t(x), t(mean), t(rstd), t(rand(rng, (c,), F32)), n, c, 7, group))
+    counting = _CountingTorch("native_group_norm_backward")
+    batch = run(GROUP_NORM_BACKWARD, pool * 2, framework_module=counting)
+    assert counting.calls == len(pool) * 2
+    for args, r in zip(pool * 2, batch, strict=True):
+        want = torch.ops.aten.native_group_norm_backward(*args, [True] * 3)
+        assert [bits(o) for o in outputs(GROUP_NORM_BACKWARD, r)] == [bits(w) for w in want]
+
+
+def test_stacked_group_norm_backward_requests_of_different_n_and_c_share_one_call(monkeypatch):
+    # the accelerators' layout, forced on the CPU (see the ``stacked`` fixture)
+    monkeypatch.setattr(torch_group_norm_backward, "_own_call", lambda r: False)
     rng = np.random.default_rng(14)
     pool = []
     for n, c in ((1, 4), (2, 4), (3, 8), (2, 8)):  # 2 channels per group, HxW 5: one stack
@@ -473,6 +503,7 @@ def test_group_norm_backward_requests_of_different_n_and_c_share_one_call():
 
 @pytest.mark.parametrize("mask", list(itertools.product([True, False], repeat=3)), ids=str)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+@pytest.mark.usefixtures("stacked")
 def test_group_norm_backward_output_masks_alone_and_in_a_batch(mask, dtype):
     # a request alone (its own launch) and the same request among others of its mask: the
     # same bits; outputs not asked for stay None; those asked for within the tolerance of

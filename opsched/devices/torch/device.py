@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -322,6 +322,13 @@ class TorchDevice(Device):
         if numpy_in or caller_out:
             return tensors, _to_numpy(op, caller_out or {})
         return tensors, None
+
+    def launch_key(self, op: Operator, tensors: Mapping[str, Any], key: Hashable) -> Hashable:
+        """Requests of one operator and dtypes share launches, whatever their shapes: the
+        launcher stacks those whose rows match and runs the rest on their own tensors
+        (a fused layout of fixed geometry, what the fusion key names, is the host
+        devices'). Fewer, larger launches: each costs the scheduler a dispatch."""
+        return (op.name, *[None if tensors[n] is None else tensors[n].dtype for n in op.inputs])
 
     def graph_converter(self, given: Iterable[Any]) -> Converter | None:
         """A graph run returns numpy unless some array given to it was a tensor."""

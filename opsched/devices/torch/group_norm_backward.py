@@ -24,6 +24,7 @@ from opsched.devices.torch.layout import (
     framework_split_deliver,
     framework_stack,
     framework_stacks,
+    framework_tensor,
 )
 from opsched.ops import GROUP_NORM_BACKWARD
 
@@ -68,7 +69,8 @@ def launch(requests: Sequence[Any]) -> None:
     per sample. aten computes a channel's sums and a group's dx on one thread each, so dx
     is each request's own call, bit for bit, on any number of threads; dgamma /
     dbeta come per sample and are summed over a request's samples here, in order."""
-    if len(requests) == 1 and _lone_host(requests[0]):
+    requests = [r for r in requests if not _own_call(r)]  # the CPU's: each its own call
+    if not requests:
         return
     aten_call = torch.ops.aten.native_group_norm_backward
     for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _row, _INPUTS):
@@ -214,53 +216,63 @@ def _lone(request: Any, data: Any, wide: Any) -> None:
             framework_deliver(t, name, result.view(shape))
 
 
-def _lone_host(request: Any) -> bool:
-    """:func:`_lone` for a small request of numpy arrays (a blocking call's, say): the same
-    aten call on the same values, its reshapes, gamma's repeat and the per-sample sums done
-    on the numpy arrays instead (a torch call on a tiny tensor costs several numpy
-    calls). The sums are the stacked launch's: each lane accumulated in float64 in
-    sample order, rounded to float32, then to the statistics' dtype, as aten's ``cumsum``
-    does on the CPU (bit for bit, FLOAT16 and BFLOAT16 roundings included). Says
-    whether it ran the request (not: tensors, a large request, nothing to compute)."""
+def _own_call(request: Any) -> bool:
+    """On the CPU, a request with something to compute runs as aten's own call on its own
+    tensors and geometry, whatever it is launched with: stacking it would cost more than
+    it saves (a stacked launch of tiny requests makes twenty-odd torch calls beside aten's
+    own, a request alone about five), and a request that always runs alone gets the same
+    bits in any batch. Says whether it ran the request (not: an accelerator's, or one with
+    nothing to compute)."""
     t, s = request.tensors, request.scalars
-    if type(t) is not HostOperands:
+    if not s["N"] * s["C"] * s["HxW"]:
         return False
-    x, n, c, hxw = t["input"], s["N"], s["C"], s["HxW"]
-    if x.size >= _STACK_MAX or not n * c * hxw:
+    if type(t) is HostOperands:
+        _own_host(request)
+        return True
+    x = t["input"]
+    if not x.is_cpu:
         return False
-    total, groups, mask = n * c, n * s["group"], s["output_mask"]
+    _alone(request, *framework_dtypes(x, t["mean"].dtype))
+    return True
+
+
+def _own_host(request: Any) -> None:
+    """:func:`_alone` for a request of numpy arrays (a blocking call's, say): the same aten
+    call on the same values, on tensors viewing its arrays (statistics and gamma in at
+    least float32, as :func:`framework_dtypes` says for the CPU), its results rounded
+    once into the request's dtypes and handed back as numpy."""
+    t, s = request.tensors, request.scalars
+    n, c, hxw, group, mask = s["N"], s["C"], s["HxW"], s["group"], s["output_mask"]
+    x, stat_dtype = t["input"], t["mean"].dtype
+    wide = np.promote_types(stat_dtype, np.float32)
 
     def tensor(name: str, shape: tuple[int, ...], dtype: Any = None) -> Any:
         array = t[name] if dtype is None else t[name].astype(dtype, copy=False)
         return framework_laid_out(array, shape)
 
-    rows, stats = (1, total, hxw), (1, groups)
-    gamma = t["gamma"]
-    if gamma is None:  # aten cannot give dgamma without one: ones, what an absent gamma means
-        gammas = np.ones(total, np.float32)
-    else:  # [gamma] * n, as a stack of one repeats it
-        gammas = np.concatenate([gamma.astype(np.float32, copy=False).reshape(c)] * n)
-    dx, dgamma, dbeta = torch.ops.aten.native_group_norm_backward(
-        tensor("grad_out", rows),
-        tensor("input", rows),
-        tensor("mean", stats, np.float32),
-        tensor("rstd", stats, np.float32),
-        torch.from_numpy(gammas),
-        1,
-        total,
+    # aten cannot give dgamma without a gamma: ones, what an absent gamma means
+    ones = t["gamma"] is None
+    gammas = framework_tensor(np.ones(c, wide)) if ones else tensor("gamma", (c,), wide)
+    results = torch.ops.aten.native_group_norm_backward(
+        tensor("grad_out", (n, c, hxw)),
+        tensor("input", (n, c, hxw)),
+        tensor("mean", (n, group), wide),
+        tensor("rstd", (n, group), wide),
+        gammas,
+        n,
+        c,
         hxw,
-        groups,
+        group,
         list(mask),
     )
-    stat_dtype, stat_shape = t["mean"].dtype, _stat_shape(request)
-    if mask[0]:
-        framework_deliver(t, "dx", framework_host(dx).reshape(x.shape))
-    for name, result, want in (("dgamma", dgamma, mask[1]), ("dbeta", dbeta, mask[2])):
+    shapes = (x.shape, _stat_shape(request), _stat_shape(request))
+    dtypes = (x.dtype, stat_dtype, stat_dtype)
+    for name, result, want, shape, dtype in zip(
+        _OUTPUTS, results, mask, shapes, dtypes, strict=True
+    ):
         if want:
-            lanes = framework_host(result).reshape(n, c).astype(np.float64)
-            summed = np.add.accumulate(lanes, axis=0)[-1].astype(np.float32)
-            framework_deliver(t, name, summed.astype(stat_dtype).reshape(stat_shape))
-    return True
+            host = framework_host(result).astype(dtype, copy=False)
+            framework_deliver(t, name, host.reshape(shape))
 
 
 def _stat_shape(request: Any) -> tuple[int, ...]:
