@@ -8,11 +8,12 @@ float32 on load, rounded once on store).
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from . import _jit
 
-__all__ = ["LOOPS"]
+__all__ = ["LOOPS", "TABLE_COLUMNS", "TABLE_LOOPS"]
 
 
 @_jit.body
@@ -336,5 +337,76 @@ LOOPS = _jit.Loops(
         "float32": (_gnb_float32, _signature("float32")),
         "float16": (_gnb_float16, _signature("uint16")),
         "bfloat16": (_gnb_bfloat16, _signature("uint16")),
+    }
+)
+
+
+@_jit.body
+def _gnb_table_body(table, sums, one, storage, load, store):  # type: ignore[no-untyped-def]
+    """The compiled loop of a table launch: for each row of ``table`` (see
+    :data:`TABLE_COLUMNS`; C-contiguous operands, FLOAT statistics and gamma, all three
+    outputs), that request's own arrays through :func:`_gnb_body` with the arguments its
+    solo launch passes (so the same bits), its sums in the front of ``sums``."""
+    for r in range(table.shape[0]):
+        n, c, group, hxw = table[r, 8], table[r, 9], table[r, 10], table[r, 11]
+        size, rows, channel_rows = n * c * hxw, n * group, n * c
+        dy = numba.carray(_jit.pointer(table[r, 0]), size, storage)
+        x = numba.carray(_jit.pointer(table[r, 1]), size, storage)
+        dx = numba.carray(_jit.pointer(table[r, 2]), size, storage)
+        mean = numba.carray(_jit.pointer(table[r, 3]), rows, np.float32)
+        rstd = numba.carray(_jit.pointer(table[r, 4]), rows, np.float32)
+        gamma, period = one, 1
+        if table[r, 5]:
+            gamma, period = numba.carray(_jit.pointer(table[r, 5]), c, np.float32), c
+        dgamma = numba.carray(_jit.pointer(table[r, 6]), c, np.float32)
+        dbeta = numba.carray(_jit.pointer(table[r, 7]), c, np.float32)
+        _gnb_body(
+            dy,
+            hxw,
+            x,
+            hxw,
+            dx,
+            hxw,
+            mean,
+            rstd,
+            gamma,
+            period,
+            sums[:channel_rows],
+            sums[channel_rows : 2 * channel_rows],
+            rows,
+            c // group,
+            hxw,
+            True,
+            n,
+            c,
+            dgamma,
+            dbeta,
+            load,
+            store,
+        )
+
+
+def _gnb_table_float32(table, sums, one):  # type: ignore[no-untyped-def]
+    _gnb_table_body(table, sums, one, np.float32, _jit.same, _jit.same)
+
+
+def _gnb_table_float16(table, sums, one):  # type: ignore[no-untyped-def]
+    _gnb_table_body(table, sums, one, np.uint16, _jit.half_to_f32, _jit.f32_to_half)
+
+
+def _gnb_table_bfloat16(table, sums, one):  # type: ignore[no-untyped-def]
+    _gnb_table_body(table, sums, one, np.uint16, _jit.bf16_to_f32, _jit.f32_to_bf16)
+
+
+#: A table row: the addresses of ``grad_out``, ``input``, ``dx``, ``mean``, ``rstd``,
+#: ``gamma`` (0: none), ``dgamma``, ``dbeta``; then N, C, group, HxW.
+TABLE_COLUMNS = 12
+_TABLE = _jit.void(_jit.TABLE, _jit.OUTPUT, _jit.OUTPUT)
+#: The table launch's entry point of each storage kind, compiled on first use.
+TABLE_LOOPS = _jit.Loops(
+    {
+        "float32": (_gnb_table_float32, _TABLE),
+        "float16": (_gnb_table_float16, _TABLE),
+        "bfloat16": (_gnb_table_bfloat16, _TABLE),
     }
 )

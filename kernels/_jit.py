@@ -63,6 +63,8 @@ __all__ = [
     "I8",
     "Loops",
     "OUTPUT",
+    "TABLE",
+    "addresses",
     "bf16_to_f32",
     "body",
     "compiled",
@@ -75,6 +77,7 @@ __all__ = [
     "kind_of",
     "lane_sums",
     "lanes",
+    "pointer",
     "readonly",
     "same",
     "sigmoid",
@@ -179,6 +182,19 @@ def _fma_typing(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 
 
 fma: Any = intrinsic(_fma_typing)
+
+
+def _pointer_typing(typingctx: Any, address: Any) -> Any:
+    """An address (int64) as a void pointer: what ``numba.carray`` makes an array of."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(types.int64), codegen
+
+
+#: ``pointer(address)``: a table launch's operand (see :func:`addresses`).
+pointer: Any = intrinsic(_pointer_typing)
 
 
 # The loads (storage element -> float32) and stores (float32 -> storage element, rounded
@@ -427,6 +443,8 @@ void = types.void
 #: The loops' scalar arguments: offsets, strides and counts, and flags.
 I8 = types.int64
 B1 = types.boolean
+#: A table launch's rows: int64, one per request (its operands' addresses, its geometry).
+TABLE = types.Array(types.int64, 2, "C", readonly=True)
 #: The float32 operand of every kind's loop that it writes (sums, statistics scratch).
 OUTPUT = writeable("float32")
 
@@ -544,6 +562,29 @@ def _sigmoid_loop(x: Any, out: Any) -> None:
 
 
 _SIGMOID = Loops({"float32": (_sigmoid_loop, void(readonly("float32"), OUTPUT))})
+
+
+def _address(array: Any) -> Any:
+    return array.ctypes.data
+
+
+#: The data address of a flat storage view, by kind (a compiled call: a third of what
+#: ``ndarray.ctypes.data`` costs).
+_ADDRESS = Loops(
+    {
+        "float32": (_address, types.int64(readonly("float32"))),
+        "float16": (_address, types.int64(readonly("uint16"))),
+        "bfloat16": (_address, types.int64(readonly("uint16"))),
+    }
+)
+
+
+def addresses(kind: Kind, *arrays: np.ndarray) -> list[int]:
+    """The data addresses of C-contiguous ``arrays`` of ``kind``: the rows of a table
+    launch, a compiled loop over many requests' own arrays (a request's operands found by
+    address, :func:`pointer`, where a fused launch would copy them into one buffer)."""
+    address = _ADDRESS[kind.name]
+    return [address(storage(a, kind)) for a in arrays]
 
 
 def sigmoid32(x: np.ndarray) -> np.ndarray:

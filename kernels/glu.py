@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numba
 import numpy as np
 
 from . import _jit
@@ -52,9 +53,11 @@ __all__ = [
     "glu_backward_reference",
     "glu_backward_rows",
     "glu_backward_runner",
+    "glu_backward_table",
     "glu_grid",
     "make_glu_plan",
     "plan_glu_backward",
+    "glu_table_row",
 ]
 
 
@@ -381,6 +384,77 @@ _LOOPS = _jit.Loops(
         "bfloat16": (_glu_bfloat16, _signature("uint16")),
     }
 )
+
+
+@_jit.body
+def _glu_table_body(table, storage, load, store):  # type: ignore[no-untyped-def]
+    """The compiled loop of a table launch: for each row of ``table`` (``grad_out``,
+    ``self`` and ``out``'s addresses, ``outer``, ``half``; C-contiguous operands), that
+    request's own arrays through :func:`_glu_body`, with the arguments its solo launch
+    passes (so the same bits)."""
+    for r in range(table.shape[0]):
+        outer = table[r, 3]
+        half = table[r, 4]
+        n = outer * half
+        g = numba.carray(_jit.pointer(table[r, 0]), n, storage)
+        x = numba.carray(_jit.pointer(table[r, 1]), 2 * n, storage)
+        o = numba.carray(_jit.pointer(table[r, 2]), 2 * n, storage)
+        _glu_body(g, 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half, outer, half, load, store)
+
+
+def _glu_table_float32(table):  # type: ignore[no-untyped-def]
+    _glu_table_body(table, np.float32, _jit.same, _jit.same)
+
+
+def _glu_table_float16(table):  # type: ignore[no-untyped-def]
+    _glu_table_body(table, np.uint16, _jit.half_to_f32, _jit.f32_to_half)
+
+
+def _glu_table_bfloat16(table):  # type: ignore[no-untyped-def]
+    _glu_table_body(table, np.uint16, _jit.bf16_to_f32, _jit.f32_to_bf16)
+
+
+_TABLE = _jit.void(_jit.TABLE)
+#: The table launch's entry point of each storage kind, compiled on first use.
+_TABLE_LOOPS = _jit.Loops(
+    {
+        "float32": (_glu_table_float32, _TABLE),
+        "float16": (_glu_table_float16, _TABLE),
+        "bfloat16": (_glu_table_bfloat16, _TABLE),
+    }
+)
+
+
+def glu_table_row(
+    grad_out: np.ndarray, self: np.ndarray, out: np.ndarray, dim: int
+) -> tuple[int, ...] | None:
+    """A request's row of a table launch (:func:`glu_backward_table`): its operands'
+    addresses, ``outer`` and ``half``. None for a request that cannot take part, which
+    runs its own launch: DOUBLE (the numpy kernel), an operand that is not C-contiguous,
+    an ``out`` that overlaps an input (its launch stages it), nothing to compute."""
+    kind = _jit.kind_of(self.dtype)
+    if kind is None or not (
+        grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous
+    ):
+        return None
+    outer, half = glu_grid(self.shape, dim % self.ndim)
+    if not outer * half:
+        return None
+    g, x, o = _jit.addresses(kind, grad_out, self, out)
+    size = out.nbytes
+    if (o < x + self.nbytes and x < o + size) or (o < g + grad_out.nbytes and g < o + size):
+        return None
+    return g, x, o, outer, half
+
+
+def glu_backward_table(dtype: np.dtype, rows: list[tuple[int, ...]]) -> Callable[[], None]:
+    """One compiled call computing every request of ``rows`` (:func:`glu_table_row`, all
+    of ``dtype``) on its own arrays: a fused launch without a gather or a scatter, each
+    request's bits its solo launch's. The arrays must stay alive until it has run."""
+    kind = _jit.kind_of(dtype)
+    assert kind is not None, "glu_table_row takes compiled dtypes only"
+    loop, table = _TABLE_LOOPS[kind.name], np.array(rows, np.int64)
+    return lambda: loop(table)
 
 
 def _flat_args(

@@ -33,13 +33,15 @@ import numpy as np
 
 from . import _jit
 from ._common import Carver, must_stage, overlaps, store, workspace_bytes
-from ._gnb_loops import LOOPS
+from ._gnb_loops import LOOPS, TABLE_LOOPS
 
 __all__ = [
     "GnbPlan",
     "group_norm_backward_reference",
     "group_norm_backward_rows_reference",
     "group_norm_backward_runner",
+    "group_norm_backward_table",
+    "gnb_table_row",
     "make_gnb_plan",
     "plan_group_norm_backward",
     "prepare_group_norm_backward",
@@ -447,6 +449,92 @@ def group_norm_backward_runner(
         loop(*arguments(grad_out, x, mean, rstd, gamma, dx, dgamma, dbeta, sums))
 
     return run
+
+
+def gnb_table_row(
+    grad_out: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+    dx: np.ndarray,
+    dgamma: np.ndarray,
+    dbeta: np.ndarray,
+    n: int,
+    c: int,
+    hxw: int,
+    group: int,
+    fresh: bool = False,
+) -> tuple[int, ...] | None:
+    """A request's row of a table launch (:func:`group_norm_backward_table`): its
+    operands' addresses, N, C, group and HxW. None for a request that cannot take part,
+    which runs its own launch: one that is not the usual launch (:func:`_is_direct`: all
+    three outputs, FLOAT statistics, gamma and outputs, C-contiguous operands, a compiled
+    dtype), whose outputs overlap an input (its launch stages them), or that computes
+    nothing. ``fresh``: the outputs are new arrays of the launch (C-contiguous FLOAT, of
+    the data's dtype for dx, overlapping nothing): not checked again."""
+    kind = _jit.kind_of(x.dtype)
+    if kind is None or not n * c * hxw:
+        return None
+    f32 = F32
+    if not (
+        grad_out.flags.c_contiguous
+        and x.flags.c_contiguous
+        and mean.dtype is f32
+        and rstd.dtype is f32
+        and (gamma is None or gamma.dtype is f32)
+        and mean.flags.c_contiguous
+        and rstd.flags.c_contiguous
+        and (gamma is None or gamma.flags.c_contiguous)
+    ):
+        return None
+    if not fresh and not (
+        dx.flags.c_contiguous
+        and dgamma.dtype is f32
+        and dbeta.dtype is f32
+        and dgamma.flags.c_contiguous
+        and dbeta.flags.c_contiguous
+    ):
+        return None
+    data = _jit.addresses(kind, grad_out, x, dx)
+    stats = (mean, rstd, dgamma, dbeta) if gamma is None else (mean, rstd, dgamma, dbeta, gamma)
+    found = _jit.addresses(_FLOAT, *stats)
+    if not fresh and _overlap(
+        [(data[2], dx.nbytes), (found[2], dgamma.nbytes), (found[3], dbeta.nbytes)],
+        [(data[0], grad_out.nbytes), (data[1], x.nbytes), (found[0], mean.nbytes)]
+        + [(found[1], rstd.nbytes)]
+        + ([] if gamma is None else [(found[4], gamma.nbytes)]),
+    ):
+        return None
+    g = 0 if gamma is None else found[4]
+    return (*data, found[0], found[1], g, found[2], found[3], n, c, group, hxw)
+
+
+def _overlap(outputs: list[tuple[int, int]], inputs: list[tuple[int, int]]) -> bool:
+    """Whether any of the ``(address, bytes)`` ranges of ``outputs`` meets one of
+    ``inputs``."""
+    return any(
+        start < low + length and low < start + size
+        for start, size in outputs
+        for low, length in inputs
+    )
+
+
+#: The compiled kind of FLOAT statistics (their addresses).
+_FLOAT = _jit.KINDS[F32]
+
+
+def group_norm_backward_table(dtype: np.dtype, rows: list[tuple[int, ...]]) -> Callable[[], None]:
+    """One compiled call computing every request of ``rows`` (:func:`gnb_table_row`, all
+    of data ``dtype``) on its own arrays, its sums in scratch of its own: a fused launch
+    without a gather or a scatter, each request's bits its solo launch's. The arrays must
+    stay alive until it has run."""
+    kind = _jit.kind_of(dtype)
+    assert kind is not None, "gnb_table_row takes compiled dtypes only"
+    table = np.array(rows, np.int64)
+    sums = np.empty(2 * int((table[:, 8] * table[:, 9]).max()), F32)
+    loop, one = TABLE_LOOPS[kind.name], _ONE
+    return lambda: loop(table, sums, one)
 
 
 def _sums(workspace: np.ndarray | None, count: int) -> np.ndarray:

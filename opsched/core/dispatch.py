@@ -236,15 +236,17 @@ class Dispatcher:
             # wait), and tell each run when its node is launched, so its consumers can be
             # queued at once.
             waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
-            # Inline: up to inline_max_bytes on an idle stream, except a lone request of
-            # at least MIN_SPREAD_BYTES that is not the round's last launch: one long
-            # kernel call that computes on its stream's thread, without the GIL, while the
-            # loop runs the rest. (A fused launch holds the GIL between its many calls: on
-            # a thread it would queue for the GIL behind the loop thread.)
+            # Inline: up to inline_max_bytes on an idle stream, except one long kernel
+            # call of at least MIN_SPREAD_BYTES (a lone request, or a fused launch that
+            # is one compiled call) that is not the round's last launch: it computes on
+            # its stream's thread, without the GIL, while the loop runs the rest. (A
+            # fused launch of many calls holds the GIL between them: on a thread it would
+            # queue for the GIL behind the loop thread.)
+            many_calls = batch.fused and not prepared.one_call
             inline = (
                 self.device.inline_capable
                 and batch.nbytes <= self.config.inline_max_bytes
-                and (may_inline or batch.fused or batch.nbytes < MIN_SPREAD_BYTES)
+                and (may_inline or many_calls or batch.nbytes < MIN_SPREAD_BYTES)
                 and not waits
             )
             if inline:

@@ -91,11 +91,16 @@ class Prepared:
         token: what :meth:`Device.release` takes back when the launch has finished.
         cache_hit: whether a cached executor served it; None: its requests ran on their
             solo plans, one after another (no executor of the cache).
+        one_call: the launch of several requests is one compiled call that holds the GIL
+            only to start and to return: like a solo launch, it may compute on its
+            stream's thread while the loop runs (a launch of many Python calls holds the
+            GIL throughout, and runs inline).
     """
 
     work: Callable[[], tuple[dict[int, BaseException], float, float]]
     token: Any = None
     cache_hit: bool | None = False
+    one_call: bool = False
 
 
 _NUMPY_OF = {  # a tensor dtype's name -> numpy dtype

@@ -210,8 +210,10 @@ async def test_large_unsplittable_request_runs_alone(device):
 async def test_large_lone_requests_compute_on_their_streams_but_the_last(device, monkeypatch):
     # Two lone requests of over MIN_SPREAD_BYTES start in one dispatch: the first computes
     # on its stream's thread while the second runs inline on the loop thread (run one
-    # after the other inline, the two streams would never overlap). Fused launches of
-    # that size stay inline: their many calls would queue for the GIL on a thread.
+    # after the other inline, the two streams would never overlap). So do two fused
+    # launches of that size that are each one compiled call (on the cpu device, requests
+    # of LONE_BYTES or more, run on their own arrays by the table loop); fused launches of
+    # many calls stay inline: they would queue for the GIL on a thread.
     ran: list[str] = []
     run_inline, enqueue = Stream.run_inline, ThreadStream.enqueue
 
@@ -228,15 +230,22 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
     rng = np.random.default_rng(4)
     big = [(rand(rng, (256, 512), F32), rand(rng, (256, 1024), F32)) for _ in range(2)]
     assert big[0][1].nbytes >= MIN_SPREAD_BYTES  # 2.5 MiB in all: alone, under 4 MiB
-    small = [small_glu(rng, rows=64, cols=256) for _ in range(16)]  # 2 x 1.25 MiB fused
+    tabled = [small_glu(rng, rows=64, cols=256) for _ in range(16)]  # 2 x 1.25 MiB
+    assert 2 * tabled[0][1].nbytes + tabled[0][0].nbytes >= LONE_BYTES
+    gathered = [small_glu(rng, rows=32, cols=256) for _ in range(26)]  # 2 x 1.02 MiB
+    assert 2 * gathered[0][1].nbytes + gathered[0][0].nbytes < LONE_BYTES
 
     async with opsched.open_scheduler(device=device, streams=2) as sched:
         results = await together(sched, big)
         assert ran == ["thread", "inline"]
         ran.clear()
-        fused = await together(sched, small)
-        assert ran == ["inline", "inline"] and sched.statistics().launches == 4
-    for (g, x), r in zip(big + small, results + fused, strict=True):
+        results += await together(sched, tabled)
+        one_call = ["thread", "inline"] if device == "cpu" else ["inline", "inline"]
+        assert ran == one_call and sched.statistics().launches == 4
+        ran.clear()
+        results += await together(sched, gathered)
+        assert ran == ["inline", "inline"] and sched.statistics().launches == 6
+    for (g, x), r in zip(big + tabled + gathered, results, strict=True):
         assert_result(device, r, solo_glu(g, x, -1))
 
 

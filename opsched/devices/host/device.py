@@ -161,6 +161,9 @@ class HostDevice(Device):
     stream_class: ClassVar[type[Stream]]
     #: Launches at least this large run alone (the scheduler's ``fuse_max_bytes``).
     fuse_max_bytes: int = attrs.field(default=1 << 20, kw_only=True)
+    #: Whether requests that run on their own arrays inside a fused launch go through
+    #: their operator's table loop (the fast kernels'; the reference kernels have none).
+    table_launches: ClassVar[bool] = True
     _pool: WorkspacePool = attrs.field(factory=lambda: WorkspacePool(64 << 20), kw_only=True)
     _cache: ExecutorCache = attrs.field(factory=lambda: ExecutorCache(1024), kw_only=True)
     #: :meth:`run_solo`'s plans (:class:`SoloPlan`: the plan, the outputs it allocates,
@@ -383,16 +386,16 @@ class HostDevice(Device):
         op: Operator = requests[0].op
         units = batch.units
         if len(requests) <= SOLO_BATCH_MAX:
-            return Prepared(self._fused_work(list(requests), None), cache_hit=None)
+            return self._alone(op, list(requests))
         lone = [r for r in requests if r.nbytes >= LONE_BYTES]
         if lone:
             requests = [r for r in requests if r.nbytes < LONE_BYTES]
             units = sum([r.units for r in requests])
             if not requests:  # nothing to gather: no fused block
-                return Prepared(self._fused_work(lone, None), cache_hit=None)
+                return self._alone(op, lone)
         found = self._fused_executor(op, batch.key, units, batch.stream, requests)
         if found is None:  # gathered, they could never fit the cap: each on its own arrays
-            return Prepared(self._fused_work([*lone, *requests], None), cache_hit=None)
+            return self._alone(op, [*lone, *requests])
         executor, cache_key, hit, capacity = found
         layout: FusedLayout = executor.layout
         block = self._pool.allocate(layout.nbytes, batch.stream, overflow=overflow)
@@ -419,7 +422,13 @@ class HostDevice(Device):
             for part in parts:
                 run(part, errors)
 
-        return Prepared(self._fused_work(lone, fused), block, hit)
+        work, _ = self._fused_work(op, lone, fused)
+        return Prepared(work, block, hit)
+
+    def _alone(self, op: Operator, requests: list[Any]) -> Prepared:
+        """A fused batch whose requests all run on their own arrays (no fused block)."""
+        work, one_call = self._fused_work(op, requests, None)
+        return Prepared(work, cache_hit=None, one_call=one_call)
 
     def _fused_executor(
         self, op: Operator, key: Hashable, units: int, stream: int, requests: Sequence[Any]
@@ -456,16 +465,36 @@ class HostDevice(Device):
         return executor, cache_key, False
 
     def _fused_work(
-        self, lone: list[Any], fused: Callable[[dict[int, BaseException]], None] | None
-    ) -> Callable[[], Outcome]:
-        """A fused batch's launch: each of its ``lone`` requests on its own arrays
-        (:meth:`run_solo`: its solo plan, the same bits; a failure fails that request
-        only), then ``fused``, the gather-compute-scatter of the rest (None: no rest)."""
+        self,
+        op: Operator,
+        lone: list[Any],
+        fused: Callable[[dict[int, BaseException]], None] | None,
+    ) -> tuple[Callable[[], Outcome], bool]:
+        """A fused batch's launch, and whether it is one compiled call (which holds the GIL
+        only to start: it may compute on its stream's thread while the loop runs).
+
+        Its ``lone`` requests run on their own arrays: those the operator's table loop
+        takes in one call (:meth:`HostLauncher.table`, built here, on the loop thread), the
+        rest one by one (:meth:`run_solo`); both with their solo launch's bits. When the
+        table call fails, each of its requests runs alone, so only the one that fails gets
+        an error. Then ``fused``, the gather-compute-scatter of the rest (None: no rest)."""
+        call: Callable[[], None] | None = None
+        tabled: list[Any] = []
+        solo = lone
+        if lone and self.table_launches:
+            call, tabled, solo = LAUNCHERS[op.name].table(lone)
 
         def work() -> Outcome:
             start = time.perf_counter()
             errors: dict[int, BaseException] = {}
-            for request in lone:
+            alone = solo
+            if call is not None:
+                try:
+                    self.check_fault(tabled)
+                    call()
+                except Exception:  # find the culprits: each alone, its own launch
+                    alone = [*tabled, *solo]
+            for request in alone:
                 try:
                     self.run_solo(request)
                 except Exception as exc:  # the launch boundary of one request
@@ -474,7 +503,7 @@ class HostDevice(Device):
                 fused(errors)
             return errors, start, time.perf_counter()
 
-        return work
+        return work, call is not None and not solo and fused is None
 
     def _run_fused(
         self,
@@ -574,6 +603,7 @@ class ReferenceDevice(HostDevice):
 
     device_name: ClassVar[str] = "reference"
     stream_class: ClassVar[type[Stream]] = InlineStream
+    table_launches: ClassVar[bool] = False
     #: Everything runs on the loop thread, in submission order: callers' threads never.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
 

@@ -12,13 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import HostLauncher
+from opsched.devices.host.launcher import HostLauncher, Table
 from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
     glu_backward_reference,
     glu_backward_runner,
+    glu_backward_table,
     glu_grid,
+    glu_table_row,
     make_glu_plan,
     plan_glu_backward,
 )
@@ -61,6 +63,23 @@ class GluBackwardLauncher(HostLauncher):
             glu_backward_fast(plan, t["grad_out"], t["self"], t["out"], workspace)
 
         return staged
+
+    def table(self, requests: Sequence[Any]) -> Table:
+        rows, taken, rest = [], [], []
+        for request in requests:
+            t = request.tensors
+            x, out = t["self"], t["out"]
+            if out is None:  # left to the launch: its own new array, as a solo launch's
+                out = t["out"] = np.empty(x.shape, x.dtype)
+            row = glu_table_row(t["grad_out"], x, out, request.scalars["dim"])
+            if row is None:
+                rest.append(request)
+            else:
+                rows.append(row)
+                taken.append(request)
+        if not rows:
+            return None, taken, rest
+        return glu_backward_table(requests[0].tensors["self"].dtype, rows), taken, rest
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])

@@ -9,12 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import HostLauncher
+from opsched.devices.base import allocate_missing
+from opsched.devices.host.launcher import HostLauncher, Table
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
+    gnb_table_row,
     group_norm_backward_reference,
     group_norm_backward_rows_reference,
     group_norm_backward_runner,
+    group_norm_backward_table,
     make_gnb_plan,
     plan_group_norm_backward,
     prepare_group_norm_backward,
@@ -50,6 +53,40 @@ class GroupNormBackwardLauncher(HostLauncher):
             s["output_mask"],
             tensors["gamma"] is not None,
         )
+
+    def table(self, requests: Sequence[Any]) -> Table:
+        rows, taken, rest = [], [], []
+        for request in requests:
+            t, s = request.tensors, request.scalars
+            if not all(s["output_mask"]):  # the table loop computes all three
+                rest.append(request)
+                continue
+            fresh = t["dx"] is None and t["dgamma"] is None and t["dbeta"] is None
+            allocate_missing(self.op, t, s)  # left to the launch: new arrays, as a solo's
+            row = gnb_table_row(
+                t["grad_out"],
+                t["input"],
+                t["mean"],
+                t["rstd"],
+                t["gamma"],
+                t["dx"],
+                t["dgamma"],
+                t["dbeta"],
+                s["N"],
+                s["C"],
+                s["HxW"],
+                s["group"],
+                fresh,
+            )
+            if row is None:
+                rest.append(request)
+            else:
+                rows.append(row)
+                taken.append(request)
+        if not rows:
+            return None, taken, rest
+        dtype = taken[0].tensors["input"].dtype
+        return group_norm_backward_table(dtype, rows), taken, rest
 
     def prepare(self, plan: GnbPlan, tensors: Tensors) -> Launch:
         t = tensors

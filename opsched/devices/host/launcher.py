@@ -12,13 +12,15 @@ A fused launch gathers many requests of one fusion key into contiguous arrays of
 bucketed capacity (the fused geometry), runs the operator's own kernel on them once, and
 scatters each request's slice of the output back. Each element or group is computed by the
 same float operations on the same contiguous buffers as when launched alone, so the results
-are bit-identical.
+are bit-identical. An operator whose kernel has a table loop (:meth:`HostLauncher.table`)
+also runs requests together without copying them: one compiled call walks each request's
+own arrays, found by address, with the arguments of its solo launch.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,7 +28,11 @@ import numpy as np
 from opsched.ops import Operator
 from opsched.ops._base import FusedGeometry, Launch, Tensors
 
-__all__ = ["HostLauncher"]
+__all__ = ["HostLauncher", "Table"]
+
+#: A table launch (:meth:`HostLauncher.table`): its call (None: none), the requests it
+#: computes, the rest.
+Table = tuple[Callable[[], None] | None, list[Any], list[Any]]
 
 
 class HostLauncher(abc.ABC):
@@ -77,6 +83,15 @@ class HostLauncher(abc.ABC):
         """True when an output overlaps an input but ``plan`` does not stage the output
         (arrays rebound on a repeatable executor planned for separate buffers)."""
         return not plan.stage_out and self.op.overlaps_any(tensors)
+
+    def table(self, requests: Sequence[Any]) -> Table:
+        """A table launch of those ``requests`` (one fusion key) that can take part: one
+        compiled call computing each on its own arrays (outputs left to the launch are
+        allocated now), with its solo launch's bits; the requests it computes, and those
+        it cannot (each runs its own launch). The call holds the GIL only to start and to
+        return; it must run while the requests' arrays are alive. Default: no table loop,
+        every request its own launch."""
+        return None, [], list(requests)
 
     @abc.abstractmethod
     def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
