@@ -76,6 +76,12 @@ above 1.0x means the scheduler costs less per request than no scheduler at all.
   a round of requests.
 - **Graphs.** 64 clients each running 8-node backward chains as graphs, against the same
   chains awaited call by call and called directly through the two-phase API.
+- **Cost targets.** Every way in, on the host device and on `torch:cpu`, for tiny, mixed
+  and medium requests and graphs, against torch's call per request (graphs: the same
+  chains awaited), each row beside its target: the median and spread of at least five
+  rounds, every row once a round. The floors of the coroutine rows run in the same rounds:
+  a target above the floor of a batcher with the same features is out of any such batcher's
+  range.
 """
 
 
@@ -165,6 +171,37 @@ def _medium(medium: dict[str, Any]) -> list[str]:
         rows.append([name, size, str(row["requests"]), _x(row["speedup"])])
     head = ["operator", "request", "requests", "vs torch's call"]
     return ["### Medium requests, 32 coroutines", "", *_table(head, rows), ""]
+
+
+def _targets(targets: dict[str, Any]) -> list[str]:
+    """The cost-target table: each row's ratio, spread and target, met or not."""
+    if not targets:
+        return []
+    rows = []
+    for row in targets["rows"]:
+        target = row["target"]
+        verdict = "a floor" if target is None else ("met" if row["ratio"] >= target else "below")
+        rows.append(
+            [
+                row["path"],
+                f"{row['us']:.1f}",
+                f"{row['peer_us']:.1f}",
+                _x(row["ratio"]),
+                _spread(row["rounds"]),
+                "" if target is None else f">= {_x(target)}",
+                verdict,
+            ]
+        )
+    head = ["path", "us a request", "peer us", "ratio", "rounds", "target", ""]
+    return [
+        "### Cost targets",
+        "",
+        f"`--parts targets`: median of {targets['rounds']} interleaved rounds; the peer is "
+        "torch's call per request (graphs: the same chains awaited).",
+        "",
+        *_table(head, rows),
+        "",
+    ]
 
 
 def _calls(calls: dict[str, Any]) -> list[str]:
@@ -306,6 +343,8 @@ def render_page(doc: dict[str, Any], source: str) -> str:
         "`docs/benchmarks/`, and git history.",
         "",
     ]
+    if "targets" in sched:
+        lines += _targets(sched["targets"])
     lines += _throughput(sched)
     if "paths" in sched:
         lines += _paths(sched["paths"])

@@ -46,7 +46,7 @@ from opsched.cli.bench_medium import SIZES, _glu, _gnb, _gnb_peer, _scheduled, a
 from opsched.cli.bench_paths import INPUTS, _calls, _facade, _two_phase, torch_per_request
 from opsched.devices.torch import aten
 
-__all__ = ["TargetRow", "bench_targets", "print_targets"]
+__all__ = ["GROUPS", "TargetRow", "bench_targets", "print_targets"]
 
 F32 = np.float32
 #: Seconds for one round of a row: (the peer's, the path's).
@@ -278,17 +278,30 @@ def _graph_rows(chains: int, repeats: int) -> list[TargetRow]:
     return [TargetRow(label, 1.2, chains * repeats, measure, peer="awaited chains")]
 
 
-def bench_targets(rounds: int = 5, quick: bool = False) -> dict[str, Any]:
-    """Every row of the cost table: per row, the ratio of each round (peer / path) and the
-    microseconds per request of both; empty without torch (the peer)."""
+#: The table's groups of rows, in the order they print.
+GROUPS = ("tiny", "mixed", "medium", "graphs")
+
+
+def bench_targets(
+    rounds: int = 5, quick: bool = False, groups: tuple[str, ...] = GROUPS
+) -> dict[str, Any]:
+    """Every row of the cost table (of ``groups``): per row, the ratio of each round (peer /
+    path) and the microseconds per request of both; empty without torch (the peer).
+    ``quick``: small workloads (a smoke run)."""
     if torch_peer() is None:
         return {}
-    rows = [
-        *_tiny_rows(2048 if quick else 25_600),
-        *_mixed_rows(2048 if quick else 25_600),
-        *_medium_rows(8 << 20 if quick else 64 << 20),
-        *_graph_rows(8 if quick else 64, 2 if quick else 20),
-    ]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        msg = f"unknown cost-target group(s) {unknown}; valid: {list(GROUPS)}"
+        raise ValueError(msg)
+    requests = 2048 if quick else 25_600
+    makers: dict[str, Callable[[], list[TargetRow]]] = {
+        "tiny": lambda: _tiny_rows(requests),
+        "mixed": lambda: _mixed_rows(requests),
+        "medium": lambda: _medium_rows(8 << 20 if quick else 64 << 20),
+        "graphs": lambda: _graph_rows(8 if quick else 64, 2 if quick else 20),
+    }
+    rows = [row for group in GROUPS if group in groups for row in makers[group]()]
     measured: list[list[tuple[float, float]]] = [[] for _ in rows]
     for _ in range(rounds):  # interleaved: every row once a round
         for row, times in zip(rows, measured, strict=True):

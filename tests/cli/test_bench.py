@@ -411,3 +411,27 @@ def test_torch_peer_columns_where_torch_is_installed():
         out.getvalue()
     )
     assert "reached" not in out.getvalue()
+
+
+def test_the_cost_targets_measure_every_row_against_torch_beside_its_target():
+    pytest.importorskip("torch")
+    from opsched.cli.bench_targets import _tiny_rows, bench_targets, print_targets
+
+    result = bench_targets(rounds=2, quick=True, groups=("mixed",))
+    rows = {row["path"]: row for row in result["rows"]}
+    assert result["rounds"] == 2 and len(rows) == 2
+    assert rows["GroupNormBackward, torch:cpu, mixed shapes, 256 coroutines"]["target"] == 0.8
+    for row in rows.values():
+        assert len(row["rounds"]) == 2 and row["ratio"] > 0 and row["us"] > 0
+        assert row["peer_us"] > 0 and row["requests"] == 2048
+    out = io.StringIO()
+    print_targets(result, out)
+    text = out.getvalue()
+    assert "median of 2 interleaved rounds" in text and text.count(">= ") == 2
+    # the tiny rows: every way in with its target, the floors beside them without one
+    tiny = {row.label: row.target for row in _tiny_rows(256)}
+    assert tiny["GLU, module-level `await opsched.glu_backward`, 256 coroutines"] == 1.0
+    assert tiny["GroupNormBackward 4x8x64, torch:cpu, 256 coroutines"] == 0.8
+    assert tiny["GLU, floor: featured batcher"] is None
+    with pytest.raises(ValueError, match="unknown cost-target group"):
+        bench_targets(groups=("tiny", "huge"))

@@ -35,10 +35,56 @@ def test_a_quick_run_renders_every_section_it_has(tmp_path, capsys):
     page = render_page(doc, "q.json")
     for heading in ("## Method", "## Results", "### Throughput", "### Graphs", "### Kernels"):
         assert heading in page
-    assert "target" not in page and "reached" not in page
+    # no cost-target table without its part, and never a verdict the run did not measure
+    assert "### Cost targets" not in page and "| met |" not in page and "reached" not in page
     summary = render_summary(doc, "q.json")
     assert summary.startswith(SUMMARY_BEGIN) and summary.endswith(SUMMARY_END)
     assert "| 256 coroutines, tiny GroupNormalizationGrad | its two-phase call |" in summary
+
+
+def test_the_cost_targets_render_each_row_beside_its_target():
+    targets = {
+        "rounds": 5,
+        "rows": [
+            {
+                "path": "GLU, 256 coroutines",
+                "target": 1.0,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 1.1,
+                "rounds": [1.0, 1.1, 1.2],
+                "us": 7.0,
+                "peer_us": 7.7,
+            },
+            {
+                "path": "GLU, floor: bare batcher",
+                "target": None,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 1.4,
+                "rounds": [1.3, 1.4],
+                "us": 5.0,
+                "peer_us": 7.0,
+            },
+            {
+                "path": "GNB, 256 coroutines",
+                "target": 0.8,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 0.5,
+                "rounds": [0.4, 0.5],
+                "us": 20.0,
+                "peer_us": 10.0,
+            },
+        ],
+    }
+    doc = json.loads(_latest().read_text())
+    doc["results"]["scheduler"]["targets"] = targets
+    page = render_page(doc, "run.json")
+    assert "median of 5 interleaved rounds" in page
+    assert "| GLU, 256 coroutines | 7.0 | 7.7 | 1.10x | 1.00-1.20x | >= 1.00x | met |" in page
+    assert "| GLU, floor: bare batcher | 5.0 | 7.0 | 1.40x | 1.30-1.40x |  | a floor |" in page
+    assert "| GNB, 256 coroutines | 20.0 | 10.0 | 0.50x | 0.40-0.50x | >= 0.80x | below |" in page
 
 
 def test_a_stale_readme_is_found_and_rewritten(tmp_path):
