@@ -568,8 +568,8 @@ def _address(array: Any) -> Any:
     return array.ctypes.data
 
 
-#: The data address of a flat storage view, by kind (a compiled call: a third of what
-#: ``ndarray.ctypes.data`` costs).
+#: The data address of a flat storage view, by kind (a compiled call: ``ndarray.ctypes``
+#: builds a ctypes object for each array it is asked about).
 _ADDRESS = Loops(
     {
         "float32": (_address, types.int64(readonly("float32"))),

@@ -93,9 +93,8 @@ def launch(requests: Sequence[Any]) -> None:
 
 #: Stacks of at most this many requests run each request as its own call: the stacking's
 #: copies, output and split cost more than the calls they save until about this many
-#: share a launch (GluBackward of mixed shapes on torch:cpu, 256 coroutines: 39 us a
-#: request stacking every stack, 27 us with stacks of up to 8 run alone). The same bits
-#: either way: a row computes alike wherever it sits.
+#: share a launch (``opsched bench scheduler --parts targets``, its mixed-shape rows). The
+#: same bits either way: a row computes alike wherever it sits.
 _ALONE_MAX = 8
 
 #: Requests of at least this many elements run alone: aten's own call on their tensors
