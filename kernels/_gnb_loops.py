@@ -3,7 +3,8 @@ their launches): pass 1 sums ``dy`` and ``dy * x`` over each channel row, pass 2
 ``dx = A * dy + B * x + C`` from per-channel-row coefficients, a row (group) at a time;
 then ``dgamma`` / ``dbeta`` are the per-row sums added over the samples in order. One entry
 point per storage dtype (FLOAT, and FLOAT16 / BFLOAT16 as raw ``uint16`` converted to
-float32 on load, rounded once on store).
+float32 on load, rounded once on store). The table loops run many requests' usual
+launches in one call, each on its own arrays, found by address.
 """
 
 from __future__ import annotations

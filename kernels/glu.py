@@ -16,6 +16,10 @@ step-sliced) are first copied into the workspace, and an ``out`` that overlaps a
 computed into the workspace and copied at the end: both copies are part of the planned
 workspace size. DOUBLE keeps the numpy ufunc kernel: it walks the grid in blocks small enough
 to stay in L2, each ufunc over a contiguous buffer.
+
+A table launch (:func:`glu_backward_table`) runs many requests in one compiled call: a
+row of operand addresses and geometry per request (:func:`glu_table_row`), each request
+computed by the same loop with the arguments of its own launch, on its own arrays.
 """
 
 from __future__ import annotations
