@@ -233,8 +233,8 @@ class Device(abc.ABC):
 
     def launch_key(self, op: Operator, tensors: Mapping[str, Any], key: Hashable) -> Hashable:
         """The key of the launches a checked request may share (``key``: the operator's
-        fusion key, which a fused kernel's layout needs). Asked once per signature, never
-        per request. Default: the fusion key."""
+        fusion key, which a fused kernel's layout needs). Asked where the checks run in full
+        (a signature's first call), never on the cached path. Default: the fusion key."""
         return key
 
     def admit(self, where: str, name: str, value: Any) -> Any:
