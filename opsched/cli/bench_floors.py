@@ -1,18 +1,19 @@
 """The floors under the coroutine path: what batching tiny requests costs with the least
-code, measured beside the scheduler in every ``--parts paths`` run (reference rows, no
-target). GluBackward has them on every device; GroupNormBackward only on a torch device,
-where one framework call is the whole stacked launch.
+code, measured beside the scheduler in every ``--parts paths`` and ``--parts targets``
+run (reference rows, no target), for GluBackward and GroupNormBackward on every device.
 
 - ``bare batcher``: the least asyncio batcher, in 40 lines: a list, one flush per loop
-  turn, one stacked launch (numpy's GLU formula; on a torch device the framework's call
-  on stacked tensors), ``set_result`` per future. It has no checks, priorities,
+  turn, one stacked launch (the operator's formula in numpy calls on the stacked
+  operands; on a torch device the framework's call on stacked tensors), ``set_result``
+  per future. It has no checks, priorities,
   cancellation, bookkeeping or results of their own. On this machine the loop's own
   wake-up of each waiter is most of it.
 - ``featured batcher``: the bare batcher with the least a
   scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
   request, priority lanes, cancellable waits, results handed out as the scheduler hands
   them (a copy of its row each on numpy, a view of the stacked output on a torch device),
-  and the product's own GLU kernel (the framework's calls on a torch device). It has none
+  and the product's own kernel (GluBackward's on the stacked operands, GroupNormBackward's
+  table loop on the requests' own arrays; the framework's calls on a torch device). It has none
   of the rest the scheduler must keep: deadlines, backpressure, error isolation,
   statistics, hand-offs from threads, trio. What it costs over the bare batcher is what
   those few features cost: the floor under a scheduler that keeps them.
@@ -38,6 +39,7 @@ from opsched.cli.bench_kernels import BenchTarget
 from opsched.cli.bench_medium import on_device
 from opsched.devices.torch import aten as _aten
 from opsched.kernels import glu as _glu
+from opsched.kernels.group_norm_backward import gnb_table_row, group_norm_backward_table
 from opsched.ops import GLU_BACKWARD
 
 __all__ = ["CLIENTS", "FEATURED", "FLOOR", "FLOORS", "METHODS", "clients", "floors_of", "run_floor"]
@@ -112,6 +114,40 @@ def _numpy_kernel(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
     out = np.empty_like(x)
     _glu.glu_backward_fast(_glu.plan_glu_backward(g, x, -1, out), g, x, out, None)
     return out
+
+
+def _numpy_gnb_formula(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
+    """The bare batcher's GroupNormBackward launch on numpy arrays (one shape): the
+    operator's formula in float32, numpy calls on the stacked operands; views of the
+    results ``(dx, dgamma, dbeta)`` each."""
+    dy, x, mean, rstd, gamma = (np.stack([r[i] for r in requests]) for i in range(5))
+    k, n, c, hxw = dy.shape
+    group = requests[0][8]
+    cpg = c // group
+    ds = dy.sum(-1)  # (k, n, c)
+    stat_mean, stat_rstd = mean.repeat(cpg, -1), rstd.repeat(cpg, -1)
+    db = ((dy * x).sum(-1) - stat_mean * ds) * stat_rstd
+    g = gamma[:, None, :]
+    c1 = (g * ds).reshape(k, n, group, cpg).sum(-1) / (cpg * hxw)
+    c2 = (g * db).reshape(k, n, group, cpg).sum(-1) / (cpg * hxw)
+    coef_b = (-(c2 * rstd * rstd)).repeat(cpg, -1)[..., None]
+    coef_c = ((c2 * rstd * mean - c1) * rstd).repeat(cpg, -1)[..., None]
+    dx = dy * (stat_rstd * g)[..., None] + x * coef_b + coef_c
+    return list(zip(dx, db.sum(1), ds.sum(1), strict=True))
+
+
+def _numpy_gnb_kernel(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
+    """The product's own GroupNormBackward kernel on the requests' own arrays: one call of
+    its table loop, the three outputs of each new arrays of its own."""
+    rows, outs = [], []
+    for dy, x, mean, rstd, gamma, n, c, hxw, group in requests:
+        out = np.empty_like(x), np.empty(c, mean.dtype), np.empty(c, mean.dtype)
+        row = gnb_table_row(dy, x, mean, rstd, gamma, *out, n, c, hxw, group, True)
+        assert row is not None, "the floors' requests are the usual FLOAT layout"
+        rows.append(row)
+        outs.append(out)
+    group_norm_backward_table(requests[0][1].dtype, rows)()
+    return outs
 
 
 def _torch_aten(requests: list[tuple[Any, ...]]) -> Any:
@@ -292,15 +328,21 @@ def _as_it_is(result: Any) -> Any:
     return result
 
 
-#: The operators with floors, and their launch on a torch device; GLU's also on numpy.
+#: The operators with floors, and their launch on a torch device.
 _TORCH_FLOOR_LAUNCH = {"glu": _torch_aten, "gnb": _torch_gnb}
+#: The operators with floors, and their launches on numpy arrays: the bare batcher's,
+#: the featured batcher's, and how the featured batcher hands a result out.
+_NUMPY_FLOOR_LAUNCH: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]]
+_NUMPY_FLOOR_LAUNCH = {
+    "glu": (_numpy_formula, _numpy_kernel, np.copy),
+    "gnb": (_numpy_gnb_formula, _numpy_gnb_kernel, _as_it_is),
+}
 
 
 def floors_of(op: str, target: BenchTarget) -> tuple[str, ...]:
-    """The floor rows of ``op`` on ``target``: GLU's everywhere, GroupNormBackward's on a
-    torch device (see the module docstring)."""
-    on_torch = target.device.startswith("torch")
-    return FLOORS if op == "glu" or (on_torch and op in _TORCH_FLOOR_LAUNCH) else ()
+    """The floor rows of ``op`` on ``target``: GluBackward's and GroupNormBackward's on
+    every device (see the module docstring)."""
+    return FLOORS if op in _TORCH_FLOOR_LAUNCH else ()
 
 
 def run_floor(
@@ -316,10 +358,12 @@ def run_floor(
             batcher = functools.partial(_BareBatcher, launch)
         else:
             batcher = functools.partial(_FeaturedBatcher, launch, _as_it_is)
-    elif path == FLOOR:
-        batcher = functools.partial(_BareBatcher, _numpy_formula)
     else:
-        batcher = functools.partial(_FeaturedBatcher, _numpy_kernel, np.copy)
+        bare, kernel, own = _NUMPY_FLOOR_LAUNCH[op]
+        if path == FLOOR:
+            batcher = functools.partial(_BareBatcher, bare)
+        else:
+            batcher = functools.partial(_FeaturedBatcher, kernel, own)
 
     async def main() -> float:
         floor = batcher()

@@ -15,8 +15,7 @@ two-phase call: its rows need no torch, and it has no two-phase row of its own.
 - ``two-phase``: ``opsched.aclnn`` per request (workspace size, workspace, launch).
 
 Under the coroutine row, reference rows without a target: the floors
-(:mod:`opsched.cli.bench_floors`), GLU's on every device, GroupNormBackward's on a torch
-device.
+(:mod:`opsched.cli.bench_floors`), GLU's and GroupNormBackward's, on every device.
 
 Every timed window (torch's and each path's) starts right after a full garbage collection:
 a window pays for the collections its own allocations set off, never for a full pass (50-60

@@ -162,7 +162,7 @@ def _tiny_rows(n: int) -> list[TargetRow]:
             lambda k: _coroutines(torch_cpu, "gnb", on_torch["gnb"], k),
         ),
     ]
-    for op, where in (("glu", cpu), ("glu", torch_cpu), ("gnb", torch_cpu)):
+    for op, where in (("glu", cpu), ("glu", torch_cpu), ("gnb", cpu), ("gnb", torch_cpu)):
         name = "GLU" if op == "glu" else "GroupNormBackward 4x8x64"
         device = "" if where is cpu else f", {where.device}"
         for floor in floors_of(op, where):

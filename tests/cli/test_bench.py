@@ -151,7 +151,7 @@ def test_paths_benchmark_reports_every_operator_and_path():
     rows = result["paths"]["rows"]
     assert [(r["op"], r["path"]) for r in rows] == [
         *[("glu", path) for path in (*PATHS, *FLOORS)],
-        *[("gnb", path) for path in PATHS],
+        *[("gnb", path) for path in (*PATHS, *FLOORS)],
         *[("gn", path) for path in PATHS if path != "two-phase"],  # the peer itself
     ]
     assert all(r["us"] > 0 and r["requests"] >= 1 for r in rows)
@@ -255,7 +255,7 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
 
 def test_the_floors_run_on_a_torch_device_with_its_tensors():
     """On a torch device both floors batch the framework's tensors through its own call,
-    for GLU and GroupNormBackward; the numpy devices have GLU's."""
+    for GLU and GroupNormBackward; the numpy devices have both operators' too."""
     pytest.importorskip("torch")
     from opsched.cli.bench_floors import floors_of, run_floor
     from opsched.cli.bench_kernels import BenchTarget
@@ -267,8 +267,44 @@ def test_the_floors_run_on_a_torch_device_with_its_tensors():
         assert floors_of(op, torch_cpu) == FLOORS
         for path in FLOORS:
             assert run_floor(path, torch_cpu, op, inputs, 512) > 0
-    assert floors_of("gnb", BenchTarget()) == ()
-    assert floors_of("gn", torch_cpu) == ()
+    assert floors_of("gnb", BenchTarget()) == FLOORS
+    assert floors_of("gn", torch_cpu) == floors_of("gn", BenchTarget()) == ()
+
+
+@pytest.mark.parametrize("featured", [False, True], ids=["bare", "featured"])
+def test_the_numpy_group_norm_backward_floors_compute_the_operators_results(featured):
+    """Each request of a numpy GroupNormBackward floor (the formula on stacked operands;
+    the product's table loop) gets its own dx, dgamma and dbeta: within the contract's
+    FLOAT tolerance of the float64 oracle on its operands alone."""
+    import asyncio
+
+    from opsched.cli.bench_floors import (
+        _as_it_is,
+        _BareBatcher,
+        _FeaturedBatcher,
+        _numpy_gnb_formula,
+        _numpy_gnb_kernel,
+    )
+    from opsched.ops import GROUP_NORM_BACKWARD
+
+    rng = np.random.default_rng(8)
+    requests = [GROUP_NORM_BACKWARD.example(rng) for _ in range(5)]
+    # each request's values differ (gamma too): a mix-up between requests shows
+    requests = [
+        (dy, x, m, r, g * (i + 1), *rest) for i, (dy, x, m, r, g, *rest) in enumerate(requests)
+    ]
+
+    async def main():
+        if featured:
+            batcher = _FeaturedBatcher(_numpy_gnb_kernel, _as_it_is)
+        else:
+            batcher = _BareBatcher(_numpy_gnb_formula)
+        return await asyncio.gather(*(batcher.group_norm_backward(*args) for args in requests))
+
+    rtol, atol = GROUP_NORM_BACKWARD.tolerance(np.float32)
+    for args, got in zip(requests, asyncio.run(main()), strict=True):
+        for g, w in zip(got, GROUP_NORM_BACKWARD.oracle(*args), strict=True):
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 
 
 def _torch_gnb_requests(rng, k):
