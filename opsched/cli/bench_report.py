@@ -402,6 +402,16 @@ def render_summary(doc: dict[str, Any], source: str) -> str:
                 f"{min(ratios):.2f}-{max(ratios):.2f}x",
             ]
         )
+    targets = [r for r in sched.get("targets", {}).get("rows", []) if r["target"] is not None]
+    if targets:
+        met = sum(r["ratio"] >= r["target"] for r in targets)
+        rows.append(
+            [
+                "the cost table's rows (`--parts targets`)",
+                "their targets",
+                f"{met} of {len(targets)} met",
+            ]
+        )
     if "latency" in sched:
         rows.append(["an idle request", "added latency", f"{sched['latency']['added_us']:.0f} us"])
     if "graphs" in results:

@@ -85,6 +85,8 @@ def test_the_cost_targets_render_each_row_beside_its_target():
     assert "| GLU, 256 coroutines | 7.0 | 7.7 | 1.10x | 1.00-1.20x | >= 1.00x | met |" in page
     assert "| GLU, floor: bare batcher | 5.0 | 7.0 | 1.40x | 1.30-1.40x |  | a floor |" in page
     assert "| GNB, 256 coroutines | 20.0 | 10.0 | 0.50x | 0.40-0.50x | >= 0.80x | below |" in page
+    summary = render_summary(doc, "run.json")
+    assert "| the cost table's rows (`--parts targets`) | their targets | 1 of 2 met |" in summary
 
 
 def test_a_stale_readme_is_found_and_rewritten(tmp_path):
