@@ -480,7 +480,8 @@ def _submit_node(
             node.op,
             tensors,
             node.scalars,
-            node.key,
+            # the device's launch key, as a caller's request of these shapes gets it
+            device.launch_key(node.op, node.stand_ins, node.key),
             node.units,
             node.nbytes,
             run.priority,

@@ -395,6 +395,34 @@ def test_graph_with_tensor_constants_returns_tensors():
     assert torch.equal(result, expected)
 
 
+def test_a_graph_node_shares_a_launch_with_callers_requests_of_its_operator():
+    # a graph's GluBackward node and callers' GluBackward requests of another shape, queued
+    # together: one launch key on a torch device, so they share launches (and each gets
+    # the framework's own call's bits)
+    rng = np.random.default_rng(9)
+    gate = on_device(rand(rng, (4, 16), F32))
+    graph = opsched.Graph()
+    node = graph.glu_backward(on_device(rand(rng, (4, 8), F32)), gate)
+    calls = [
+        (on_device(rand(rng, (2, 32), F32)), on_device(rand(rng, (2, 64), F32))) for _ in range(4)
+    ]
+
+    async def main():
+        async def all_of(sched):
+            return await asyncio.gather(
+                sched.run(graph, [node]), *(sched.glu_backward(g, x) for g, x in calls)
+            )
+
+        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
+            outs = await beside_a_ready_task(all_of(sched))  # (queued: none runs at submit)
+            return outs, sched.statistics()
+
+    outs, stats = asyncio.run(main())
+    assert stats.launches == 1  # the node among the requests
+    for (g, x), got in zip(calls, outs[1:], strict=True):
+        assert torch.equal(got, torch.ops.aten.glu_backward(g, x, -1))
+
+
 def test_one_thread_per_stream_whatever_the_launches():
     rng = np.random.default_rng(4)
     work = [(rand(rng, (4, 8), F32), rand(rng, (4, 16), F32)) for _ in range(300)]
