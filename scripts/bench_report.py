@@ -1,9 +1,9 @@
 """Write docs/benchmarks.md and the README's benchmark summary from a result file.
 
-    python scripts/bench_report.py docs/benchmarks/2026-12-06.json          # write both
-    python scripts/bench_report.py docs/benchmarks/2026-12-06.json --check  # exit 1 if stale
+    python scripts/bench_report.py docs/benchmarks/results.json          # write both
+    python scripts/bench_report.py docs/benchmarks/results.json --check  # exit 1 if stale
 
-The result file comes from ``opsched bench all --json docs/benchmarks/<date>.json``.
+The result file comes from ``opsched bench all --json docs/benchmarks/results.json``.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ HISTORY = {
         r"sessions?\b",
         re.I,
     ),
-    # (a result file of docs/benchmarks/ is named by its run's date)
-    "a dated note": re.compile(r"\b20\d\d-\d\d-\d\d\b(?!\.json)"),
+    "a dated note": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
     "a document outside the repository": re.compile(r"\bSPEC\b|\bDESIGN\b|seed documents?"),
 }
 #: What the library's code does not say: figures of a day belong to the benchmarks.

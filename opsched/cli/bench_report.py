@@ -1,8 +1,8 @@
 """The benchmarks page and the README's summary, written from a benchmark's JSON result file.
 
 ``docs/benchmarks.md`` is the method and the results of one ``opsched bench all`` run,
-generated here from that run's file (kept as ``docs/benchmarks/<date>.json``; earlier runs
-stay there and in git history), never edited by hand. The README's table of figures is
+generated here from that run's file (kept as ``docs/benchmarks/results.json``; earlier runs
+are in git history), never edited by hand. The README's table of figures is
 generated from the same file, between its ``bench-summary`` markers.
 ``scripts/bench_report.py`` writes both; ``--check`` says whether they are current.
 """
@@ -339,8 +339,7 @@ def render_page(doc: dict[str, Any], source: str) -> str:
         "",
         f"The run of `{doc.get('command', 'opsched bench all')}` recorded in `{source}`, on "
         f"{_machine(doc)}; the scheduler on device `{sched.get('device', 'cpu')}`, medians of "
-        f"{sched.get('repeats', 1)} rounds. Earlier runs: the other files of "
-        "`docs/benchmarks/`, and git history.",
+        f"{sched.get('repeats', 1)} rounds. Earlier runs: git history."
         "",
     ]
     if "targets" in sched:
