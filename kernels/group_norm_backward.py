@@ -379,30 +379,49 @@ def _is_direct(
     dbeta: np.ndarray | None,
 ) -> bool:
     """Whether a launch of ``plan`` on these arrays is the usual one: all three outputs
-    asked for, nothing staged, statistics, gamma and the three outputs float32 and
-    C-contiguous, the data operands C-contiguous (the float32 tests spelled out: this runs
-    for every two-phase call)."""
+    asked for, nothing staged, the inputs and outputs laid out as :func:`_usual_inputs`
+    and :func:`_usual_outputs` say."""
     if plan.stage_x or plan.stage_dy or plan.stage_dx or plan.stats_out:
         return False
     if not (plan.want_dx and plan.want_dgamma and plan.want_dbeta):
         return False
     if dx is None or dgamma is None or dbeta is None:
         return False
+    return _usual_inputs(grad_out, x, mean, rstd, gamma) and _usual_outputs(dx, dgamma, dbeta)
+
+
+def _usual_inputs(
+    grad_out: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    gamma: np.ndarray | None,
+) -> bool:
+    """The usual launch's inputs: the data C-contiguous, statistics and gamma float32 and
+    C-contiguous (the float32 tests spelled out: this runs for every two-phase call)."""
     f32 = F32
     return bool(
         grad_out.flags.c_contiguous
         and x.flags.c_contiguous
-        and dx.flags.c_contiguous
         and mean.dtype is f32
         and rstd.dtype is f32
-        and dgamma.dtype is f32
-        and dbeta.dtype is f32
         and (gamma is None or gamma.dtype is f32)
         and mean.flags.c_contiguous
         and rstd.flags.c_contiguous
+        and (gamma is None or gamma.flags.c_contiguous)
+    )
+
+
+def _usual_outputs(dx: np.ndarray, dgamma: np.ndarray, dbeta: np.ndarray) -> bool:
+    """The usual launch's outputs: dx C-contiguous, dgamma and dbeta float32 and
+    C-contiguous."""
+    f32 = F32
+    return bool(
+        dx.flags.c_contiguous
+        and dgamma.dtype is f32
+        and dbeta.dtype is f32
         and dgamma.flags.c_contiguous
         and dbeta.flags.c_contiguous
-        and (gamma is None or gamma.flags.c_contiguous)
     )
 
 
@@ -476,25 +495,9 @@ def gnb_table_row(
     kind = _jit.kind_of(x.dtype)
     if kind is None or not n * c * hxw:
         return None
-    f32 = F32
-    if not (
-        grad_out.flags.c_contiguous
-        and x.flags.c_contiguous
-        and mean.dtype is f32
-        and rstd.dtype is f32
-        and (gamma is None or gamma.dtype is f32)
-        and mean.flags.c_contiguous
-        and rstd.flags.c_contiguous
-        and (gamma is None or gamma.flags.c_contiguous)
-    ):
+    if not _usual_inputs(grad_out, x, mean, rstd, gamma):
         return None
-    if not fresh and not (
-        dx.flags.c_contiguous
-        and dgamma.dtype is f32
-        and dbeta.dtype is f32
-        and dgamma.flags.c_contiguous
-        and dbeta.flags.c_contiguous
-    ):
+    if not fresh and not _usual_outputs(dx, dgamma, dbeta):
         return None
     data = _jit.addresses(kind, grad_out, x, dx)
     stats = (mean, rstd, dgamma, dbeta) if gamma is None else (mean, rstd, dgamma, dbeta, gamma)

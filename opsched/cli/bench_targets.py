@@ -43,7 +43,14 @@ from opsched.cli.bench_floors import CLIENTS, clients, floors_of, run_floor
 from opsched.cli.bench_graphs import _Chain, _concurrent
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import SIZES, _glu, _gnb, _gnb_peer, _scheduled, as_tensors, on_device
-from opsched.cli.bench_paths import INPUTS, _calls, _facade, _two_phase, torch_per_request
+from opsched.cli.bench_paths import (
+    INPUTS,
+    _calls,
+    _coroutines,
+    _facade,
+    _two_phase,
+    torch_per_request,
+)
 from opsched.devices.torch import aten
 
 __all__ = ["GROUPS", "TargetRow", "bench_targets", "print_targets"]
@@ -72,24 +79,16 @@ def _timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _coroutines(target: BenchTarget | None, op: str, inputs: list[Any], n: int) -> float:
-    """Seconds for ``n`` requests from :data:`CLIENTS` coroutines, after a warm-up round:
-    through ``opsched``'s module-level functions (``target`` None: the default scheduler)
-    or an explicit scheduler on ``target``."""
+def _module_level(op: str, inputs: list[Any], n: int) -> float:
+    """Seconds for ``n`` requests from :data:`CLIENTS` coroutines through ``opsched``'s
+    module-level functions (the default scheduler), after a warm-up round."""
 
     async def main() -> float:
-        if target is None:
-            await clients(opsched, op, inputs, n)
-            gc.collect()
-            start = time.perf_counter()
-            await clients(opsched, op, inputs, n)
-            return time.perf_counter() - start
-        async with target.open() as sched:
-            await clients(sched, op, inputs, n)
-            gc.collect()
-            start = time.perf_counter()
-            await clients(sched, op, inputs, n)
-            return time.perf_counter() - start
+        await clients(opsched, op, inputs, n)
+        gc.collect()
+        start = time.perf_counter()
+        await clients(opsched, op, inputs, n)
+        return time.perf_counter() - start
 
     return asyncio.run(main())
 
@@ -115,7 +114,7 @@ def _tiny_rows(n: int) -> list[TargetRow]:
             "GLU, module-level `await opsched.glu_backward`, 256 coroutines",
             1.0,
             "glu",
-            lambda k: _coroutines(None, "glu", glu, k),
+            lambda k: _module_level("glu", glu, k),
         ),
         row(
             "GLU, `await sched.glu_backward`, 256 coroutines",

@@ -4,7 +4,8 @@ layout (per-row statistics summed into each request's dgamma / dbeta).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,9 @@ from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 __all__ = ["GroupNormBackwardLauncher"]
 
 F32 = np.dtype(np.float32)
+#: A request's arrays in the order the kernels take them: grad_out, input, mean, rstd,
+#: gamma, dx, dgamma, dbeta.
+_arrays: Callable[[Tensors], Any] = operator.itemgetter(*GROUP_NORM_BACKWARD.tensor_names)
 
 
 class GroupNormBackwardLauncher(HostLauncher):
@@ -63,21 +67,9 @@ class GroupNormBackwardLauncher(HostLauncher):
                 continue
             fresh = t["dx"] is None and t["dgamma"] is None and t["dbeta"] is None
             allocate_missing(self.op, t, s)  # left to the launch: new arrays, as a solo's
-            row = gnb_table_row(
-                t["grad_out"],
-                t["input"],
-                t["mean"],
-                t["rstd"],
-                t["gamma"],
-                t["dx"],
-                t["dgamma"],
-                t["dbeta"],
-                s["N"],
-                s["C"],
-                s["HxW"],
-                s["group"],
-                fresh,
-            )
+            dy, x, mean, rstd, gamma, dx, dgamma, dbeta = _arrays(t)
+            scalars = s["N"], s["C"], s["HxW"], s["group"]
+            row = gnb_table_row(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, *scalars, fresh)
             if row is None:
                 rest.append(request)
             else:
@@ -94,31 +86,11 @@ class GroupNormBackwardLauncher(HostLauncher):
         # (not a fused launch's, whose statistics go to its per-row sums)
         run = None
         if not plan.stats_out:
-            run = group_norm_backward_runner(
-                plan,
-                t["grad_out"],
-                t["input"],
-                t["mean"],
-                t["rstd"],
-                t["gamma"],
-                t["dx"],
-                t["dgamma"],
-                t["dbeta"],
-            )
+            run = group_norm_backward_runner(plan, *_arrays(t))
         if run is not None:
 
             def usual(t: Tensors, workspace: np.ndarray | None) -> None:
-                run(
-                    t["grad_out"],
-                    t["input"],
-                    t["mean"],
-                    t["rstd"],
-                    t["gamma"],
-                    t["dx"],
-                    t["dgamma"],
-                    t["dbeta"],
-                    workspace,
-                )
+                run(*_arrays(t), workspace)
 
             return usual
 
