@@ -288,10 +288,27 @@ class Engine:
             known = self.checks.known(op, args, priority)
             if known is not None:
                 request = self.admit(known)
-                if request.finished and self._unyielded < self._unyielded_max:
-                    self._unyielded += 1  # ran at submit: no yield this time (YIELD_EVERY)
-                    return request.returned()
-                return await self.wait(request)
+                if request.finished:
+                    if self._unyielded < self._unyielded_max:
+                        self._unyielded += 1  # ran at submit: no yield this time (YIELD_EVERY)
+                        return request.returned()
+                    return await self.wait(request)
+                new_future = self.loop.new_future
+                if new_future is None:  # trio: an event (:meth:`wait`)
+                    return await self.wait(request)
+                # Its one waiter, this task, awaits a bare future here: what :meth:`wait`
+                # does for it, without a coroutine of its own around the await.
+                request.waiting = 1
+                request.waiter = future = new_future()
+                try:
+                    await future
+                    if self.loop.scoped and self.loop.cancelled():
+                        await self.loop.checkpoint()
+                except BaseException:
+                    self._left(request)
+                    raise
+                request.waiting = 0
+                return request.returned()
         request = self._checked_counted(call)
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
@@ -506,12 +523,16 @@ class Engine:
             if loop.scoped and loop.cancelled():
                 await loop.checkpoint()
         except BaseException:
-            request.waiting -= 1
-            if not request.finished and not request.waiting:  # its last waiter left
-                self.abandon(request)
+            self._left(request)
             raise
         request.waiting -= 1
         return request.returned()
+
+    def _left(self, request: Request) -> None:
+        """A task awaiting ``request`` stopped (cancelled): the last one withdraws it."""
+        request.waiting -= 1
+        if not request.finished and not request.waiting:
+            self.abandon(request)
 
     def _event(self, request: Request) -> LoopEvent:
         """The event a task waits on for ``request`` when it has a deadline or is not its
