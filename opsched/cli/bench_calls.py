@@ -156,9 +156,7 @@ def _floor(floor: str, inputs: list[Any]) -> Calls:
     """Calls per request of a floor of the 256-coroutine path."""
     make = {
         bench_floors.FLOOR: lambda: bench_floors._BareBatcher(bench_floors._numpy_formula),
-        bench_floors.FEATURED: lambda: bench_floors._FeaturedBatcher(
-            bench_floors._numpy_kernel, np.copy
-        ),
+        bench_floors.FEATURED: lambda: bench_floors._FeaturedBatcher(bench_floors._numpy_kernel),
     }[floor]
     result: list[Calls] = []
 

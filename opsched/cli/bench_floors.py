@@ -1,19 +1,24 @@
-"""The floors under the coroutine path: what batching tiny requests costs with the least
-code, measured beside the scheduler in every ``--parts paths`` and ``--parts targets``
-run (reference rows, no target), for GluBackward and GroupNormBackward on every device.
+"""The floors under the scheduler: what batching requests costs with the least code,
+measured beside the scheduler in every ``--parts paths`` and ``--parts targets`` run
+(reference rows, no target), for GluBackward and GroupNormBackward on every device: tiny
+requests from 256 coroutines, medium ones from 32, and on ``torch:cpu`` requests of many
+shapes.
 
 - ``bare batcher``: the least asyncio batcher, in 40 lines: a list, one flush per loop
   turn, one stacked launch (the operator's formula in numpy calls on the stacked
   operands; on a torch device the framework's call on stacked tensors), ``set_result``
   per future. It has no checks, priorities,
   cancellation, bookkeeping or results of their own. On this machine the loop's own
-  wake-up of each waiter is most of it.
+  wake-up of each waiter is most of it. It needs requests of one shape.
 - ``featured batcher``: the bare batcher with the least a
   scheduler's request needs (:class:`_FeaturedBatcher`): a signature cache, a record per
   request, priority lanes, cancellable waits, results handed out as the scheduler hands
-  them (a copy of its row each on numpy, a view of the stacked output on a torch device),
+  them (each its own array on numpy, a view of the stacked output on a torch device),
   and the product's own kernel (GluBackward's on the stacked operands, GroupNormBackward's
-  table loop on the requests' own arrays; the framework's calls on a torch device). It has none
+  table loop on the requests' own arrays; the framework's calls on a torch device). A
+  lone request, and requests of at least :data:`OWN_ELEMENTS` elements, run on their own
+  arrays instead of a stack (GluBackward's table loop; the framework's own call), as the
+  scheduler runs them. It has none
   of the rest the scheduler must keep: deadlines, backpressure, error isolation,
   statistics, hand-offs from threads, trio. What it costs over the bare batcher is what
   those few features cost: the floor under a scheduler that keeps them.
@@ -54,16 +59,19 @@ METHODS = {"glu": "glu_backward", "gn": "group_norm_grad", "gnb": "group_norm_ba
 CLIENTS = 256
 
 
-async def clients(sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int) -> None:
-    """``CLIENTS`` coroutines awaiting ``n`` requests in all (results dropped)."""
+async def clients(
+    sched: Any, op: str, inputs: list[tuple[Any, ...]], n: int, coroutines: int = CLIENTS
+) -> None:
+    """``coroutines`` coroutines awaiting ``n`` requests in all, each its share of
+    ``inputs`` in turn (results dropped)."""
     call = getattr(sched, METHODS[op])
-    share = n // CLIENTS
+    share = n // coroutines
 
     async def client(i: int) -> None:
         for j in range(share):
             await call(*inputs[(i * share + j) % len(inputs)])
 
-    await asyncio.gather(*(client(i) for i in range(CLIENTS)))
+    await asyncio.gather(*(client(i) for i in range(coroutines)))
 
 
 class _BareBatcher:
@@ -108,12 +116,29 @@ def _numpy_formula(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
     return np.concatenate([grad_a, grad_a * (a - a * s)], axis=-1)
 
 
-def _numpy_kernel(requests: list[tuple[np.ndarray, ...]]) -> np.ndarray:
-    """The product's own GLU kernel on the stacked operands; a row each."""
+#: Requests of at least this many elements (``self`` / ``x``) run on their own arrays in
+#: the featured batcher's launches: stacking them would copy more than it saves.
+OWN_ELEMENTS = 4096
+
+
+def _numpy_kernel(requests: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+    """The product's own GLU kernel, each result a new array of its own: on the stacked
+    operands (a copy of its row each), or for requests of :data:`OWN_ELEMENTS` its table
+    loop on their own arrays (one compiled call, no copies)."""
+    if requests[0][1].size >= OWN_ELEMENTS:
+        outs, rows = [], []
+        for g, x in requests:
+            out = np.empty_like(x)
+            row = _glu.glu_table_row(g, x, out, -1)
+            assert row is not None, "the floors' requests are C-contiguous FLOAT"
+            outs.append(out)
+            rows.append(row)
+        _glu.glu_backward_table(requests[0][1].dtype, rows)()
+        return outs
     g, x = np.stack([r[0] for r in requests]), np.stack([r[1] for r in requests])
     out = np.empty_like(x)
     _glu.glu_backward_fast(_glu.plan_glu_backward(g, x, -1, out), g, x, out, None)
-    return out
+    return [row.copy() for row in out]
 
 
 def _numpy_gnb_formula(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
@@ -152,9 +177,12 @@ def _numpy_gnb_kernel(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, A
 
 def _torch_aten(requests: list[tuple[Any, ...]]) -> Any:
     """The framework's GLU backward on the stacked tensors (a torch device's floors); a
-    view each."""
+    view each. A lone request, or requests of :data:`OWN_ELEMENTS`, are each the
+    framework's own call."""
     import torch
 
+    if len(requests) == 1 or requests[0][1].numel() >= OWN_ELEMENTS:
+        return [_aten.glu_backward(g, x, -1) for g, x in requests]
     g, x = torch.stack([r[0] for r in requests]), torch.stack([r[1] for r in requests])
     return _aten.glu_backward(g, x, -1).unbind(0)
 
@@ -164,9 +192,16 @@ def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
     the least a launch of one aten call does. The requests (one shape) are stacked as the
     channels of one sample, each gamma repeated per sample by one batched copy, and the
     per-sample dgamma / dbeta summed over each request's samples by one call; each request
-    gets views ``(dx, dgamma, dbeta)``."""
+    gets views ``(dx, dgamma, dbeta)``. A lone request, or requests of
+    :data:`OWN_ELEMENTS`, are each the framework's own call."""
     import torch
 
+    if len(requests) == 1 or requests[0][1].numel() >= OWN_ELEMENTS:
+        mask = (True, True, True)
+        return [
+            _aten.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, mask)
+            for dy, x, mean, rstd, gamma, n, c, hxw, group in requests
+        ]
     k = len(requests)
     n, c, hxw, group = requests[0][5:9]
     channels, groups = k * n * c, k * n * group
@@ -206,23 +241,21 @@ class _Record:
 class _FeaturedBatcher:
     """The bare batcher with the least a scheduler's request needs (the module docstring):
     the checks once per signature, a record per request, lanes by signature and priority
-    (higher first, FIFO within), a cancelled waiter's request withdrawn, a stacked
-    ``launch`` (the product's kernel, :func:`_numpy_kernel`, or the framework's on a torch
-    device), and each result handed out by ``own`` (a copy of its row on numpy, its view
-    on a torch device: as the scheduler's launches hand them out). One operator a batcher:
-    the one ``launch`` computes."""
+    (higher first, FIFO within), a cancelled waiter's request withdrawn, and a ``launch``
+    of each signature's lane that hands every request its result as the scheduler's
+    launches do (the product's kernel, :func:`_numpy_kernel`: each its own array; the
+    framework's on a torch device: its view of the stacked output, or its own call's).
+    One operator a batcher: the one ``launch`` computes."""
 
-    def __init__(
-        self,
-        launch: Callable[[list[tuple[Any, ...]]], Any],
-        own: Callable[[Any], Any],
-    ) -> None:
+    def __init__(self, launch: Callable[[list[tuple[Any, ...]]], Any]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._launch, self._own = launch, own
+        self._launch = launch
         #: Each signature that passed the checks, with its lanes by priority (one lookup a
         #: request: a signature is hashed afresh each time, its shapes and dtypes too)
         self._lanes: dict[tuple[Any, ...], dict[int, list[_Record]]] = {}
-        self._pending = False
+        #: The signatures' lanes with requests queued since the last flush (a flush looks
+        #: at these, not at every signature seen)
+        self._queued: list[dict[int, list[_Record]]] = []
         self.completed = self.launches = 0
 
     async def glu_backward(self, grad_out: Any, x: Any, dim: int = -1, *, priority: int = 0) -> Any:
@@ -297,18 +330,19 @@ class _FeaturedBatcher:
         """A checked request's record, in its signature's lane of ``priority``; the flush
         scheduled."""
         record = _Record(args, self._loop.create_future())
+        if not lanes:
+            if not self._queued:
+                self._loop.call_soon(self._flush)
+            self._queued.append(lanes)
         lane = lanes.get(priority)
         if lane is None:
             lane = lanes[priority] = []
         lane.append(record)
-        if not self._pending:
-            self._pending = True
-            self._loop.call_soon(self._flush)
         return record
 
     def _flush(self) -> None:
-        self._pending = False
-        for lanes in self._lanes.values():
+        queued, self._queued = self._queued, []
+        for lanes in queued:
             for priority in sorted(lanes, reverse=True):
                 taken = [r for r in lanes.pop(priority) if not r.future.done()]
                 if taken:
@@ -317,60 +351,59 @@ class _FeaturedBatcher:
     def _run(self, taken: list[_Record]) -> None:
         out = self._launch([r.args for r in taken])
         self.launches += 1
-        own = self._own
         for record, result in zip(taken, out, strict=True):
-            record.result = own(result)
+            record.result = result
             self.completed += 1
             record.future.set_result(None)
 
 
-def _as_it_is(result: Any) -> Any:
-    return result
-
-
 #: The operators with floors, and their launch on a torch device.
 _TORCH_FLOOR_LAUNCH = {"glu": _torch_aten, "gnb": _torch_gnb}
-#: The operators with floors, and their launches on numpy arrays: the bare batcher's,
-#: the featured batcher's, and how the featured batcher hands a result out.
-_NUMPY_FLOOR_LAUNCH: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]]
-_NUMPY_FLOOR_LAUNCH = {
-    "glu": (_numpy_formula, _numpy_kernel, np.copy),
-    "gnb": (_numpy_gnb_formula, _numpy_gnb_kernel, _as_it_is),
+#: The operators with floors, and their launches on numpy arrays: the bare batcher's and
+#: the featured batcher's.
+_NUMPY_FLOOR_LAUNCH: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "glu": (_numpy_formula, _numpy_kernel),
+    "gnb": (_numpy_gnb_formula, _numpy_gnb_kernel),
 }
 
 
-def floors_of(op: str, target: BenchTarget) -> tuple[str, ...]:
+def floors_of(op: str, target: BenchTarget, one_shape: bool = True) -> tuple[str, ...]:
     """The floor rows of ``op`` on ``target``: GluBackward's and GroupNormBackward's on
-    every device (see the module docstring)."""
-    return FLOORS if op in _TORCH_FLOOR_LAUNCH else ()
+    every device (see the module docstring); of requests of many shapes
+    (``one_shape=False``) the featured batcher's only (the bare one stacks one shape)."""
+    if op not in _TORCH_FLOOR_LAUNCH:
+        return ()
+    return FLOORS if one_shape else (FEATURED,)
 
 
 def run_floor(
-    path: str, target: BenchTarget, op: str, inputs: list[tuple[Any, ...]], n: int
+    path: str,
+    target: BenchTarget,
+    op: str,
+    inputs: list[tuple[Any, ...]],
+    n: int,
+    coroutines: int = CLIENTS,
 ) -> float:
-    """Seconds for ``n`` requests of ``op`` through the floor ``path``: numpy arrays and
-    numpy or the product's kernel, or on a torch device the framework's tensors and call."""
+    """Seconds for ``n`` requests of ``op`` from ``coroutines`` coroutines through the
+    floor ``path``: numpy arrays and numpy or the product's kernel, or on a torch device
+    the framework's tensors and call."""
     batcher: Callable[[], Any]
     if target.device.startswith("torch"):
         inputs = on_device(target, inputs)
-        launch = _TORCH_FLOOR_LAUNCH[op]
-        if path == FLOOR:
-            batcher = functools.partial(_BareBatcher, launch)
-        else:
-            batcher = functools.partial(_FeaturedBatcher, launch, _as_it_is)
+        bare = featured = _TORCH_FLOOR_LAUNCH[op]
     else:
-        bare, kernel, own = _NUMPY_FLOOR_LAUNCH[op]
-        if path == FLOOR:
-            batcher = functools.partial(_BareBatcher, bare)
-        else:
-            batcher = functools.partial(_FeaturedBatcher, kernel, own)
+        bare, featured = _NUMPY_FLOOR_LAUNCH[op]
+    if path == FLOOR:
+        batcher = functools.partial(_BareBatcher, bare)
+    else:
+        batcher = functools.partial(_FeaturedBatcher, featured)
 
     async def main() -> float:
         floor = batcher()
-        await clients(floor, op, inputs, n)  # warm-up, as for the coroutine path
+        await clients(floor, op, inputs, n, coroutines)  # warm-up, as for the scheduler
         gc.collect()
         start = time.perf_counter()
-        await clients(floor, op, inputs, n)
+        await clients(floor, op, inputs, n, coroutines)
         return time.perf_counter() - start
 
     return asyncio.run(main())

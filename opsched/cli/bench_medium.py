@@ -21,13 +21,14 @@ import numpy as np
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.devices.torch import aten
 
-__all__ = ["as_tensors", "bench_medium", "on_device", "print_medium"]
+__all__ = ["COROUTINES", "SIZES", "as_tensors", "bench_medium", "on_device", "print_medium"]
 
 F32 = np.float32
 #: Bytes of one request's ``self`` (GLU) / ``input`` (GroupNormBackward).
 SIZES = (64 << 10, 256 << 10, 1 << 20)
 _ROUND_BYTES = 64 << 20
-_CLIENTS = 32
+#: The coroutines awaiting medium requests, each its share in turn.
+COROUTINES = 32
 
 
 def _glu(rng: np.random.Generator, nbytes: int, n: int) -> list[tuple[Any, ...]]:
@@ -83,7 +84,7 @@ async def _scheduled(
 ) -> list[float]:
     async with target.open() as sched:
         call: Callable[..., Any] = getattr(sched, op)
-        share = len(work) // _CLIENTS
+        share = len(work) // COROUTINES
 
         async def client(i: int) -> None:
             for args in work[i * share : (i + 1) * share]:
@@ -92,7 +93,7 @@ async def _scheduled(
         times = []
         for _ in range(rounds + 1):  # the first round warms up
             start = time.perf_counter()
-            await asyncio.gather(*(client(i) for i in range(_CLIENTS)))
+            await asyncio.gather(*(client(i) for i in range(COROUTINES)))
             times.append(time.perf_counter() - start)
     return times[1:]
 
@@ -114,7 +115,7 @@ def bench_medium(
     ]
     for op, make, peer in cases:
         for nbytes in SIZES:
-            n = max(_CLIENTS, round_bytes // nbytes // _CLIENTS * _CLIENTS)
+            n = max(COROUTINES, round_bytes // nbytes // COROUTINES * COROUTINES)
             work = make(rng, nbytes, n)
             tensors = as_tensors(work)
             mine = on_device(target, work)

@@ -20,7 +20,8 @@ for the graph row it is the same chains awaited call by call.
 - Graphs (:mod:`opsched.cli.bench_graphs`): 64 clients' 8-node chains as graphs against the
   same chains awaited.
 
-Beside the coroutine rows, the floors of :mod:`opsched.cli.bench_floors` in the same
+Beside the coroutine rows (tiny, mixed-shape and medium), the floors of
+:mod:`opsched.cli.bench_floors` on the same requests from as many coroutines, in the same
 rounds, without a target: a row whose target lies above the floor of a batcher with the
 same features cannot reach it.
 """
@@ -42,7 +43,16 @@ import opsched
 from opsched.cli.bench_floors import CLIENTS, clients, floors_of, run_floor
 from opsched.cli.bench_graphs import _Chain, _concurrent
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
-from opsched.cli.bench_medium import SIZES, _glu, _gnb, _gnb_peer, _scheduled, as_tensors, on_device
+from opsched.cli.bench_medium import (
+    COROUTINES,
+    SIZES,
+    _glu,
+    _gnb,
+    _gnb_peer,
+    _scheduled,
+    as_tensors,
+    on_device,
+)
 from opsched.cli.bench_paths import (
     INPUTS,
     _calls,
@@ -217,13 +227,20 @@ def _mixed_rows(n: int) -> list[TargetRow]:
         def ours(k: int, op: str = op, tensors: list[Any] = tensors) -> float:
             return _coroutines(torch_cpu, op, tensors, k)
 
-        def measure(peer: Callable[[int], object] = peer, ours: Any = ours) -> tuple[float, float]:
-            return _timed(lambda: _calls(peer, n)), ours(n)
-
         name = "GLU" if op == "glu" else "GroupNormBackward"
-        rows.append(
-            TargetRow(f"{name}, torch:cpu, mixed shapes, 256 coroutines", target, n, measure)
-        )
+        label = f"{name}, torch:cpu, mixed shapes, 256 coroutines"
+        paths: list[tuple[str, float | None, Callable[[int], float]]] = [(label, target, ours)]
+        for floor in floors_of(op, torch_cpu, one_shape=False):
+            measure_floor = functools.partial(run_floor, floor, torch_cpu, op, tensors)
+            paths.append((f"{name}, torch:cpu, mixed shapes, floor: {floor}", None, measure_floor))
+        for path_label, path_target, path in paths:
+
+            def measure(
+                peer: Callable[[int], object] = peer, path: Callable[[int], float] = path
+            ) -> tuple[float, float]:
+                return _timed(lambda: _calls(peer, n)), path(n)
+
+            rows.append(TargetRow(path_label, path_target, n, measure))
     return rows
 
 
@@ -246,21 +263,34 @@ def _medium_rows(round_bytes: int) -> list[TargetRow]:
                 if op == "glu_backward":
                     call = _glu_peer
 
-                def measure(
-                    call: Callable[[Any], object] = call,
-                    tensors: list[Any] = tensors,
-                    target: BenchTarget = target,
-                    op: str = op,
-                    mine: list[Any] = mine,
-                ) -> tuple[float, float]:
-                    peer = _timed(lambda: [call(a) for a in tensors])
-                    (ours,) = asyncio.run(_scheduled(target, op, mine, 1))
-                    return peer, ours
+                def scheduled(
+                    target: BenchTarget = target, op: str = op, mine: list[Any] = mine
+                ) -> float:
+                    (seconds,) = asyncio.run(_scheduled(target, op, mine, 1))
+                    return seconds
 
                 name = "GLU" if op == "glu_backward" else "GroupNormBackward"
                 where = "" if device == "cpu" else f", {device}"
-                label = f"{name} medium {nbytes >> 10} KiB{where}, 32 coroutines"
-                rows.append(TargetRow(label, 0.95, n, measure))
+                label = f"{name} medium {nbytes >> 10} KiB{where}"
+                paths: list[tuple[str, float | None, Callable[[], float]]] = [
+                    (f"{label}, 32 coroutines", 0.95, scheduled)
+                ]
+                short = "glu" if op == "glu_backward" else "gnb"
+                for floor in floors_of(short, target):
+                    measure_floor = functools.partial(
+                        run_floor, floor, target, short, mine, n, COROUTINES
+                    )
+                    paths.append((f"{label}, floor: {floor}", None, measure_floor))
+                for path_label, path_target, path in paths:
+
+                    def measure(
+                        call: Callable[[Any], object] = call,
+                        tensors: list[Any] = tensors,
+                        path: Callable[[], float] = path,
+                    ) -> tuple[float, float]:
+                        return _timed(lambda: [call(a) for a in tensors]), path()
+
+                    rows.append(TargetRow(path_label, path_target, n, measure))
     return rows
 
 

@@ -215,19 +215,19 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
     refused."""
     import asyncio
 
-    from opsched.cli.bench_floors import _as_it_is, _FeaturedBatcher, _numpy_kernel, _torch_aten
+    from opsched.cli.bench_floors import _FeaturedBatcher, _numpy_kernel, _torch_aten
     from opsched.cli.bench_paths import glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(5), 6)
-    given, launch, own = inputs, _numpy_kernel, np.copy
+    given, launch = inputs, _numpy_kernel
     if torch_device:
         torch = pytest.importorskip("torch")
         given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
-        launch, own = _torch_aten, _as_it_is
+        launch = _torch_aten
 
     async def main():
-        batcher = _FeaturedBatcher(launch, own)
+        batcher = _FeaturedBatcher(launch)
         low = [asyncio.ensure_future(batcher.glu_backward(g, x)) for g, x in given[:3]]
         high = [asyncio.ensure_future(batcher.glu_backward(g, x, priority=1)) for g, x in given[3:]]
         await asyncio.sleep(0)  # every task queued its request
@@ -279,7 +279,6 @@ def test_the_numpy_group_norm_backward_floors_compute_the_operators_results(feat
     import asyncio
 
     from opsched.cli.bench_floors import (
-        _as_it_is,
         _BareBatcher,
         _FeaturedBatcher,
         _numpy_gnb_formula,
@@ -296,7 +295,7 @@ def test_the_numpy_group_norm_backward_floors_compute_the_operators_results(feat
 
     async def main():
         if featured:
-            batcher = _FeaturedBatcher(_numpy_gnb_kernel, _as_it_is)
+            batcher = _FeaturedBatcher(_numpy_gnb_kernel)
         else:
             batcher = _BareBatcher(_numpy_gnb_formula)
         return await asyncio.gather(*(batcher.group_norm_backward(*args) for args in requests))
@@ -322,7 +321,7 @@ def test_the_group_norm_backward_floors_compute_the_frameworks_results(featured)
     import asyncio
 
     torch = pytest.importorskip("torch")
-    from opsched.cli.bench_floors import _as_it_is, _BareBatcher, _FeaturedBatcher, _torch_gnb
+    from opsched.cli.bench_floors import _BareBatcher, _FeaturedBatcher, _torch_gnb
 
     requests = _torch_gnb_requests(np.random.default_rng(7), 5)
     # each request's values differ (gamma too): a mix-up between requests shows
@@ -331,7 +330,7 @@ def test_the_group_norm_backward_floors_compute_the_frameworks_results(featured)
     ]
 
     async def main():
-        batcher = _FeaturedBatcher(_torch_gnb, _as_it_is) if featured else _BareBatcher(_torch_gnb)
+        batcher = _FeaturedBatcher(_torch_gnb) if featured else _BareBatcher(_torch_gnb)
         return await asyncio.gather(*(batcher.group_norm_backward(*args) for args in requests))
 
     results = asyncio.run(main())
@@ -348,12 +347,12 @@ def test_the_featured_group_norm_backward_floor_checks_each_new_signature():
     import asyncio
 
     torch = pytest.importorskip("torch")
-    from opsched.cli.bench_floors import _as_it_is, _FeaturedBatcher, _torch_gnb
+    from opsched.cli.bench_floors import _FeaturedBatcher, _torch_gnb
 
     dy, x, mean, rstd, gamma, n, c, hxw, group = _torch_gnb_requests(np.random.default_rng(8), 1)[0]
 
     async def main():
-        batcher = _FeaturedBatcher(_torch_gnb, _as_it_is)
+        batcher = _FeaturedBatcher(_torch_gnb)
         await batcher.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group)
         with pytest.raises(ValueError, match="do not match"):  # gamma of C + 1
             await batcher.group_norm_backward(
@@ -455,8 +454,9 @@ def test_the_cost_targets_measure_every_row_against_torch_beside_its_target():
 
     result = bench_targets(rounds=2, quick=True, groups=("mixed",))
     rows = {row["path"]: row for row in result["rows"]}
-    assert result["rounds"] == 2 and len(rows) == 2
+    assert result["rounds"] == 2 and len(rows) == 4  # each operator's, and its floor's
     assert rows["GroupNormBackward, torch:cpu, mixed shapes, 256 coroutines"]["target"] == 0.8
+    assert rows["GLU, torch:cpu, mixed shapes, floor: featured batcher"]["target"] is None
     for row in rows.values():
         assert len(row["rounds"]) == 2 and row["ratio"] > 0 and row["us"] > 0
         assert row["peer_us"] > 0 and row["requests"] == 2048
@@ -464,6 +464,7 @@ def test_the_cost_targets_measure_every_row_against_torch_beside_its_target():
     print_targets(result, out)
     text = out.getvalue()
     assert "median of 2 interleaved rounds" in text and text.count(">= ") == 2
+    assert text.count("(a floor)") == 2
     # the tiny rows: every way in with its target, the floors beside them without one
     tiny = {row.label: row.target for row in _tiny_rows(256)}
     assert tiny["GLU, module-level `await opsched.glu_backward`, 256 coroutines"] == 1.0
@@ -471,3 +472,61 @@ def test_the_cost_targets_measure_every_row_against_torch_beside_its_target():
     assert tiny["GLU, floor: featured batcher"] is None
     with pytest.raises(ValueError, match="unknown cost-target group"):
         bench_targets(groups=("tiny", "huge"))
+
+
+def test_the_medium_cost_targets_run_both_floors_beside_each_row():
+    """Every medium row (both operators, every size, both devices) has the bare and the
+    featured batcher beside it in the same rounds, from the same 32 coroutines; a floor
+    row has no target and measures a real round."""
+    pytest.importorskip("torch")
+    from opsched.cli.bench_medium import SIZES
+    from opsched.cli.bench_targets import _medium_rows
+
+    rows = _medium_rows(1)  # 32 requests a row
+    labels = {row.label: row for row in rows}
+    assert len(rows) == 2 * 2 * len(SIZES) * 3
+    for where in ("", ", torch:cpu"):
+        for name in ("GLU", "GroupNormBackward"):
+            assert labels[f"{name} medium 64 KiB{where}, 32 coroutines"].target == 0.95
+            for floor in FLOORS:
+                row = labels[f"{name} medium 64 KiB{where}, floor: {floor}"]
+                assert row.target is None and row.requests == 32
+                peer, path = row.round()
+                assert peer > 0 and path > 0
+
+
+@pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
+def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(torch_device):
+    """Requests of OWN_ELEMENTS run on their own arrays (numpy: GluBackward's table loop,
+    each request's solo bits in an array of its own; torch: the framework's own call),
+    and on a torch device requests of many shapes each get their own shape's result."""
+    import asyncio
+
+    from opsched.cli.bench_floors import OWN_ELEMENTS, _FeaturedBatcher, _numpy_kernel, _torch_aten
+    from opsched.cli.bench_targets import mixed_glu
+    from tests.sched_helpers import solo_glu
+
+    rng = np.random.default_rng(9)
+    rows = OWN_ELEMENTS // 64
+    large = [
+        (rng.standard_normal((rows, 32)).astype(np.float32), rng.standard_normal((rows, 64)))
+        for _ in range(3)
+    ]
+    large = [(g, x.astype(np.float32)) for g, x in large]
+    inputs = large + (mixed_glu(rng, 6) if torch_device else [])
+    given, launch = inputs, _numpy_kernel
+    if torch_device:
+        torch = pytest.importorskip("torch")
+        given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
+        launch = _torch_aten
+
+    async def main():
+        batcher = _FeaturedBatcher(launch)
+        return await asyncio.gather(*(batcher.glu_backward(g, x) for g, x in given))
+
+    for (g, x), got in zip(inputs, asyncio.run(main()), strict=True):
+        if torch_device:
+            want = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
+            assert torch.equal(got, want)  # the framework's own call: its bits
+        else:
+            assert np.array_equal(got, solo_glu(g, x, -1)) and got.base is None
