@@ -40,7 +40,7 @@ import attrs
 import numpy as np
 
 import opsched
-from opsched.cli.bench_floors import CLIENTS, clients, floors_of, run_floor
+from opsched.cli.bench_floors import CLIENTS, FEATURED, clients, floors_of, run_floor
 from opsched.cli.bench_graphs import _Chain, _concurrent
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import (
@@ -61,6 +61,7 @@ from opsched.cli.bench_paths import (
     _two_phase,
     torch_per_request,
 )
+from opsched.cli.bench_report import verdict
 from opsched.devices.torch import aten
 
 __all__ = ["GROUPS", "TargetRow", "bench_targets", "print_targets"]
@@ -73,13 +74,16 @@ Round = Callable[[], tuple[float, float]]
 @attrs.frozen
 class TargetRow:
     """One row of the table: what it measures, its target (None: a floor, for reference),
-    the requests a round runs, and one round."""
+    the requests a round runs, and one round. ``family``: the workload it shares with the
+    floors measured on the same requests (a row and its floors have one family; a row
+    without floors has its own label)."""
 
     label: str
     target: float | None
     requests: int
     round: Round
     peer: str = "torch"
+    family: str = ""
 
 
 def _timed(run: Callable[[], object]) -> float:
@@ -111,11 +115,20 @@ def _tiny_rows(n: int) -> list[TargetRow]:
     few = max(CLIENTS, n // 10)  # the one-at-a-time paths: fewer requests, the same ratio
 
     def row(
-        label: str, target: float | None, op: str, ours: Callable[[int], float], count: int = n
+        label: str,
+        target: float | None,
+        op: str,
+        ours: Callable[[int], float],
+        count: int = n,
+        family: str = "",
     ) -> TargetRow:
         peer = torch_per_request(op, inputs[op])
         return TargetRow(
-            label, target, count, lambda: (_timed(lambda: _calls(peer, count)), ours(count))
+            label,
+            target,
+            count,
+            lambda: (_timed(lambda: _calls(peer, count)), ours(count)),
+            family=family or label,
         )
 
     glu, gnb = inputs["glu"], inputs["gnb"]
@@ -125,12 +138,14 @@ def _tiny_rows(n: int) -> list[TargetRow]:
             1.0,
             "glu",
             lambda k: _module_level("glu", glu, k),
+            family="GLU",
         ),
         row(
             "GLU, `await sched.glu_backward`, 256 coroutines",
             1.0,
             "glu",
             lambda k: _coroutines(cpu, "glu", glu, k),
+            family="GLU",
         ),
         row(
             "GLU, a burst of `submit_glu_backward` futures, one thread",
@@ -157,18 +172,21 @@ def _tiny_rows(n: int) -> list[TargetRow]:
             1.0,
             "glu",
             lambda k: _coroutines(torch_cpu, "glu", on_torch["glu"], k),
+            family="GLU, torch:cpu",
         ),
         row(
             "GroupNormBackward 4x8x64, 256 coroutines",
             0.8,
             "gnb",
             lambda k: _coroutines(cpu, "gnb", gnb, k),
+            family="GroupNormBackward 4x8x64",
         ),
         row(
             "GroupNormBackward 4x8x64, torch:cpu, 256 coroutines",
             0.8,
             "gnb",
             lambda k: _coroutines(torch_cpu, "gnb", on_torch["gnb"], k),
+            family="GroupNormBackward 4x8x64, torch:cpu",
         ),
     ]
     for op, where in (("glu", cpu), ("glu", torch_cpu), ("gnb", cpu), ("gnb", torch_cpu)):
@@ -176,7 +194,8 @@ def _tiny_rows(n: int) -> list[TargetRow]:
         device = "" if where is cpu else f", {where.device}"
         for floor in floors_of(op, where):
             measure = functools.partial(run_floor, floor, where, op, inputs[op])
-            rows.append(row(f"{name}{device}, floor: {floor}", None, op, measure))
+            label = f"{name}{device}, floor: {floor}"
+            rows.append(row(label, None, op, measure, family=f"{name}{device}"))
     return rows
 
 
@@ -228,11 +247,13 @@ def _mixed_rows(n: int) -> list[TargetRow]:
             return _coroutines(torch_cpu, op, tensors, k)
 
         name = "GLU" if op == "glu" else "GroupNormBackward"
-        label = f"{name}, torch:cpu, mixed shapes, 256 coroutines"
-        paths: list[tuple[str, float | None, Callable[[int], float]]] = [(label, target, ours)]
+        label = f"{name}, torch:cpu, mixed shapes"
+        paths: list[tuple[str, float | None, Callable[[int], float]]] = [
+            (f"{label}, 256 coroutines", target, ours)
+        ]
         for floor in floors_of(op, torch_cpu, one_shape=False):
             measure_floor = functools.partial(run_floor, floor, torch_cpu, op, tensors)
-            paths.append((f"{name}, torch:cpu, mixed shapes, floor: {floor}", None, measure_floor))
+            paths.append((f"{label}, floor: {floor}", None, measure_floor))
         for path_label, path_target, path in paths:
 
             def measure(
@@ -240,7 +261,7 @@ def _mixed_rows(n: int) -> list[TargetRow]:
             ) -> tuple[float, float]:
                 return _timed(lambda: _calls(peer, n)), path(n)
 
-            rows.append(TargetRow(path_label, path_target, n, measure))
+            rows.append(TargetRow(path_label, path_target, n, measure, family=label))
     return rows
 
 
@@ -290,7 +311,7 @@ def _medium_rows(round_bytes: int) -> list[TargetRow]:
                     ) -> tuple[float, float]:
                         return _timed(lambda: [call(a) for a in tensors]), path()
 
-                    rows.append(TargetRow(path_label, path_target, n, measure))
+                    rows.append(TargetRow(path_label, path_target, n, measure, family=label))
     return rows
 
 
@@ -304,7 +325,7 @@ def _graph_rows(chains: int, repeats: int) -> list[TargetRow]:
         return awaited, graphs
 
     label = f"8-node chains as graphs, {chains} clients"
-    return [TargetRow(label, 1.2, chains * repeats, measure, peer="awaited chains")]
+    return [TargetRow(label, 1.2, chains * repeats, measure, peer="awaited chains", family=label)]
 
 
 #: The table's groups of rows, in the order they print.
@@ -348,6 +369,9 @@ def bench_targets(
                 "rounds": ratios,
                 "us": statistics.median(ours for _, ours in times) / row.requests * 1e6,
                 "peer_us": statistics.median(peer for peer, _ in times) / row.requests * 1e6,
+                "family": row.family,
+                # a floor of a batcher with the scheduler's features (see bench_floors)
+                "keeps_features": row.target is None and row.label.endswith(f"floor: {FEATURED}"),
             }
         )
     return {"rounds": rounds, "rows": out}
@@ -370,14 +394,10 @@ def print_targets(r: dict[str, Any], out: TextIO) -> None:
     for row in r["rows"]:
         rounds = row["rounds"]
         spread = f"{min(rounds):.2f}-{max(rounds):.2f}x"
-        if row["target"] is None:
-            verdict = "  (a floor)"
-            goal = ""
-        else:
-            goal = f">= {row['target']:.2f}x"
-            verdict = "  met" if row["ratio"] >= row["target"] else "  below"
+        stands = verdict(row, r["rows"])
+        goal = "" if row["target"] is None else f">= {row['target']:.2f}x"
         print(
             f"{row['path']:<66}{row['us']:>7.1f}{row['peer_us']:>9.1f}{row['ratio']:>7.2f}x  "
-            f"{spread:<13}{goal:>7}{verdict}",
+            f"{spread:<13}{goal:>7}  {'(a floor)' if stands == 'a floor' else stands}",
             file=out,
         )

@@ -75,6 +75,54 @@ def test_the_cost_targets_render_each_row_beside_its_target():
                 "rounds": [0.4, 0.5],
                 "us": 20.0,
                 "peer_us": 10.0,
+                "family": "GNB",
+            },
+            {  # a batcher without the features: says nothing of what is blocked
+                "path": "GNB, floor: bare batcher",
+                "target": None,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 0.9,
+                "rounds": [0.9],
+                "us": 11.0,
+                "peer_us": 10.0,
+                "family": "GNB",
+                "keeps_features": False,
+            },
+            {
+                "path": "GNB, floor: featured batcher",
+                "target": None,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 0.6,
+                "rounds": [0.6],
+                "us": 16.0,
+                "peer_us": 10.0,
+                "family": "GNB",
+                "keeps_features": True,
+            },
+            {  # the featured floor of another family reaches this row's target
+                "path": "GLU medium, 32 coroutines",
+                "target": 0.95,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 0.9,
+                "rounds": [0.88, 0.9],
+                "us": 30.0,
+                "peer_us": 27.0,
+                "family": "GLU medium",
+            },
+            {
+                "path": "GLU medium, floor: featured batcher",
+                "target": None,
+                "peer": "torch",
+                "requests": 9,
+                "ratio": 1.02,
+                "rounds": [1.02],
+                "us": 26.5,
+                "peer_us": 27.0,
+                "family": "GLU medium",
+                "keeps_features": True,
             },
         ],
     }
@@ -84,9 +132,16 @@ def test_the_cost_targets_render_each_row_beside_its_target():
     assert "median of 5 interleaved rounds" in page
     assert "| GLU, 256 coroutines | 7.0 | 7.7 | 1.10x | 1.00-1.20x | >= 1.00x | met |" in page
     assert "| GLU, floor: bare batcher | 5.0 | 7.0 | 1.40x | 1.30-1.40x |  | a floor |" in page
-    assert "| GNB, 256 coroutines | 20.0 | 10.0 | 0.50x | 0.40-0.50x | >= 0.80x | below |" in page
+    # below its target, and so is the featured floor on its requests: blocked
+    assert "| GNB, 256 coroutines | 20.0 | 10.0 | 0.50x | 0.40-0.50x | >= 0.80x | blocked |" in page
+    # below its target, which its featured floor reaches: work left
+    medium = "| GLU medium, 32 coroutines | 30.0 | 27.0 | 0.90x | 0.88-0.90x | >= 0.95x | below |"
+    assert medium in page
     summary = render_summary(doc, "run.json")
-    assert "| the cost table's rows (`--parts targets`) | their targets | 1 of 2 met |" in summary
+    assert (
+        "| the cost table's rows (`--parts targets`) | their targets | 1 of 3 met, 1 blocked by "
+        "the featured floor |" in summary
+    )
 
 
 def test_a_stale_readme_is_found_and_rewritten(tmp_path):
