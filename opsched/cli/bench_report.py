@@ -88,8 +88,8 @@ above 1.0x means the scheduler costs less per request than no scheduler at all.
   chains awaited), each row beside its target: the median and spread of at least five
   rounds, every row once a round. The floors of the coroutine rows (tiny, mixed-shape and
   medium) run on the same requests in the same rounds: a row below its target is
-  *blocked* where the featured batcher (a batcher with the scheduler's features) is below
-  it too, and *below* (work left) where that floor reaches it.
+  *blocked* where the featured batcher (a batcher with the scheduler's features) stays
+  below it in every round, and *below* (work left) where that floor reaches it.
 """
 
 
@@ -183,16 +183,17 @@ def _medium(medium: dict[str, Any]) -> list[str]:
 
 def verdict(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """Where a cost-target row stands among ``rows`` (its run's): ``"a floor"`` (no
-    target), ``"met"``, ``"blocked"`` (below its target, and so is the floor of a batcher
-    with the scheduler's features on the same requests in the same run: no such batcher
-    reaches it) or ``"below"`` (below its target, which that floor reaches: work left)."""
+    target), ``"met"``, ``"blocked"`` (below its target, and so is every round of the
+    floor of a batcher with the scheduler's features on the same requests in the same run:
+    no such batcher reaches it) or ``"below"`` (below its target, which that floor reaches
+    in some round, or which has no such floor: work left)."""
     target = row["target"]
     if target is None:
         return "a floor"
     if row["ratio"] >= target:
         return "met"
     floors = [
-        other["ratio"]
+        max(other["rounds"])
         for other in rows
         if other.get("keeps_features") and other.get("family") == row.get("family")
     ]
