@@ -207,6 +207,17 @@ def test_the_bare_batcher_computes_glu_backward(torch_device):
         np.testing.assert_allclose(np.asarray(got), solo_glu(g, x, -1), rtol=1e-5, atol=1e-6)
 
 
+def _featured_glu(inputs, torch_device):
+    """GluBackward requests for a featured floor, and its launch: numpy arrays and the
+    product's kernel, or (``torch_device``) tensors of the same memory and aten's."""
+    from opsched.cli.bench_floors import _numpy_kernel, _torch_aten
+
+    if not torch_device:
+        return inputs, _numpy_kernel
+    torch = pytest.importorskip("torch")
+    return [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs], _torch_aten
+
+
 @pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
 def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_device):
     """The featured floor does the real work and keeps the features it claims: the
@@ -215,16 +226,12 @@ def test_the_featured_batcher_computes_withdraws_and_orders_by_priority(torch_de
     refused."""
     import asyncio
 
-    from opsched.cli.bench_floors import _FeaturedBatcher, _numpy_kernel, _torch_aten
+    from opsched.cli.bench_floors import _FeaturedBatcher
     from opsched.cli.bench_paths import glu_inputs
     from tests.sched_helpers import solo_glu
 
     inputs = glu_inputs(np.random.default_rng(5), 6)
-    given, launch = inputs, _numpy_kernel
-    if torch_device:
-        torch = pytest.importorskip("torch")
-        given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
-        launch = _torch_aten
+    given, launch = _featured_glu(inputs, torch_device)
 
     async def main():
         batcher = _FeaturedBatcher(launch)
@@ -502,23 +509,17 @@ def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(to
     and on a torch device requests of many shapes each get their own shape's result."""
     import asyncio
 
-    from opsched.cli.bench_floors import OWN_ELEMENTS, _FeaturedBatcher, _numpy_kernel, _torch_aten
+    from opsched.cli.bench_floors import OWN_ELEMENTS, _FeaturedBatcher
     from opsched.cli.bench_targets import mixed_glu
     from tests.sched_helpers import solo_glu
 
     rng = np.random.default_rng(9)
     rows = OWN_ELEMENTS // 64
-    large = [
-        (rng.standard_normal((rows, 32)).astype(np.float32), rng.standard_normal((rows, 64)))
+    inputs = [
+        tuple(rng.standard_normal((rows, cols)).astype(np.float32) for cols in (32, 64))
         for _ in range(3)
-    ]
-    large = [(g, x.astype(np.float32)) for g, x in large]
-    inputs = large + (mixed_glu(rng, 6) if torch_device else [])
-    given, launch = inputs, _numpy_kernel
-    if torch_device:
-        torch = pytest.importorskip("torch")
-        given = [(torch.from_numpy(g), torch.from_numpy(x)) for g, x in inputs]
-        launch = _torch_aten
+    ] + (mixed_glu(rng, 6) if torch_device else [])
+    given, launch = _featured_glu(inputs, torch_device)
 
     async def main():
         batcher = _FeaturedBatcher(launch)
@@ -526,6 +527,8 @@ def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(to
 
     for (g, x), got in zip(inputs, asyncio.run(main()), strict=True):
         if torch_device:
+            import torch
+
             want = torch.ops.aten.glu_backward(torch.from_numpy(g), torch.from_numpy(x), -1)
             assert torch.equal(got, want)  # the framework's own call: its bits
         else:
