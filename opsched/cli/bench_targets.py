@@ -294,7 +294,7 @@ def _medium_rows(round_bytes: int) -> list[TargetRow]:
                 where = "" if device == "cpu" else f", {device}"
                 label = f"{name} medium {nbytes >> 10} KiB{where}"
                 paths: list[tuple[str, float | None, Callable[[], float]]] = [
-                    (f"{label}, 32 coroutines", 0.95, scheduled)
+                    (f"{label}, {COROUTINES} coroutines", 0.95, scheduled)
                 ]
                 short = "glu" if op == "glu_backward" else "gnb"
                 for floor in floors_of(short, target):
