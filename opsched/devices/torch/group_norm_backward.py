@@ -156,28 +156,40 @@ def framework_dtypes(x: Any, stat_dtype: Any) -> tuple[Any, Any]:
 def _alone(request: Any, data: Any, wide: Any) -> None:
     """Run a large request as aten's own call on its own tensors and geometry (aten sums
     dgamma / dbeta over the samples itself), statistics and gamma widened as a stacked
-    launch widens them; its results come in its own shapes (no view to make)."""
+    launch widens them; its results come in its own shapes (no view to make). ``data``
+    None: its operands go in as they are (:func:`_own_call`'s usual request, where every
+    widening and rounding would change nothing)."""
     t, s = request.tensors, request.scalars
     x, gamma, mask = t["input"], t["gamma"], s["output_mask"]
-    if gamma is None:  # aten cannot give dgamma without one: ones, what an absent gamma means
-        gamma = torch.ones(s["C"], dtype=wide, device=x.device)
+    operands = (t["grad_out"], x, t["mean"], t["rstd"], gamma)
+    if data is not None:
+        if gamma is None:  # aten cannot give dgamma without one: ones, what none means
+            gamma = torch.ones(s["C"], dtype=wide, device=x.device)
+        dtypes = (data, data, wide, wide, wide)
+        operands = tuple(_wide(o, d) for o, d in zip((*operands[:4], gamma), dtypes, strict=True))
+    grad_out, x_in, mean, rstd, gamma_in = operands
     # aten reads every operand as contiguous whatever its strides: made so
     results = torch.ops.aten.native_group_norm_backward(
-        _wide(t["grad_out"], data).contiguous(),
-        _wide(x, data).contiguous(),
-        _wide(t["mean"], wide).contiguous(),
-        _wide(t["rstd"], wide).contiguous(),
-        _wide(gamma, wide).contiguous(),
+        grad_out.contiguous(),
+        x_in.contiguous(),
+        mean.contiguous(),
+        rstd.contiguous(),
+        gamma_in.contiguous(),
         s["N"],
         s["C"],
         s["HxW"],
         s["group"],
         list(mask),
     )
+    if data is None:
+        for name, result, want in zip(_OUTPUTS, results, mask, strict=True):
+            if want:
+                framework_deliver(t, name, result)
+        return
     rounded = (x.dtype, t["mean"].dtype, t["mean"].dtype)  # dx, dgamma, dbeta
-    for i, (name, result) in enumerate(zip(_OUTPUTS, results, strict=True)):
-        if mask[i]:
-            framework_deliver(t, name, _wide(result, rounded[i]))
+    for name, result, want, dtype in zip(_OUTPUTS, results, mask, rounded, strict=True):
+        if want:
+            framework_deliver(t, name, _wide(result, dtype))
 
 
 def _lone(request: Any, data: Any, wide: Any) -> None:
@@ -229,10 +241,19 @@ def _own_call(request: Any) -> bool:
     if type(t) is HostOperands:
         _own_host(request)
         return True
-    x = t["input"]
+    x, mean, float32 = t["input"], t["mean"], torch.float32
     if not x.is_cpu:
         return False
-    _alone(request, *framework_dtypes(x, t["mean"].dtype))
+    gamma = t["gamma"]
+    if (
+        mean.dtype is float32
+        and t["rstd"].dtype is float32
+        and gamma is not None
+        and gamma.dtype is float32
+    ):  # the usual request: aten takes its operands and gives its results as they are
+        _alone(request, None, None)
+    else:
+        _alone(request, *framework_dtypes(x, mean.dtype))
     return True
 
 
