@@ -7,12 +7,12 @@ half, row 1 its ``b`` half.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import HostLauncher, Table
+from opsched.devices.host.launcher import HostLauncher
 from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
@@ -64,22 +64,15 @@ class GluBackwardLauncher(HostLauncher):
 
         return staged
 
-    def table(self, requests: Sequence[Any]) -> Table:
-        rows, taken, rest = [], [], []
-        for request in requests:
-            t = request.tensors
-            x, out = t["self"], t["out"]
-            if out is None:  # left to the launch: its own new array, as a solo launch's
-                out = t["out"] = np.empty(x.shape, x.dtype)
-            row = glu_table_row(t["grad_out"], x, out, request.scalars["dim"])
-            if row is None:
-                rest.append(request)
-            else:
-                rows.append(row)
-                taken.append(request)
-        if not rows:
-            return None, taken, rest
-        return glu_backward_table(requests[0].tensors["self"].dtype, rows), taken, rest
+    def table_row(self, request: Any) -> tuple[int, ...] | None:
+        t = request.tensors
+        x, out = t["self"], t["out"]
+        if out is None:  # left to the launch: its own new array, as a solo launch's
+            out = t["out"] = np.empty(x.shape, x.dtype)
+        return glu_table_row(t["grad_out"], x, out, request.scalars["dim"])
+
+    def table_call(self, rows: list[tuple[int, ...]], first: Any) -> Callable[[], None]:
+        return glu_backward_table(first.tensors["self"].dtype, rows)
 
     def reference(self, tensors: Tensors, scalars: Mapping[str, Any]) -> np.ndarray:
         return glu_backward_reference(tensors["grad_out"], tensors["self"], scalars["dim"])

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opsched.devices.base import allocate_missing
-from opsched.devices.host.launcher import HostLauncher, Table
+from opsched.devices.host.launcher import HostLauncher
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
     gnb_table_row,
@@ -58,27 +58,18 @@ class GroupNormBackwardLauncher(HostLauncher):
             tensors["gamma"] is not None,
         )
 
-    def table(self, requests: Sequence[Any]) -> Table:
-        rows, taken, rest = [], [], []
-        for request in requests:
-            t, s = request.tensors, request.scalars
-            if not all(s["output_mask"]):  # the table loop computes all three
-                rest.append(request)
-                continue
-            fresh = t["dx"] is None and t["dgamma"] is None and t["dbeta"] is None
-            allocate_missing(self.op, t, s)  # left to the launch: new arrays, as a solo's
-            dy, x, mean, rstd, gamma, dx, dgamma, dbeta = _arrays(t)
-            scalars = s["N"], s["C"], s["HxW"], s["group"]
-            row = gnb_table_row(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, *scalars, fresh)
-            if row is None:
-                rest.append(request)
-            else:
-                rows.append(row)
-                taken.append(request)
-        if not rows:
-            return None, taken, rest
-        dtype = taken[0].tensors["input"].dtype
-        return group_norm_backward_table(dtype, rows), taken, rest
+    def table_row(self, request: Any) -> tuple[int, ...] | None:
+        t, s = request.tensors, request.scalars
+        if not all(s["output_mask"]):  # the table loop computes all three
+            return None
+        fresh = t["dx"] is None and t["dgamma"] is None and t["dbeta"] is None
+        allocate_missing(self.op, t, s)  # left to the launch: new arrays, as a solo's
+        dy, x, mean, rstd, gamma, dx, dgamma, dbeta = _arrays(t)
+        scalars = s["N"], s["C"], s["HxW"], s["group"]
+        return gnb_table_row(dy, x, mean, rstd, gamma, dx, dgamma, dbeta, *scalars, fresh)
+
+    def table_call(self, rows: list[tuple[int, ...]], first: Any) -> Callable[[], None]:
+        return group_norm_backward_table(first.tensors["input"].dtype, rows)
 
     def prepare(self, plan: GnbPlan, tensors: Tensors) -> Launch:
         t = tensors

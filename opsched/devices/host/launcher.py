@@ -89,9 +89,31 @@ class HostLauncher(abc.ABC):
         compiled call computing each on its own arrays (outputs left to the launch are
         allocated now), with its solo launch's bits; the requests it computes, and those
         it cannot (each runs its own launch). The call holds the GIL only to start and to
-        return; it must run while the requests' arrays are alive. Default: no table loop,
-        every request its own launch."""
-        return None, [], list(requests)
+        return; it must run while the requests' arrays are alive. The operator's rows
+        come from :meth:`table_row`, its call from :meth:`table_call`."""
+        rows, taken, rest = [], [], []
+        for request in requests:
+            row = self.table_row(request)
+            if row is None:
+                rest.append(request)
+            else:
+                rows.append(row)
+                taken.append(request)
+        if not rows:
+            return None, taken, rest
+        return self.table_call(rows, taken[0]), taken, rest
+
+    def table_row(self, request: Any) -> tuple[int, ...] | None:
+        """``request``'s row of a table launch (its outputs left to the launch allocated
+        now), or None where it runs its own launch. Default: no table loop, every request
+        its own launch."""
+        return None
+
+    def table_call(self, rows: list[tuple[int, ...]], first: Any) -> Callable[[], None]:
+        """The one compiled call computing ``rows`` (:meth:`table_row`'s; ``first``: one
+        of their requests, whose dtypes all share)."""
+        msg = f"{self.op.name} has no table loop"
+        raise NotImplementedError(msg)
 
     @abc.abstractmethod
     def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
