@@ -272,14 +272,17 @@ def test_a_lone_tensor_group_norm_backward_call_gets_tensors_with_its_batched_bi
             assert a.view(bits).equal(b.view(bits)) and a.view(bits).equal(c.view(bits))
 
 
-def test_group_norm_backward_fuses_into_one_aten_launch():
-    rng = np.random.default_rng(2)
-    requests = []
-    for n in (1, 2, 3, 2):
-        dy, x = (on_device(rand(rng, (n, 4, 5), F32)) for _ in range(2))
-        mean = on_device(rand(rng, (n, 2), F32))
-        rstd = on_device((rng.random((n, 2)) + 0.5).astype(F32))
-        requests.append((dy, x, mean, rstd, on_device(rand(rng, (4,), F32)), n, 4, 5, 2))
+def _gnb_request(rng, n, c, hxw, group):
+    """A GroupNormBackward call of that geometry, on the device, FLOAT."""
+    dy, x = (on_device(rand(rng, (n, c, hxw), F32)) for _ in range(2))
+    mean = on_device(rand(rng, (n, group), F32))
+    rstd = on_device((rng.random((n, group)) + 0.5).astype(F32))
+    return dy, x, mean, rstd, on_device(rand(rng, (c,), F32)), n, c, hxw, group
+
+
+def _queued_together(requests):
+    """``requests`` (GroupNormBackward calls) queued together on one stream: their
+    results, and the scheduler's statistics."""
 
     async def main():
         async def all_of(sched):
@@ -289,7 +292,13 @@ def test_group_norm_backward_fuses_into_one_aten_launch():
             outs = await beside_a_ready_task(all_of(sched))  # (queued: none runs at submit)
             return outs, sched.statistics()
 
-    outs, stats = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_group_norm_backward_fuses_into_one_aten_launch():
+    rng = np.random.default_rng(2)
+    requests = [_gnb_request(rng, n, 4, 5, 2) for n in (1, 2, 3, 2)]
+    outs, stats = _queued_together(requests)
     assert stats.launches < len(requests)  # one stream task served several requests
     for r, got in zip(requests, outs, strict=True):
         want = torch.ops.aten.native_group_norm_backward(*r, [True] * 3)
@@ -312,28 +321,9 @@ def test_requests_of_one_operator_and_dtype_share_launches_whatever_their_shapes
 
         monkeypatch.setattr(group_norm_backward, "_own_call", lambda r: False)
     rng = np.random.default_rng(3)
-    requests = []
-    for n, c, hxw, group in (
-        (1, 4, 5, 2),
-        (2, 8, 7, 4),
-        (3, 4, 9, 1),
-        (2, 16, 3, 4),
-        (1, 8, 11, 2),
-    ):
-        dy, x = (on_device(rand(rng, (n, c, hxw), F32)) for _ in range(2))
-        mean = on_device(rand(rng, (n, group), F32))
-        rstd = on_device((rng.random((n, group)) + 0.5).astype(F32))
-        requests.append((dy, x, mean, rstd, on_device(rand(rng, (c,), F32)), n, c, hxw, group))
-
-    async def main():
-        async def all_of(sched):
-            return await asyncio.gather(*(sched.group_norm_backward(*r) for r in requests))
-
-        async with opsched.open_scheduler(device=DEVICE, streams=1) as sched:
-            outs = await beside_a_ready_task(all_of(sched))  # (queued: none runs at submit)
-            return outs, sched.statistics()
-
-    outs, stats = asyncio.run(main())
+    geometries = ((1, 4, 5, 2), (2, 8, 7, 4), (3, 4, 9, 1), (2, 16, 3, 4), (1, 8, 11, 2))
+    requests = [_gnb_request(rng, *geometry) for geometry in geometries]
+    outs, stats = _queued_together(requests)
     assert stats.launches < len(requests)
     for r, got in zip(requests, outs, strict=True):
         want = torch.ops.aten.native_group_norm_backward(*r, [True] * 3)
