@@ -468,11 +468,12 @@ _disk_cache: list[bool | None] = [None]
 _ALL: list[Loops] = []
 
 
-def _compile(func: Callable[..., Any], signature: Any) -> Any:
-    """``func`` compiled for ``signature`` (or loaded from the disk cache): no GIL (streams
-    run in parallel), numpy's float semantics (division by zero gives inf, not an
-    exception), never ``fastmath``. Caller holds :data:`_COMPILING`."""
-    options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
+def _compile(func: Callable[..., Any], signature: Any, nogil: bool = True) -> Any:
+    """``func`` compiled for ``signature`` (or loaded from the disk cache): without the
+    GIL unless ``nogil`` is False (streams run in parallel), numpy's float semantics
+    (division by zero gives inf, not an exception), never ``fastmath``. Caller holds
+    :data:`_COMPILING`."""
+    options: dict[str, Any] = {"nogil": nogil, "error_model": "numpy"}
     if _disk_cache[0] is None:
         # before the first load from the cache: stale entries removed
         refresh_package(NUMBA_INTERNALS)
@@ -504,11 +505,18 @@ class Loops(dict[str, Any]):
 
     Args:
         sources: per name, the Python function and the numba signature it compiles for.
+        nogil: the entry points let go of the GIL while they run (a loop over many
+            elements: other threads run Python meanwhile). False for calls of a few
+            nanoseconds: letting go and taking back the GIL would hand it to another
+            thread and wait for its return, far longer than the call.
     """
 
-    def __init__(self, sources: dict[str, tuple[Callable[..., Any], Any]]) -> None:
+    def __init__(
+        self, sources: dict[str, tuple[Callable[..., Any], Any]], *, nogil: bool = True
+    ) -> None:
         super().__init__()
         self._sources = sources
+        self._nogil = nogil
         _ALL.append(self)
 
     def __missing__(self, name: str) -> Any:
@@ -516,7 +524,7 @@ class Loops(dict[str, Any]):
         with _COMPILING:
             compiled = dict.get(self, name)
             if compiled is None:  # not compiled by a thread that held the lock before us
-                compiled = _compile(func, signature)
+                compiled = _compile(func, signature, self._nogil)
                 self[name] = compiled
         return compiled
 
@@ -564,27 +572,56 @@ def _sigmoid_loop(x: Any, out: Any) -> None:
 _SIGMOID = Loops({"float32": (_sigmoid_loop, void(readonly("float32"), OUTPUT))})
 
 
-def _address(array: Any) -> Any:
-    return array.ctypes.data
+def _addresses3(a: Any, b: Any, c: Any) -> Any:
+    return a.ctypes.data, b.ctypes.data, c.ctypes.data
 
 
-#: The data address of a flat storage view, by kind (a compiled call: ``ndarray.ctypes``
-#: builds a ctypes object for each array it is asked about).
-_ADDRESS = Loops(
-    {
-        "float32": (_address, types.int64(readonly("float32"))),
-        "float16": (_address, types.int64(readonly("uint16"))),
-        "bfloat16": (_address, types.int64(readonly("uint16"))),
+def _addresses5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
+    return a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, e.ctypes.data
+
+
+def _address_entries(
+    func: Callable[..., Any], count: int, kinds: Iterable[Kind]
+) -> dict[str, tuple[Any, Any]]:
+    """The entry points of ``func``, the addresses of ``count`` arrays, for ``kinds``."""
+    return {
+        f"{kind.name}/{count}": (
+            func,
+            types.UniTuple(types.int64, count)(*[readonly(kind.storage.name)] * count),
+        )
+        for kind in kinds
     }
+
+
+#: The data addresses of flat storage views by ``kind/count``: three of any kind (a
+#: request's data operands), five float32 (GroupNormBackward's statistics, gamma and
+#: sums). ``ndarray.ctypes`` builds a ctypes object for each array it is asked about, and
+#: numba's dispatch costs about 0.3 us a call whatever it computes, so a request's
+#: addresses are one call, not one per array.
+_ADDRESSES = Loops(
+    {
+        **_address_entries(_addresses3, 3, KINDS.values()),
+        **_address_entries(_addresses5, 5, [KINDS[np.dtype(np.float32)]]),
+    },
+    nogil=False,
 )
 
 
-def addresses(kind: Kind, *arrays: np.ndarray) -> list[int]:
-    """The data addresses of C-contiguous ``arrays`` of ``kind``: the rows of a table
-    launch, a compiled loop over many requests' own arrays (a request's operands found by
-    address, :func:`pointer`, where a fused launch would copy them into one buffer)."""
-    address = _ADDRESS[kind.name]
-    return [address(storage(a, kind)) for a in arrays]
+def addresses(kind: Kind, *arrays: np.ndarray) -> tuple[int, ...]:
+    """The data addresses of C-contiguous ``arrays`` of ``kind`` (three of any kind, or
+    five float32), in one compiled call: the rows of a table launch, a compiled loop over
+    many requests' own arrays (a request's operands found by address, :func:`pointer`,
+    where a fused launch would copy them into one buffer).
+
+    Raises:
+        ValueError: another count of arrays, or five of another kind.
+    """
+    name = f"{kind.name}/{len(arrays)}"
+    if name not in _ADDRESSES.names():
+        msg = f"addresses takes three arrays, or five float32 ones; got {name}"
+        raise ValueError(msg)
+    found: tuple[int, ...] = _ADDRESSES[name](*[storage(a, kind) for a in arrays])
+    return found
 
 
 def sigmoid32(x: np.ndarray) -> np.ndarray:

@@ -500,8 +500,8 @@ def gnb_table_row(
     if not fresh and not _usual_outputs(dx, dgamma, dbeta):
         return None
     data = _jit.addresses(kind, grad_out, x, dx)
-    stats = (mean, rstd, dgamma, dbeta) if gamma is None else (mean, rstd, dgamma, dbeta, gamma)
-    found = _jit.addresses(_FLOAT, *stats)
+    # five, gamma or not (one compiled call a row: mean stands in for a missing gamma)
+    found = _jit.addresses(_FLOAT, mean, rstd, dgamma, dbeta, mean if gamma is None else gamma)
     if not fresh and _overlap(
         [(data[2], dx.nbytes), (found[2], dgamma.nbytes), (found[3], dbeta.nbytes)],
         [(data[0], grad_out.nbytes), (data[1], x.nbytes), (found[0], mean.nbytes)]

@@ -206,3 +206,28 @@ def test_a_fork_while_a_kernel_compiles_leaves_the_child_a_free_lock():
         release.set()
         thread.join()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("dtype", [F32, np.float16, ml_dtypes.bfloat16])
+def test_addresses_are_each_array_s_own_data_address(dtype: type) -> None:
+    """A table launch finds each request's operands by these addresses: each must be its
+    array's own (numpy's ``__array_interface__``), in order, read-only arrays included;
+    five take float32 only, and other counts are refused by name."""
+    kind = _jit.kind_of(np.dtype(dtype))
+    assert kind is not None
+    rng = np.random.default_rng(0)
+    base = rand(rng, (6, 8), dtype)
+    arrays = [base[1:3], np.frombuffer(base.tobytes(), dtype).reshape(6, 8), base[4:]]
+    assert not arrays[1].flags.writeable
+
+    def expected(found: list[np.ndarray]) -> tuple[int, ...]:
+        return tuple(a.__array_interface__["data"][0] for a in found)
+
+    assert _jit.addresses(kind, *arrays) == expected(arrays)
+    if dtype is F32:
+        five = [*arrays, rand(rng, (3,), F32), base[5:]]
+        assert _jit.addresses(kind, *five) == expected(five)
+    with pytest.raises(ValueError, match=rf"three arrays, or five float32 ones; got {kind.name}/"):
+        _jit.addresses(kind, *arrays[:2])
+    with pytest.raises(ValueError, match="five float32"):
+        _jit.addresses(_jit.KINDS[np.dtype(np.float16)], *arrays, *arrays[:2])
