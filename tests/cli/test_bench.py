@@ -502,6 +502,41 @@ def test_the_medium_cost_targets_run_both_floors_beside_each_row():
                 assert peer > 0 and path > 0
 
 
+def test_the_medium_rows_peer_drops_each_result_as_the_scheduler_s_clients_do(monkeypatch):
+    """The peer of a medium row holds one result at a time, as the coroutines awaiting the
+    scheduler do: a peer that kept every result would pay for fresh memory on each call
+    (page faults) that the scheduler's path reuses, and flatter every medium ratio."""
+    pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from opsched.cli import bench_targets
+
+    alive: set[int] = set()
+    most = [0]
+
+    class Result:
+        pass
+
+    def peer(args):
+        result = Result()
+        alive.add(id(result))
+        weakref.finalize(result, alive.discard, id(result))
+        most[0] = max(most[0], len(alive))
+        return result
+
+    monkeypatch.setattr(bench_targets, "_gnb_peer", peer)
+    monkeypatch.setattr(bench_targets, "_glu_peer", peer)
+    gc.disable()  # (only reference counting frees the results)
+    try:
+        row = bench_targets._medium_rows(1)[0]  # 32 requests
+        assert row.requests == 32
+        row.round()
+    finally:
+        gc.enable()
+    assert 1 <= most[0] <= 2
+
+
 @pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
 def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(torch_device):
     """Requests of OWN_ELEMENTS run on their own arrays (numpy: GluBackward's table loop,
