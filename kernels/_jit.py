@@ -71,6 +71,7 @@ __all__ = [
     "f32_to_bf16",
     "f32_to_half",
     "flat",
+    "float32_addresses",
     "fold",
     "folded",
     "half_to_f32",
@@ -580,47 +581,45 @@ def _addresses5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
     return a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, e.ctypes.data
 
 
-def _address_entries(
-    func: Callable[..., Any], count: int, kinds: Iterable[Kind]
-) -> dict[str, tuple[Any, Any]]:
-    """The entry points of ``func``, the addresses of ``count`` arrays, for ``kinds``."""
-    return {
-        f"{kind.name}/{count}": (
-            func,
-            types.UniTuple(types.int64, count)(*[readonly(kind.storage.name)] * count),
-        )
-        for kind in kinds
-    }
-
-
-#: The data addresses of flat storage views by ``kind/count``: three of any kind (a
-#: request's data operands), five float32 (GroupNormBackward's statistics, gamma and
-#: sums). ``ndarray.ctypes`` builds a ctypes object for each array it is asked about, and
-#: numba's dispatch costs about 0.3 us a call whatever it computes, so a request's
-#: addresses are one call, not one per array.
-_ADDRESSES = Loops(
+#: The data addresses of three flat storage views of one kind (a request's data operands),
+#: by kind, and of five float32 arrays (GroupNormBackward's statistics, gamma and sums):
+#: one compiled call for a request's arrays. ``ndarray.ctypes`` builds a ctypes object for
+#: each array it is asked about, and numba's dispatch costs about 0.3 us a call whatever it
+#: computes, so a request's addresses are one call, not one per array. They keep the GIL
+#: (``nogil=False``): letting it go and taking it back would hand it to a stream thread and
+#: wait for its return, far longer than the call.
+_ADDRESSES3 = Loops(
     {
-        **_address_entries(_addresses3, 3, KINDS.values()),
-        **_address_entries(_addresses5, 5, [KINDS[np.dtype(np.float32)]]),
+        kind.name: (_addresses3, types.UniTuple(types.int64, 3)(*[readonly(kind.storage.name)] * 3))
+        for kind in KINDS.values()
     },
+    nogil=False,
+)
+_ADDRESSES5 = Loops(
+    {"float32": (_addresses5, types.UniTuple(types.int64, 5)(*[readonly("float32")] * 5))},
     nogil=False,
 )
 
 
-def addresses(kind: Kind, *arrays: np.ndarray) -> tuple[int, ...]:
-    """The data addresses of C-contiguous ``arrays`` of ``kind`` (three of any kind, or
-    five float32), in one compiled call: the rows of a table launch, a compiled loop over
-    many requests' own arrays (a request's operands found by address, :func:`pointer`,
-    where a fused launch would copy them into one buffer).
+def addresses(kind: Kind, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple[int, int, int]:
+    """The data addresses of three C-contiguous arrays of ``kind``, in one compiled call:
+    the rows of a table launch, a compiled loop over many requests' own arrays (a
+    request's operands found by address, :func:`pointer`, where a fused launch would copy
+    them into one buffer)."""
+    found: tuple[int, int, int] = _ADDRESSES3[kind.name](
+        storage(a, kind), storage(b, kind), storage(c, kind)
+    )
+    return found
 
-    Raises:
-        ValueError: another count of arrays, or five of another kind.
-    """
-    name = f"{kind.name}/{len(arrays)}"
-    if name not in _ADDRESSES.names():
-        msg = f"addresses takes three arrays, or five float32 ones; got {name}"
-        raise ValueError(msg)
-    found: tuple[int, ...] = _ADDRESSES[name](*[storage(a, kind) for a in arrays])
+
+def float32_addresses(
+    a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, e: np.ndarray
+) -> tuple[int, int, int, int, int]:
+    """The data addresses of five C-contiguous float32 arrays, in one compiled call (see
+    :func:`addresses`)."""
+    found: tuple[int, int, int, int, int] = _ADDRESSES5["float32"](
+        a.ravel(), b.ravel(), c.ravel(), d.ravel(), e.ravel()
+    )
     return found
 
 

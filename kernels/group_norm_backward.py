@@ -501,7 +501,7 @@ def gnb_table_row(
         return None
     data = _jit.addresses(kind, grad_out, x, dx)
     # five, gamma or not (one compiled call a row: mean stands in for a missing gamma)
-    found = _jit.addresses(_FLOAT, mean, rstd, dgamma, dbeta, mean if gamma is None else gamma)
+    found = _jit.float32_addresses(mean, rstd, dgamma, dbeta, mean if gamma is None else gamma)
     if not fresh and _overlap(
         [(data[2], dx.nbytes), (found[2], dgamma.nbytes), (found[3], dbeta.nbytes)],
         [(data[0], grad_out.nbytes), (data[1], x.nbytes), (found[0], mean.nbytes)]
@@ -521,10 +521,6 @@ def _overlap(outputs: list[tuple[int, int]], inputs: list[tuple[int, int]]) -> b
         for start, size in outputs
         for low, length in inputs
     )
-
-
-#: The compiled kind of FLOAT statistics (their addresses).
-_FLOAT = _jit.KINDS[F32]
 
 
 def group_norm_backward_table(dtype: np.dtype, rows: list[tuple[int, ...]]) -> Callable[[], None]:
