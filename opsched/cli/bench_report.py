@@ -1,8 +1,8 @@
 """The benchmarks page and the README's summary, written from a benchmark's JSON result file.
 
 ``docs/benchmarks.md`` is the method and the results of one ``opsched bench all`` run,
-generated here from that run's file (kept as ``docs/benchmarks/results.json``; earlier runs
-are in git history), never edited by hand. The README's table of figures is
+generated here from that run's file (kept as ``docs/benchmarks/results.json``, which each
+run replaces: git keeps its versions), never edited by hand. The README's table of figures is
 generated from the same file, between its ``bench-summary`` markers.
 ``scripts/bench_report.py`` writes both; ``--check`` says whether they are current.
 """
@@ -366,7 +366,7 @@ def render_page(doc: dict[str, Any], source: str) -> str:
         "",
         f"The run of `{doc.get('command', 'opsched bench all')}` recorded in `{source}`, on "
         f"{_machine(doc)}; the scheduler on device `{sched.get('device', 'cpu')}`, medians of "
-        f"{sched.get('repeats', 1)} rounds. Earlier runs: git history."
+        f"{sched.get('repeats', 1)} rounds. The file's other versions: its git log."
         "",
     ]
     if "targets" in sched:
