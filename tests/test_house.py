@@ -286,7 +286,7 @@ def test_an_operator_is_a_description_and_each_device_brings_its_launcher():
         "prepare_reference",
         "reference",
         "fused_geometry",
-        "fused_prefix",
+        "fused_parts",
         "fused_plan",
         "gather",
         "scatter",

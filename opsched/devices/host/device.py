@@ -521,7 +521,8 @@ class HostDevice(Device):
             host = LAUNCHERS[op.name]
             offsets = host.gather(requests, arrays)
             units = sum([r.units for r in requests])
-            self.run_kernel(op, plan, host.fused_prefix(arrays, units), workspace)
+            for part in host.fused_parts(arrays, requests, offsets, units):
+                self.run_kernel(op, plan, part, workspace)
             host.scatter(requests, arrays, offsets)
         except Exception as exc:
             if len(requests) == 1:

@@ -1,8 +1,10 @@
 """GluBackward on the host devices: its plan, its kernels' launches, its fused layout.
 
-A request is ``outer * half`` elementwise units. The fused launch is itself a GluBackward
-of ``self`` shape (2, capacity) split along dim 0: row 0 gathers every request's ``a``
-half, row 1 its ``b`` half.
+A request is ``outer * half`` elementwise units. A fused launch gathers its requests'
+operands one after another as each lies alone (``self`` as ``outer`` rows of its ``a`` and
+``b`` halves side by side), and computes each signature group's rows with one kernel call:
+a GluBackward of ``(rows, 2 * half)`` split along dim 1, whose output rows are the
+requests' results in place.
 """
 
 from __future__ import annotations
@@ -83,59 +85,62 @@ class GluBackwardLauncher(HostLauncher):
     def fused_geometry(self, key: Hashable, capacity: int) -> FusedGeometry:
         dtype: np.dtype = key[1]  # type: ignore[index]
         arrays: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-            "grad_out": ((1, capacity), dtype),
-            "self": ((2, capacity), dtype),
-            "out": ((2, capacity), dtype),
+            "grad_out": ((capacity,), dtype),
+            "self": ((2 * capacity,), dtype),
+            "out": ((2 * capacity,), dtype),
         }
-        return arrays, {"dim": 0}
-
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        return {name: array[:, :units] for name, array in fused.items()}
+        return arrays, {"dim": 1}
 
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GluPlan:
-        return make_glu_plan((2, capacity), 0, key[1], block=block)  # type: ignore[index]
+        # rows of (a, b) halves split along dim 1: sizes come from each call's arrays
+        return make_glu_plan((capacity, 2), 1, key[1], block=block)  # type: ignore[index]
 
     def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
-        # Requests of one signature (same shapes, dim) move together: grad_out with one
-        # concatenate into its row, self with one concatenate and two copies of its halves.
-        # The concatenated selves are staged in the launch's ``out`` (the kernel writes it
-        # after): no fresh memory, whose pages would fault on every launch.
+        # Each request's operands as they are laid out alone, one after another: a
+        # signature group's grad_out with one concatenate, its self with another (a
+        # request's self is its ``(outer, 2 * half)`` rows, halves side by side).
         offsets = [0] * len(requests)
         offset = 0
-        g_row, a_row, b_row = fused["grad_out"][0], fused["self"][0], fused["self"][1]
-        staging = fused["out"].reshape(-1)
+        g, x = fused["grad_out"], fused["self"]
         for members in signature_groups(requests):
             first = requests[members[0]]
-            x = first.tensors["self"]
-            outer, half = glu_grid(x.shape, first.scalars["dim"])
+            outer, half = glu_grid(first.tensors["self"].shape, first.scalars["dim"])
             start = offset
             for i in members:
                 offsets[i] = offset
                 offset += outer * half
-            rows = len(members) * outer
-            segment = slice(start, offset)
-            gather_into([requests[i].tensors["grad_out"] for i in members], g_row[segment])
-            stacked = staging[2 * start : 2 * offset]
-            gather_into([requests[i].tensors["self"] for i in members], stacked)
-            halves = stacked.reshape(rows, 2, half)
-            np.copyto(a_row[segment].reshape(rows, half), halves[:, 0])
-            np.copyto(b_row[segment].reshape(rows, half), halves[:, 1])
+            gather_into([requests[i].tensors["grad_out"] for i in members], g[start:offset])
+            gather_into([requests[i].tensors["self"] for i in members], x[2 * start : 2 * offset])
         return offsets
 
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
-        # The halves are interleaved back in the launch's ``self`` (the kernel has read it),
-        # then copied into each request's own result.
-        oa_row, ob_row = fused["out"][0], fused["out"][1]
-        staging = fused["self"].reshape(-1)
+    def fused_parts(
+        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+    ) -> list[dict[str, np.ndarray]]:
+        # one kernel call a signature group, on its rows as gathered: the kernel reads
+        # each half where it lies, so nothing is split into halves and back
+        g, x, out = fused["grad_out"], fused["self"], fused["out"]
+        parts = []
         for members in signature_groups(requests):
             first = requests[members[0]]
-            x = first.tensors["self"]
-            outer, half = glu_grid(x.shape, first.scalars["dim"])
-            rows = len(members) * outer
+            outer, half = glu_grid(first.tensors["self"].shape, first.scalars["dim"])
+            start, rows = offsets[members[0]], len(members) * outer
+            stop = start + rows * half
+            parts.append(
+                {
+                    "grad_out": g[start:stop].reshape(rows, half),
+                    "self": x[2 * start : 2 * stop].reshape(rows, 2 * half),
+                    "out": out[2 * start : 2 * stop].reshape(rows, 2 * half),
+                }
+            )
+        return parts
+
+    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+        out = fused["out"]
+        for members in signature_groups(requests):
+            first = requests[members[0]]
+            shape = first.tensors["self"].shape
+            outer, half = glu_grid(shape, first.scalars["dim"])
             start = offsets[members[0]]
-            segment = slice(start, start + rows * half)
-            results = staging[2 * start : 2 * segment.stop].reshape(len(members), *x.shape)
-            halves = results.reshape(rows, 2, half)
-            np.copyto(halves[:, 0], oa_row[segment].reshape(rows, half))
-            np.copyto(halves[:, 1], ob_row[segment].reshape(rows, half))
+            stop = start + len(members) * outer * half
+            results = out[2 * start : 2 * stop].reshape(len(members), *shape)
             deliver_each(requests, members, "out", results)

@@ -173,13 +173,16 @@ class GroupNormBackwardLauncher(HostLauncher):
         arrays["db"] = ((capacity * cpg,), F32)
         return arrays, {"N": capacity, "C": cpg, "HxW": hxw, "group": 1, "output_mask": mask}
 
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
+    def fused_parts(
+        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+    ) -> list[dict[str, np.ndarray]]:
+        # one kernel call on the first ``units`` of every array
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
         out = {}
         for name, array in fused.items():
             per_unit = cpg if name in ("grad_out", "input", "dx", "ds", "db") else 1
             out[name] = array[: units * per_unit]
-        return out
+        return [out]
 
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GnbPlan:
         dtype, cpg, hxw, mask, has_gamma = _unkey(key)

@@ -63,8 +63,11 @@ class GroupNormalizationGradLauncher(HostLauncher):
         arrays = {"x": rows, "dy": rows, "gamma": rows, "mean": stats, "rstd": stats, "dx": rows}
         return arrays, {}
 
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        return {name: array[:units] for name, array in fused.items()}
+    def fused_parts(
+        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+    ) -> list[dict[str, np.ndarray]]:
+        # one kernel call on the first ``units`` of every array
+        return [{name: array[:units] for name, array in fused.items()}]
 
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
         dtype: np.dtype = key[1]  # type: ignore[index]

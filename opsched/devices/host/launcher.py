@@ -120,9 +120,12 @@ class HostLauncher(abc.ABC):
         """The arrays and scalars of a fused launch of ``capacity`` units."""
 
     @abc.abstractmethod
-    def fused_prefix(self, fused: Tensors, units: int) -> dict[str, np.ndarray]:
-        """Views of the first ``units`` of a fused launch's arrays: the part in use. The
-        kernel runs on these, so a launch never computes its capacity's padding."""
+    def fused_parts(
+        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+    ) -> list[dict[str, np.ndarray]]:
+        """The kernel calls of a fused launch of ``requests`` (gathered at ``offsets``,
+        ``units`` in all): views of the fused arrays each one computes. Only the part in
+        use: a launch never computes its capacity's padding."""
 
     @abc.abstractmethod
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
