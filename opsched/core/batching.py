@@ -130,17 +130,22 @@ class RequestQueue:
         if lanes is None:
             lanes = self._lanes[key] = {}
         lane = lanes.get(request.priority)
-        if lane is None:
-            lane = _new_lane(lanes, request.priority)
-        if not lane or lane[-1].id < request.id:  # the common case: the newest request
+        if lane and lane[-1].id < request.id:
+            # the common case: the newest request behind others of its key and priority,
+            # which stand on the heads' heap before it (its key's head is unchanged)
             lane.append(request)
-        else:  # put back after its launch could not start: to its place by id
-            lane.insert(bisect.bisect(lane, request.id, key=_request_id), request)
+        else:
+            if lane is None:
+                lane = _new_lane(lanes, request.priority)
+            if not lane:
+                lane.append(request)
+            else:  # put back after its launch could not start: to its place by id
+                lane.insert(bisect.bisect(lane, request.id, key=_request_id), request)
+            listed = self._listed.get(key)
+            entry = (-request.priority, request.id)
+            if listed is None or entry < listed:  # a new key, or a head that came before
+                self._list(key, entry)
         self._bytes[key] = self._bytes.get(key, 0) + request.nbytes
-        listed = self._listed.get(key)
-        entry = (-request.priority, request.id)
-        if listed is None or entry < listed:  # a new key, or a head that came before
-            self._list(key, entry)
         self.live += 1
         if self.live > self.peak:
             self.peak = self.live
