@@ -6,10 +6,12 @@ plans and executors, the two-phase API's plans, the table of canonical signature
 eviction rule and one set of counters for all of them.
 
 An :class:`LRU` is an ``OrderedDict``, oldest first. :meth:`LRU.lookup` finds an entry,
-moves it to the back and counts the hit or miss; a request's hot path does the same with
-the dict's own C methods, ``found = cache.get(key)`` and on a hit
-``cache.move_to_end(key)``, so that it makes no Python call (uncounted). :meth:`LRU.put`
-adds an entry and evicts the oldest beyond the limit.
+moves it to the back and counts the hit or miss. :meth:`LRU.put` adds an entry and evicts
+the oldest beyond the limit. A request's hot path reads with the dict's own C method,
+``found = cache.get(key)``, uncounted, and does not move what it finds: its caches fill only
+on a miss (after the full work the entry saves), so an entry in use that reaches the front
+is evicted and made again once per ``limit`` misses, where keeping its place would cost
+every hit a second hash of its key and a move.
 
 A host device's solo plans are read and filled by callers' threads: a race costs at most
 an entry made twice or a miscounted counter, and never raises into the caller.

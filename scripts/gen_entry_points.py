@@ -9,7 +9,7 @@ between ``BEGIN GENERATED`` / ``END GENERATED`` markers:
 - ``opsched/sync.py``: ``SyncScheduler.<op>`` / ``submit_<op>``, ``opsched.sync.<op>``;
 - ``opsched/aclnn.py``: ``<op>_get_workspace_size`` and ``<op>`` (the two-phase call);
 - ``opsched/ops/<op>.py``: the operator's fast paths over its positional arguments
-  (``call_signature``, ``arguments``, ``signature``), flat code from its parameters.
+  (``call_tensors``, ``arguments``, ``signature``), flat code from its parameters.
 
 Every generated entry point is a thin wrapper over one generic call (``Scheduler.submit``,
 ``submit_nowait``, ``submit_threadsafe``, ``GraphBuilder.add``, ``get_workspace_size`` /
@@ -247,10 +247,11 @@ def aclnn_functions(op: Operator) -> list[str]:
 # ------------------------------------------------- each operator's fast paths (ops/<op>.py)
 #
 # A repeated call's hot path reads its positional arguments three ways: the key of the
-# checks' cache (``call_signature``), the argument dicts (``arguments``) and the checks'
-# own key (``signature``). Each is written here from the operator's parameters as flat
-# code (no loop, no generic call), falling back to the base class's generic version for
-# anything else. A parameter's kind comes from its annotation.
+# checks' cache with the tensors of its request (``call_tensors``, one step), the argument
+# dicts (``arguments``) and the checks' own key (``signature``). Each is written here from
+# the operator's parameters as flat code (no loop, no generic call), falling back to the
+# base class's generic version for anything else. A parameter's kind comes from its
+# annotation.
 
 #: Annotation -> kind.
 KINDS = {
@@ -318,17 +319,24 @@ def _unpack(op: Operator, indent: str) -> list[str]:
 
 
 def fast_paths(op: Operator) -> list[str]:
-    """The operator's ``call_signature``, ``arguments`` and ``signature``."""
+    """The operator's ``call_tensors``, ``arguments`` and ``signature``."""
     i, ii, iii = "    ", "        ", "            "
     params = op.parameters
     tensors = [p for p in params if p.name in op.tensor_names]
     scalars = [p for p in params if p.name not in op.tensor_names]
     kinds = {p.name: _kind(op, p) for p in params}
-    lines = [f"{i}def call_signature(self, args: Sequence[Any]) -> Hashable | None:"]
-    lines += _doc(["The checks' cache key of a positional call (generated)."], ii)
+    multi = len(op.outputs) > 1
+    entries = [f'"{p.name}": {_var(p.name)}' for p in tensors]
+    entries += [f'"{name}": {"None" if multi else "out"}' for name in op.outputs]
+    lines = [
+        f"{i}def call_tensors(",
+        f"{ii}self, args: Sequence[Any], out: Any",
+        f"{i}) -> tuple[Hashable | None, dict[str, Any] | None]:",
+    ]
+    lines += _doc(["The checks' cache key of a positional call and its tensors (generated)."], ii)
     lines.append(f"{ii}count = len(args)")
     lines += _unpack(op, ii)
-    lines += [f"{ii}else:", f"{iii}return super().call_signature(args)"]
+    lines += [f"{ii}else:", f"{iii}return super().call_tensors(args, out)"]
     guards = [_guard(op, p, "type({0}) in kinds") for p in params]
     lines.append(f"{ii}kinds = ARRAY_TYPES")
     lines.append(f"{ii}if (")
@@ -337,8 +345,19 @@ def fast_paths(op: Operator) -> list[str]:
     parts = [x for p in params for x in _key_part(op, p.name, kinds[p.name])]
     lines.append(f"{iii}return (")
     lines += [f"{iii}    {x}," for x in parts]
-    lines.append(f"{iii})")
-    lines.append(f"{ii}return super().call_signature(args)")
+    if multi:  # outputs given: a tuple, checked by ``arguments``
+        lines.append(f"{iii}), (")
+        lines.append(f"{iii}    self.arguments(args, out)[0]")
+        lines.append(f"{iii}    if out is not None")
+        lines.append(f"{iii}    else {{")
+        lines += [f"{iii}        {e}," for e in entries]
+        lines.append(f"{iii}    }}")
+        lines.append(f"{iii})")
+    else:
+        lines.append(f"{iii}), {{")
+        lines += [f"{iii}    {e}," for e in entries]
+        lines.append(f"{iii}}}")
+    lines.append(f"{ii}return super().call_tensors(args, out)")
     lines.append("")
     # arguments
     lines.append(
@@ -347,13 +366,10 @@ def fast_paths(op: Operator) -> list[str]:
     )
     lines += _doc(["The argument dicts of a positional call (generated)."], ii)
     lines.append(f"{ii}count = len(args)")
-    multi = len(op.outputs) > 1
     lines += _unpack(op, ii)
     lines += [f"{ii}else:", f"{iii}return super().arguments(args, out)"]
     if multi:
         lines += [f"{ii}if out is not None:", f"{iii}return super().arguments(args, out)"]
-    entries = [f'"{p.name}": {_var(p.name)}' for p in tensors]
-    entries += [f'"{name}": {"None" if multi else "out"}' for name in op.outputs]
     scalar_entries = [f'"{p.name}": {_var(p.name)}' for p in scalars]
     lines.append(f"{ii}return (")
     lines.append(f"{iii}{{")

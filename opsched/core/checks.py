@@ -204,20 +204,16 @@ class Checks:
             ParamInvalidError: a read-only output.
             TypeError: ``out`` is not one entry per output (:meth:`Operator.arguments`).
         """
-        call = op.call_signature(args)
+        call, tensors = op.call_tensors(args, out)
         if out is not None:
             call = _with_outputs(call, out)
-        plans = self.plans
-        plan = plans.get(call) if call is not None else None  # (C-level: no Python call)
+        # (C-level, no Python call; not moved to the back: see opsched/_lru.py)
+        plan = self.plans.get(call) if call is not None else None
         if plan is None or plan.op is not op:
             return None
-        try:  # (not contextlib.suppress: no Python call on the hot path)  # noqa: SIM105
-            plans.move_to_end(call)  # recently used
-        except KeyError:  # a thread's put evicted it meanwhile: the plan still holds
-            pass
+        assert tensors is not None  # (a call with a key has its tensors)
         scalars, spec, key, units = plan.scalars, plan.spec, plan.key, plan.units
         nbytes, signature = plan.nbytes, plan.signature
-        tensors = op.arguments(args, out)[0]
         if out is not None:
             check_writable(op.name, op.outputs, tensors)
         convert = None

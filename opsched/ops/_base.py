@@ -382,9 +382,29 @@ class Operator(abc.ABC):
 
     def call_signature(self, args: Sequence[Any]) -> Hashable | None:
         """What the checks of a call with these positional arguments (and no outputs)
-        depend on: each array's shape and dtype, each scalar's type and value; None when an
-        argument is neither an array of :data:`ARRAY_TYPES` nor a plain scalar (then
-        nothing is cached)."""
+        depend on: each array's shape and dtype, each scalar's value; None when an argument
+        is neither an array of :data:`ARRAY_TYPES` nor a plain scalar (then nothing is
+        cached). The key of :meth:`call_tensors`."""
+        return self.call_tensors(args, None)[0]
+
+    def call_tensors(
+        self, args: Sequence[Any], out: Any
+    ) -> tuple[Hashable | None, dict[str, Any] | None]:
+        """A positional call's :meth:`call_signature` and, where it has one, its tensors
+        (:meth:`arguments`' first dict, ``out`` bound): one step on a repeated call's hot
+        path, which looks the key up and then needs the tensors of its request. Each
+        operator's generated version reads its own parameters; this generic one keys each
+        argument by kind. ``(None, None)``: not cached (so a call :meth:`arguments` refuses,
+        which the full checks then refuse with its error)."""
+        call = self._generic_call_signature(args)
+        if call is None:
+            return None, None
+        try:
+            return call, self.arguments(args, out)[0]
+        except TypeError:  # a wrong count, or outputs that are no tuple of them
+            return None, None
+
+    def _generic_call_signature(self, args: Sequence[Any]) -> Hashable | None:
         parts: list[Any] = [self.name]
         for value in args:
             kind = type(value)

@@ -115,8 +115,10 @@ class GluBackward(Operator):
         return (*shape[:dim], shape[dim] // 2, *shape[dim + 1 :])
 
     # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
-    def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        """The checks' cache key of a positional call (generated)."""
+    def call_tensors(
+        self, args: Sequence[Any], out: Any
+    ) -> tuple[Hashable | None, dict[str, Any] | None]:
+        """The checks' cache key of a positional call and its tensors (generated)."""
         count = len(args)
         if count == 3:
             grad_out, self_, dim = args
@@ -124,7 +126,7 @@ class GluBackward(Operator):
             grad_out, self_ = args
             dim = -1
         else:
-            return super().call_signature(args)
+            return super().call_tensors(args, out)
         kinds = ARRAY_TYPES
         if type(grad_out) in kinds and type(self_) in kinds and type(dim) is int:
             return (
@@ -133,8 +135,12 @@ class GluBackward(Operator):
                 self_.shape,
                 self_.dtype,
                 dim,
-            )
-        return super().call_signature(args)
+            ), {
+                "grad_out": grad_out,
+                "self": self_,
+                "out": out,
+            }
+        return super().call_tensors(args, out)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The argument dicts of a positional call (generated)."""

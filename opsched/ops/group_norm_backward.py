@@ -79,8 +79,10 @@ class GroupNormBackward(Operator):
     )
 
     # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
-    def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        """The checks' cache key of a positional call (generated)."""
+    def call_tensors(
+        self, args: Sequence[Any], out: Any
+    ) -> tuple[Hashable | None, dict[str, Any] | None]:
+        """The checks' cache key of a positional call and its tensors (generated)."""
         count = len(args)
         if count == 10:
             grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask = args
@@ -88,7 +90,7 @@ class GroupNormBackward(Operator):
             grad_out, input, mean, rstd, gamma, N, C, HxW, group = args
             output_mask = (True, True, True)
         else:
-            return super().call_signature(args)
+            return super().call_tensors(args, out)
         kinds = ARRAY_TYPES
         if (
             type(grad_out) in kinds
@@ -123,8 +125,21 @@ class GroupNormBackward(Operator):
                 HxW,
                 group,
                 output_mask,
+            ), (
+                self.arguments(args, out)[0]
+                if out is not None
+                else {
+                    "grad_out": grad_out,
+                    "input": input,
+                    "mean": mean,
+                    "rstd": rstd,
+                    "gamma": gamma,
+                    "dx": None,
+                    "dgamma": None,
+                    "dbeta": None,
+                }
             )
-        return super().call_signature(args)
+        return super().call_tensors(args, out)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The argument dicts of a positional call (generated)."""

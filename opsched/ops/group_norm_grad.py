@@ -90,13 +90,15 @@ class GroupNormalizationGrad(Operator):
         return {}
 
     # BEGIN GENERATED fast paths: scripts/gen_entry_points.py writes this; do not edit
-    def call_signature(self, args: Sequence[Any]) -> Hashable | None:
-        """The checks' cache key of a positional call (generated)."""
+    def call_tensors(
+        self, args: Sequence[Any], out: Any
+    ) -> tuple[Hashable | None, dict[str, Any] | None]:
+        """The checks' cache key of a positional call and its tensors (generated)."""
         count = len(args)
         if count == 5:
             x, dy, gamma, mean, rstd = args
         else:
-            return super().call_signature(args)
+            return super().call_tensors(args, out)
         kinds = ARRAY_TYPES
         if (
             type(x) in kinds
@@ -116,8 +118,15 @@ class GroupNormalizationGrad(Operator):
                 mean.dtype,
                 rstd.shape,
                 rstd.dtype,
-            )
-        return super().call_signature(args)
+            ), {
+                "x": x,
+                "dy": dy,
+                "gamma": gamma,
+                "mean": mean,
+                "rstd": rstd,
+                "dx": out,
+            }
+        return super().call_tensors(args, out)
 
     def arguments(self, args: Sequence[Any], out: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The argument dicts of a positional call (generated)."""

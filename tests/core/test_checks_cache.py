@@ -94,6 +94,36 @@ async def test_a_repeated_call_with_outputs_is_served_by_one_lookup_each_checked
         assert_same_bits(a, b)
 
 
+def test_each_hot_path_s_tensors_are_the_generic_arguments_with_the_same_key():
+    # call_tensors (generated per operator) is the call cache's key and the request's
+    # tensors in one step: the generic path's tensors (the same arrays, the same order,
+    # the outputs bound) under the key the generic call_signature gives
+    from opsched.ops._base import Operator
+
+    rng = np.random.default_rng(7)
+    g, x = rand(rng, (8, 32), F32), rand(rng, (8, 64), F32)
+    gx, gdy, ggamma = (rand(rng, (2, 4, 8), F32) for _ in range(3))
+    stats = rand(rng, (2, 2), F32)
+    calls = [
+        (GLU_BACKWARD, (g, x), np.empty_like(x)),
+        (GLU_BACKWARD, (g, x, -1), None),
+        (GROUP_NORM_GRAD, (gx, gdy, ggamma, stats, stats), np.empty_like(gx)),
+        (GROUP_NORM_BACKWARD, (gdy, gx, stats, stats, None, 2, 4, 8, 2), None),
+        (
+            GROUP_NORM_BACKWARD,
+            (gdy, gx, stats, stats, ggamma[0, 0, :4], 2, 4, 8, 2, (True, False, True)),
+            (np.empty_like(gx), None, None),
+        ),
+    ]
+    for op, args, out in calls:
+        key, tensors = op.call_tensors(args, out)
+        generic = Operator.arguments(op, args, out)[0]
+        assert key is not None and key == op.call_signature(args), op.name
+        assert list(tensors) == list(generic), op.name
+        assert all(tensors[k] is generic[k] for k in generic), op.name
+    assert GLU_BACKWARD.call_tensors((g, x, -1, 0), None) == (None, None)  # a wrong count
+
+
 def test_group_norm_backward_hot_path_agrees_with_the_generic_one():
     from opsched.ops._base import Operator
 
@@ -150,8 +180,8 @@ async def test_group_norm_grad_hot_path_agrees_with_the_generic_one():
     keys.add(op.call_signature((x[:1], dy[:1], gamma[:1], mean[:1], rstd[:1])))
     assert len(keys) == 7 and None not in keys
     assert op.call_signature((x, dy, [1.0], mean, rstd)) is None  # a list: not cached
-    four = (x, dy, gamma, mean)  # a wrong count: the generic key (the checks then refuse it)
-    assert op.call_signature(four) == Operator.call_signature(op, four)
+    four = (x, dy, gamma, mean)  # a wrong count: no key (the checks then refuse it)
+    assert op.call_signature(four) is None
     async with opsched.open_scheduler(streams=1) as sched:
         first = await sched.group_norm_grad(*args)
         assert sched._engine.checks.known(op, args, 0) is not None

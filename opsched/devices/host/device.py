@@ -294,11 +294,7 @@ class HostDevice(Device):
                 )
                 found = self._solo_plan(op, tensors, request.scalars, made)
                 self._solo_plans.put(key, found)
-            else:
-                try:  # (not contextlib.suppress: no Python call a request)  # noqa: SIM105
-                    self._solo_plans.move_to_end(key)  # recently used
-                except KeyError:  # another thread's put evicted it meanwhile: still valid
-                    pass
+            else:  # (not moved to the back: see opsched/_lru.py)
                 for name, shape, dtype in found.made:
                     tensors[name] = np.empty(shape, dtype)
         else:
