@@ -35,7 +35,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.engine import Engine, SchedulerState
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.loop import current_loop
-from opsched.core.requests import Call, Pending
+from opsched.core.requests import Pending
 from opsched.core.trace import Tracer
 from opsched.devices import make_device
 from opsched.ops import Operator, entry_point
@@ -121,7 +121,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            Call((ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout))
+            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
         )
 
     glu_backward_nowait = _nowait(ops.GLU_BACKWARD, glu_backward)
@@ -154,9 +154,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            Call(
-                (ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout)
-            ),
+            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
         )
 
     group_norm_grad_nowait = _nowait(ops.GROUP_NORM_GRAD, group_norm_grad)
@@ -200,16 +198,12 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            Call(
-                (
-                    ops.GROUP_NORM_BACKWARD,
-                    (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-                    out,
-                    priority,
-                    deadline,
-                    timeout,
-                )
-            ),
+            ops.GROUP_NORM_BACKWARD,
+            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+            out,
+            priority,
+            deadline,
+            timeout,
         )
 
     group_norm_backward_nowait = _nowait(ops.GROUP_NORM_BACKWARD, group_norm_backward)
@@ -485,7 +479,7 @@ def glu_backward(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        Call((ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout))
+        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
     )
 
 
@@ -513,7 +507,7 @@ def group_norm_grad(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        Call((ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout))
+        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
     )
 
 
@@ -546,16 +540,12 @@ def group_norm_backward(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        Call(
-            (
-                ops.GROUP_NORM_BACKWARD,
-                (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-                out,
-                priority,
-                deadline,
-                timeout,
-            )
-        ),
+        ops.GROUP_NORM_BACKWARD,
+        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+        out,
+        priority,
+        deadline,
+        timeout,
     )
 
 

@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -63,6 +64,7 @@ from opsched.core.requests import (
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
+from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
 __all__ = ["FEW_READY", "Engine", "SchedulerState"]
@@ -271,9 +273,17 @@ class Engine:
 
     # ----------------------------------------------------------------------- submission
 
-    async def submit(self, call: Call) -> Any:
-        """A coroutine's call, from its arguments to its result (the face's ``submit``)."""
-        op, args, out, priority, deadline, timeout = call
+    async def submit(
+        self,
+        op: Operator,
+        args: Sequence[Any],
+        out: Any,
+        priority: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> Any:
+        """A coroutine's call, from its arguments to its result (the face's ``submit``):
+        a :class:`~opsched.core.requests.Call`'s parts as they are."""
         if (
             out is None
             and deadline is None
@@ -309,7 +319,7 @@ class Engine:
                     raise
                 request.waiting = 0
                 return request.returned()
-        request = self._checked_counted(call)
+        request = self._checked_counted(Call((op, args, out, priority, deadline, timeout)))
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
             await self.admission.wait_for_room()

@@ -84,7 +84,7 @@ class Scheduler:
             RuntimeLaunchError: the launch failed; the kernel's exception is chained.
             SchedulerClosedError: the scheduler is closed, or closed with the request pending.
         """
-        return self._engine.submit(Call((op, args, out, priority, deadline, timeout)))
+        return self._engine.submit(op, args, out, priority, deadline, timeout)
 
     def submit_nowait(
         self,
