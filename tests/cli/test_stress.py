@@ -115,8 +115,8 @@ def broken(monkeypatch, what: str) -> None:
                 if out.size:
                     out.reshape(-1)[0] += 1
 
-        def scatter(self, requests, fused, offsets):
-            real_scatter(self, requests, fused, offsets)
+        def scatter(self, requests, groups, fused, starts):
+            real_scatter(self, requests, groups, fused, starts)
             for r in requests:
                 spoil(r)
 

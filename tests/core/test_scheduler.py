@@ -26,6 +26,7 @@ from opsched import (
     Status,
     ops,
 )
+from opsched.cli.solo import solo_gnb
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
 from opsched.core.engine import FEW_READY, YIELD_EVERY
@@ -84,9 +85,9 @@ def spy_glu_gathers(monkeypatch) -> list[int]:
     gathered: list[int] = []
     gather_of = GluBackwardLauncher.gather
 
-    def gather_spy(self, requests, fused):
+    def gather_spy(self, requests, groups, fused):
         gathered.append(len(requests))
-        return gather_of(self, requests, fused)
+        return gather_of(self, requests, groups, fused)
 
     monkeypatch.setattr(GluBackwardLauncher, "gather", gather_spy)
     return gathered
@@ -142,6 +143,25 @@ async def test_random_batches_bit_identical_to_solo(device, seed):
     stats = sched.statistics()
     assert_adds_up(stats)
     assert stats.completed == len(calls)
+
+
+@pytest.mark.usefixtures("fused_batches")
+@pytest.mark.parametrize("device", DEVICES)
+async def test_group_norm_backward_of_several_shapes_fuses_bit_identical_to_solo(device):
+    # one fusion key (FLOAT, two channels a group, HxW 8, every output, a gamma) and three
+    # signatures in one launch: each signature group lands in its own rows and back
+    rng = np.random.default_rng(11)
+    calls = []
+    for n, c, group in [(1, 2, 1), (2, 4, 2), (3, 6, 3)] * 4:
+        dy, x = rand(rng, (n, c, 8), F32), rand(rng, (n, c, 8), F32)
+        mean, rstd = rand(rng, (n, group), F32), (rng.random((n, group)) + 0.5).astype(F32)
+        calls.append((dy, x, mean, rstd, rand(rng, (c,), F32), n, c, 8, group))
+    async with opsched.open_scheduler(device=device, streams=1) as sched:
+        results = await gather(*(sched.group_norm_backward(*args) for args in calls))
+    assert sched.statistics().requests_per_launch_max > 3
+    for args, got in zip(calls, results, strict=True):
+        for result, alone in zip(got, solo_gnb(*args), strict=True):
+            assert_result(device, result, alone)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -42,6 +42,7 @@ from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched.ops import Operator
 from opsched.ops._base import Launch
+from opsched.ops._fusion import signature_groups
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
 
@@ -515,11 +516,11 @@ class HostDevice(Device):
         try:
             self.check_fault(requests)
             host = LAUNCHERS[op.name]
-            offsets = host.gather(requests, arrays)
-            units = sum([r.units for r in requests])
-            for part in host.fused_parts(arrays, requests, offsets, units):
+            groups = signature_groups(requests)
+            starts = host.gather(requests, groups, arrays)
+            for part in host.fused_parts(arrays, requests, groups, starts):
                 self.run_kernel(op, plan, part, workspace)
-            host.scatter(requests, arrays, offsets)
+            host.scatter(requests, groups, arrays, starts)
         except Exception as exc:
             if len(requests) == 1:
                 errors[requests[0].id] = exc

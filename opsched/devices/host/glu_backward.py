@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import HostLauncher
+from opsched.devices.host.launcher import Groups, HostLauncher
 from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
@@ -31,7 +31,7 @@ from opsched.ops._base import (
     Launch,
     Tensors,
 )
-from opsched.ops._fusion import deliver_each, gather_into, signature_groups
+from opsched.ops._fusion import deliver_each, gather_into
 from opsched.ops.glu_backward import GLU_BACKWARD
 
 __all__ = ["GluBackwardLauncher"]
@@ -95,35 +95,30 @@ class GluBackwardLauncher(HostLauncher):
         # rows of (a, b) halves split along dim 1: sizes come from each call's arrays
         return make_glu_plan((capacity, 2), 1, key[1], block=block)  # type: ignore[index]
 
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
         # Each request's operands as they are laid out alone, one after another: a
         # signature group's grad_out with one concatenate, its self with another (a
         # request's self is its ``(outer, 2 * half)`` rows, halves side by side).
-        offsets = [0] * len(requests)
-        offset = 0
+        starts, offset = [], 0
         g, x = fused["grad_out"], fused["self"]
-        for members in signature_groups(requests):
-            first = requests[members[0]]
-            outer, half = glu_grid(first.tensors["self"].shape, first.scalars["dim"])
-            start = offset
-            for i in members:
-                offsets[i] = offset
-                offset += outer * half
+        for members in groups:
+            start, offset = offset, offset + len(members) * requests[members[0]].units
+            starts.append(start)
             gather_into([requests[i].tensors["grad_out"] for i in members], g[start:offset])
             gather_into([requests[i].tensors["self"] for i in members], x[2 * start : 2 * offset])
-        return offsets
+        return starts
 
     def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
     ) -> list[dict[str, np.ndarray]]:
         # one kernel call a signature group, on its rows as gathered: the kernel reads
         # each half where it lies, so nothing is split into halves and back
         g, x, out = fused["grad_out"], fused["self"], fused["out"]
         parts = []
-        for members in signature_groups(requests):
+        for members, start in zip(groups, starts, strict=True):
             first = requests[members[0]]
             outer, half = glu_grid(first.tensors["self"].shape, first.scalars["dim"])
-            start, rows = offsets[members[0]], len(members) * outer
+            rows = len(members) * outer
             stop = start + rows * half
             parts.append(
                 {
@@ -134,13 +129,12 @@ class GluBackwardLauncher(HostLauncher):
             )
         return parts
 
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+    def scatter(
+        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
+    ) -> None:
         out = fused["out"]
-        for members in signature_groups(requests):
+        for members, start in zip(groups, starts, strict=True):
             first = requests[members[0]]
-            shape = first.tensors["self"].shape
-            outer, half = glu_grid(shape, first.scalars["dim"])
-            start = offsets[members[0]]
-            stop = start + len(members) * outer * half
-            results = out[2 * start : 2 * stop].reshape(len(members), *shape)
+            stop = start + len(members) * first.units
+            results = out[2 * start : 2 * stop].reshape(len(members), *first.tensors["self"].shape)
             deliver_each(requests, members, "out", results)

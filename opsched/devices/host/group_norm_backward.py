@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opsched.devices.base import allocate_missing
-from opsched.devices.host.launcher import HostLauncher
+from opsched.devices.host.launcher import Groups, HostLauncher
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
     gnb_table_row,
@@ -28,7 +28,7 @@ from opsched.ops._base import (
     Launch,
     Tensors,
 )
-from opsched.ops._fusion import deliver_each, gather_into, signature_groups
+from opsched.ops._fusion import deliver_each, gather_into
 from opsched.ops.group_norm_backward import GROUP_NORM_BACKWARD
 
 __all__ = ["GroupNormBackwardLauncher"]
@@ -174,9 +174,10 @@ class GroupNormBackwardLauncher(HostLauncher):
         return arrays, {"N": capacity, "C": cpg, "HxW": hxw, "group": 1, "output_mask": mask}
 
     def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
     ) -> list[dict[str, np.ndarray]]:
-        # one kernel call on the first ``units`` of every array
+        # one kernel call on the first units in use of every array
+        units = starts[-1] + len(groups[-1]) * requests[groups[-1][0]].units
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
         out = {}
         for name, array in fused.items():
@@ -198,18 +199,15 @@ class GroupNormBackwardLauncher(HostLauncher):
             stats_out=True,
         )
 
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
         # Requests of one signature (same shapes, N, C, group) move together: one
         # concatenate per operand, one broadcast copy of their gammas.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        offsets = [0] * len(requests)
-        offset = 0
-        for members in signature_groups(requests):
+        starts, offset = [], 0
+        for members in groups:
             first = requests[members[0]]
-            start = offset
-            for i in members:
-                offsets[i] = offset
-                offset += first.units
+            start, offset = offset, offset + len(members) * first.units
+            starts.append(start)
             for name in ("grad_out", "input"):
                 parts = [requests[i].tensors[name] for i in members]
                 gather_into(parts, fused[name][start * cpg : offset * cpg])
@@ -225,17 +223,19 @@ class GroupNormBackwardLauncher(HostLauncher):
                 gammas = np.empty(len(members) * parts[0].size, parts[0].dtype)
                 gather_into(parts, gammas)
                 np.copyto(rows, gammas.reshape(len(members), 1, c))
-        return offsets
+        return starts
 
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+    def scatter(
+        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
+    ) -> None:
         # dgamma / dbeta: each request's per-row sums added over its own samples in order
         # 0, 1, ..., N-1 in FLOAT (as reduce_over_samples does for a solo launch), a whole
         # group at a time, then rounded once into the output dtype.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        for members in signature_groups(requests):
+        for members, start in zip(groups, starts, strict=True):
             first = requests[members[0]]
             k, n, c = len(members), first.scalars["N"], first.scalars["C"]
-            lo = offsets[members[0]] * cpg
+            lo = start * cpg
             hi = lo + k * first.units * cpg
             want_dx, want_dgamma, want_dbeta = first.scalars["output_mask"]
             shape = first.tensors["input"].shape

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import HostLauncher
+from opsched.devices.host.launcher import Groups, HostLauncher
 from opsched.kernels.group_norm import (
     GroupNormPlan,
     group_norm_grad_fast,
@@ -25,7 +25,7 @@ from opsched.ops._base import (
     Launch,
     Tensors,
 )
-from opsched.ops._fusion import deliver_each, gather_into, signature_groups
+from opsched.ops._fusion import deliver_each, gather_into
 from opsched.ops.group_norm_grad import GROUP_NORM_GRAD
 
 __all__ = ["GroupNormalizationGradLauncher"]
@@ -64,9 +64,10 @@ class GroupNormalizationGradLauncher(HostLauncher):
         return arrays, {}
 
     def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
     ) -> list[dict[str, np.ndarray]]:
-        # one kernel call on the first ``units`` of every array
+        # one kernel call on the rows in use of every array
+        units = starts[-1] + len(groups[-1]) * requests[groups[-1][0]].units
         return [{name: array[:units] for name, array in fused.items()}]
 
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
@@ -74,28 +75,26 @@ class GroupNormalizationGradLauncher(HostLauncher):
         m: int = key[2]  # type: ignore[index]
         return make_group_norm_plan((capacity, 1, m), dtype)
 
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
         # Requests of one signature (same shapes) move together: one concatenate per
         # operand into their rows, seen in their own shape (no reshape per request).
-        offsets = [0] * len(requests)
-        offset = 0
-        for members in signature_groups(requests):
-            x = requests[members[0]].tensors["x"]
-            rows = x.shape[0] * x.shape[1]
-            start = offset
-            for i in members:
-                offsets[i] = offset
-                offset += rows
+        starts, offset = [], 0
+        for members in groups:
+            start, offset = offset, offset + len(members) * requests[members[0]].units
+            starts.append(start)
             for name in ("x", "dy", "gamma", "mean", "rstd"):
                 parts = [requests[i].tensors[name] for i in members]
                 gather_into(parts, fused[name][start:offset])
-        return offsets
+        return starts
 
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+    def scatter(
+        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
+    ) -> None:
         # A signature group's rows are contiguous (the gather placed them so).
         dx_all = fused["dx"]
-        for members in signature_groups(requests):
-            shape = requests[members[0]].tensors["x"].shape
-            start = offsets[members[0]]
-            stop = start + len(members) * shape[0] * shape[1]
-            deliver_each(requests, members, "dx", dx_all[start:stop].reshape(-1, *shape))
+        for members, start in zip(groups, starts, strict=True):
+            first = requests[members[0]]
+            stop = start + len(members) * first.units
+            deliver_each(
+                requests, members, "dx", dx_all[start:stop].reshape(-1, *first.tensors["x"].shape)
+            )

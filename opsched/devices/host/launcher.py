@@ -28,8 +28,11 @@ import numpy as np
 from opsched.ops import Operator
 from opsched.ops._base import FusedGeometry, Launch, Tensors
 
-__all__ = ["HostLauncher", "Table"]
+__all__ = ["Groups", "HostLauncher", "Table"]
 
+#: A fused launch's requests by signature: lists of their indices, in order
+#: (:func:`~opsched.ops._fusion.signature_groups`).
+Groups = list[list[int]]
 #: A table launch (:meth:`HostLauncher.table`): its call (None: none), the requests it
 #: computes, the rest.
 Table = tuple[Callable[[], None] | None, list[Any], list[Any]]
@@ -121,22 +124,26 @@ class HostLauncher(abc.ABC):
 
     @abc.abstractmethod
     def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], offsets: list[int], units: int
+        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
     ) -> list[dict[str, np.ndarray]]:
-        """The kernel calls of a fused launch of ``requests`` (gathered at ``offsets``,
-        ``units`` in all): views of the fused arrays each one computes. Only the part in
-        use: a launch never computes its capacity's padding."""
+        """The kernel calls of a fused launch of ``requests`` (gathered by :meth:`gather`):
+        views of the fused arrays each one computes. Only the part in use: a launch never
+        computes its capacity's padding."""
 
     @abc.abstractmethod
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
         """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
 
     @abc.abstractmethod
-    def gather(self, requests: Sequence[Any], fused: Tensors) -> list[int]:
+    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
         """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
-        the fused arrays; return each request's unit offset. Few numpy calls per launch, not
-        per request, where the layouts allow."""
+        the fused arrays, one signature group after another (``groups``: each a list of
+        indices into ``requests`` of one signature, :func:`~opsched.ops._fusion.
+        signature_groups`); return each group's first unit. A few numpy calls a group,
+        none a request, where the layouts allow."""
 
     @abc.abstractmethod
-    def scatter(self, requests: Sequence[Any], fused: Tensors, offsets: list[int]) -> None:
+    def scatter(
+        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
+    ) -> None:
         """Copy each request's slice of the fused outputs into its own output arrays."""
