@@ -121,7 +121,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+            (ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout)
         )
 
     glu_backward_nowait = _nowait(ops.GLU_BACKWARD, glu_backward)
@@ -154,7 +154,7 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+            (ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout)
         )
 
     group_norm_grad_nowait = _nowait(ops.GROUP_NORM_GRAD, group_norm_grad)
@@ -198,12 +198,14 @@ class Scheduler(_core.Scheduler):
         Raises: as :meth:`submit`.
         """
         return sched._engine.submit(
-            ops.GROUP_NORM_BACKWARD,
-            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-            out,
-            priority,
-            deadline,
-            timeout,
+            (
+                ops.GROUP_NORM_BACKWARD,
+                (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+                out,
+                priority,
+                deadline,
+                timeout,
+            ),
         )
 
     group_norm_backward_nowait = _nowait(ops.GROUP_NORM_BACKWARD, group_norm_backward)
@@ -479,7 +481,7 @@ def glu_backward(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout
+        (ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout)
     )
 
 
@@ -507,7 +509,7 @@ def group_norm_grad(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout
+        (ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout)
     )
 
 
@@ -540,12 +542,14 @@ def group_norm_backward(
         if opened.engine.state is not _OPEN:
             opened = _here()
     return opened.engine.submit(
-        ops.GROUP_NORM_BACKWARD,
-        (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
-        out,
-        priority,
-        deadline,
-        timeout,
+        (
+            ops.GROUP_NORM_BACKWARD,
+            (grad_out, input, mean, rstd, gamma, N, C, HxW, group, output_mask),
+            out,
+            priority,
+            deadline,
+            timeout,
+        ),
     )
 
 

@@ -40,7 +40,6 @@ from opsched._errors import SchedulerClosedError
 from opsched.core.config import SchedulerConfig
 from opsched.core.engine import Engine
 from opsched.core.graph import Node
-from opsched.core.requests import Call
 from opsched.core.stats import SchedulerStatistics
 from opsched.ops import Operator, entry_point
 
@@ -162,7 +161,7 @@ def _threadsafe(
             portal.check_thread()  # raises: see there
         if named:  # operator arguments given by name
             args = op.bind(args, named)
-        call = Call((op, args, out, priority, deadline, timeout))
+        call = (op, args, out, priority, deadline, timeout)
         return facade._engine.submit_threadsafe(call)
 
     doc = (
@@ -196,7 +195,7 @@ def _blocking(
             portal.check_thread()  # raises: see there
         if named:  # operator arguments given by name
             args = op.bind(args, named)
-        return facade._engine.call_threadsafe(Call((op, args, out, priority, deadline, timeout)))
+        return facade._engine.call_threadsafe((op, args, out, priority, deadline, timeout))
 
     doc = f"Blocking :meth:`Scheduler.{op.method}` (same arguments and errors)."
     return cast(Any, entry_point(call, method, op.method, doc, first="facade"))

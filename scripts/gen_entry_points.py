@@ -165,10 +165,10 @@ def scheduler_methods(op: Operator) -> list[str]:
     """The one typed signature of the operator: its awaitable Scheduler method (and the
     ``_nowait`` twin, typed from it)."""
     i, params = "    ", [_param(op, p) for p in op.parameters] + _keywords(op)
-    call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
+    call = [f"({_const(op)}", _args_tuple(op), "out", *WAIT_KW[:-1], f"{WAIT_KW[-1]})"]
     # A plain function returning the engine's coroutine (awaited the same way): a
     # coroutine of its own, or a hop through the face's submit(), would be one more call
-    # a request; the call's parts go as they are (a Call is made only off the hot path).
+    # a request. The call travels as one value, a Call (a plain tuple).
     returns = f"Coroutine[Any, Any, {op.result_annotation}]"
     lines = _signature(op.method, "sched", params, returns, i)
     lines += _doc(
@@ -197,7 +197,7 @@ def module_functions(op: Operator) -> list[str]:
     """``opsched.<op>``: the method's signature, handing the call to the current
     scheduler's engine as the method does (no hop through the method itself)."""
     params = [_param(op, p) for p in op.parameters] + _keywords(op)
-    call = [_const(op), _args_tuple(op), "out", *WAIT_KW]
+    call = [f"({_const(op)}", _args_tuple(op), "out", *WAIT_KW[:-1], f"{WAIT_KW[-1]})"]
     returns = f"Coroutine[Any, Any, {op.result_annotation}]"
     lines = _signature(op.method, None, params, returns, "")
     lines += _doc(

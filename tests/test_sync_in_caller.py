@@ -63,9 +63,10 @@ def test_a_busy_scheduler_queues_the_blocking_call(monkeypatch):
     queued = threading.Event()
     real = Engine.submit_threadsafe
 
-    def submit(self, *a, **kw):
-        future = real(self, *a, **kw)
-        if a[0].args[1] is x:
+    def submit(self, call):
+        future = real(self, call)
+        _, arguments, *_ = call  # (op, args, out, priority, deadline, timeout)
+        if arguments[1] is x:
             queued.set()
         return future
 

@@ -37,7 +37,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -64,7 +63,6 @@ from opsched.core.requests import (
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
-from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
 __all__ = ["FEW_READY", "Engine", "SchedulerState"]
@@ -273,17 +271,9 @@ class Engine:
 
     # ----------------------------------------------------------------------- submission
 
-    async def submit(
-        self,
-        op: Operator,
-        args: Sequence[Any],
-        out: Any,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Any:
-        """A coroutine's call, from its arguments to its result (the face's ``submit``):
-        a :class:`~opsched.core.requests.Call`'s parts as they are."""
+    async def submit(self, call: Call) -> Any:
+        """A coroutine's call, from its arguments to its result (the face's ``submit``)."""
+        op, args, out, priority, deadline, timeout = call
         if (
             out is None
             and deadline is None
@@ -319,7 +309,7 @@ class Engine:
                     raise
                 request.waiting = 0
                 return request.returned()
-        request = self._checked_counted(Call((op, args, out, priority, deadline, timeout)))
+        request = self._checked_counted(call)
         if not self.admission.has_room():
             self.counters.backpressure_waits += 1
             await self.admission.wait_for_room()

@@ -14,11 +14,10 @@ import _thread
 import asyncio
 import collections
 import enum
-import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -332,22 +331,13 @@ new_request_future: Callable[[], RequestFuture] = (
 )
 
 
-class Call(tuple[Any, ...]):
-    """One operator call as its caller made it, before its checks: the value a call
-    travels as from a face to its checks, where it becomes its :class:`Request`.
-
-    ``Call((op, args, out, priority, deadline, timeout))``: a tuple, so making one runs no
-    Python code, and its fields are read by name (C-level getters) or unpacked.
-    """
-
-    __slots__ = ()
-
-    op = property(operator.itemgetter(0), doc="The operator's description.")
-    args = property(operator.itemgetter(1), doc="Its parameters, in order.")
-    out = property(operator.itemgetter(2), doc="Where to write the result (None: allocated).")
-    priority = property(operator.itemgetter(3), doc="Higher runs first.")
-    deadline = property(operator.itemgetter(4), doc="Absolute ``time.monotonic()``, or None.")
-    timeout = property(operator.itemgetter(5), doc="Seconds from now, or None.")
+#: One operator call as its caller made it, before its checks: ``(op, args, out, priority,
+#: deadline, timeout)`` (the operator's description; its parameters, in order; where to
+#: write the result, None: allocated; higher runs first; an absolute ``time.monotonic()``
+#: or None; seconds from now or None). The one value a call travels as from a face to its
+#: checks, where it becomes its :class:`Request`: a plain tuple, which a face makes with no
+#: Python call (a tuple subclass's constructor cost three times as much, once a request).
+Call = tuple[Operator, Sequence[Any], Any, int, "float | None", "float | None"]
 
 
 @attrs.define(eq=False, slots=True)

@@ -16,7 +16,7 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.engine import Engine, SchedulerState
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.graph_run import run_graph
-from opsched.core.requests import Call, Pending
+from opsched.core.requests import Pending
 from opsched.core.stats import SchedulerStatistics
 from opsched.devices import Device
 from opsched.ops import Operator
@@ -84,7 +84,7 @@ class Scheduler:
             RuntimeLaunchError: the launch failed; the kernel's exception is chained.
             SchedulerClosedError: the scheduler is closed, or closed with the request pending.
         """
-        return self._engine.submit(op, args, out, priority, deadline, timeout)
+        return self._engine.submit((op, args, out, priority, deadline, timeout))
 
     def submit_nowait(
         self,
@@ -102,7 +102,7 @@ class Scheduler:
             (and the argument errors of :meth:`submit`)
         """
         engine = self._engine
-        call = Call((op, args, out, priority, deadline, timeout))
+        call = (op, args, out, priority, deadline, timeout)
         return Pending(engine, engine.submit_nowait(call))
 
     def submit_threadsafe(
@@ -128,7 +128,7 @@ class Scheduler:
             RuntimeError: called from the scheduler's own loop thread.
             (and the argument errors of :meth:`submit`)
         """
-        return self._engine.submit_threadsafe(Call((op, args, out, priority, deadline, timeout)))
+        return self._engine.submit_threadsafe((op, args, out, priority, deadline, timeout))
 
     def call_threadsafe(
         self,
@@ -148,7 +148,7 @@ class Scheduler:
         loop thread. Otherwise it is submitted (:meth:`submit_threadsafe`) and fuses with
         the rest. Raises as :meth:`submit`.
         """
-        return self._engine.call_threadsafe(Call((op, args, out, priority, deadline, timeout)))
+        return self._engine.call_threadsafe((op, args, out, priority, deadline, timeout))
 
     async def run(
         self,
