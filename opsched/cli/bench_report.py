@@ -224,7 +224,8 @@ def _targets(targets: dict[str, Any]) -> list[str]:
         "### Cost targets",
         "",
         f"`--parts targets`: median of {targets['rounds']} interleaved rounds; the peer is "
-        "torch's call per request (graphs: the same chains awaited).",
+        "torch's call per request (graphs: the same chains awaited). Some of the rows alone: "
+        "`--target-groups` (of tiny, mixed, medium, graphs).",
         "",
         *_table(head, rows),
         "",

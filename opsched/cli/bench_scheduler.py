@@ -65,6 +65,7 @@ from opsched.cli.bench_paths import (
     torch_per_request,
     two_phase_call,
 )
+from opsched.cli.bench_targets import GROUPS as TARGET_GROUPS
 from opsched.cli.bench_targets import bench_targets, print_targets
 
 __all__ = ["bench_scheduler", "print_scheduler_report"]
@@ -404,11 +405,13 @@ def bench_scheduler(
     target: BenchTarget | None = None,
     trace: str | None = None,
     quick: bool = False,
+    target_groups: tuple[str, ...] = TARGET_GROUPS,
 ) -> dict[str, Any]:
     """Run the chosen parts; return their figures (steady state rides on throughput).
 
     ``trace``: record the first GLU throughput run's timeline to this path. ``quick``:
-    the cost targets on small workloads (a smoke run).
+    the cost targets on small workloads (a smoke run). ``target_groups``: the cost
+    targets' rows to run (:data:`~opsched.cli.bench_targets.GROUPS`).
     """
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -439,7 +442,7 @@ def bench_scheduler(
     if "calls" in parts and target.device == "cpu":
         result["calls"] = bench_calls()
     if "targets" in parts:
-        result["targets"] = bench_targets(max(5, repeats), quick=quick)
+        result["targets"] = bench_targets(max(5, repeats), quick=quick, groups=target_groups)
     return result
 
 

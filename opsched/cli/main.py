@@ -13,6 +13,7 @@ from opsched._errors import AclnnError
 from opsched.cli import plot as _plot
 from opsched.cli.bench_kernels import KERNEL_SIZES
 from opsched.cli.bench_scheduler import PARTS
+from opsched.cli.bench_targets import GROUPS as TARGET_GROUPS
 from opsched.cli.stress import StressOptions, run_stress
 from opsched.core.trace import load_trace, summarize
 from opsched.ops.products import table_rows
@@ -143,6 +144,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--ops", default="glu,gn,gnb", help="glu, gn, gnb (GroupNormBackward)")
     s = p.add_argument_group("scheduler")
     s.add_argument("--parts", default=",".join(PARTS), help="which parts")
+    s.add_argument(
+        "--target-groups",
+        default=",".join(TARGET_GROUPS),
+        help="which rows of the cost targets (part targets)",
+    )
     s.add_argument("--clients", type=int, default=256, help="concurrent coroutines")
     s.add_argument("--per-client", type=int, default=200, help="requests each")
     g = p.add_argument_group("graphs")
@@ -309,12 +315,15 @@ def _run_bench(args: argparse.Namespace) -> int:
     problem = None
     ops, dtypes = tuple(args.ops.split(",")), tuple(args.dtypes.split(","))
     unknown_parts = sorted(set(args.parts.split(",")) - set(PARTS))
+    unknown_groups = sorted(set(args.target_groups.split(",")) - set(TARGET_GROUPS))
     if args.trace and which == ("kernels",):
         problem = "--trace: the kernel benchmark runs no scheduler; trace scheduler or graphs"
     elif args.repeats < 1:
         problem = f"--repeats={args.repeats} must be >= 1"
     elif "scheduler" in which and unknown_parts:
         problem = f"unknown scheduler benchmark part(s) {unknown_parts}; valid: {list(PARTS)}"
+    elif "scheduler" in which and unknown_groups:
+        problem = f"unknown cost-target group(s) {unknown_groups}; valid: {list(TARGET_GROUPS)}"
     elif not set(ops) <= {"glu", "gn", "gnb"}:
         problem = f"--ops={args.ops!r}; expected a comma list of glu, gn, gnb"
     elif not set(dtypes) <= set(_bench.KERNEL_DTYPES):
@@ -345,7 +354,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
         parts = ("throughput", "tracing", "sweeps") if quick else tuple(args.parts.split(","))
         results["scheduler"] = _bench_scheduler.bench_scheduler(
-            repeats, parts, clients, per_client, target, args.trace, quick
+            repeats,
+            parts,
+            clients,
+            per_client,
+            target,
+            args.trace,
+            quick,
+            tuple(args.target_groups.split(",")),
         )
         traced = bool(args.trace) and "throughput" in parts
         _bench_scheduler.print_scheduler_report(results["scheduler"], out)

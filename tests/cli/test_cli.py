@@ -146,6 +146,7 @@ def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch)
         (["bench", "kernels", "--sizes", "12Q"], "'12Q' is not a size"),
         (["bench", "kernels", "--dtypes", "INT8"], "--dtypes='INT8'; expected a comma list"),
         (["bench", "scheduler", "--parts", "nope"], "unknown scheduler benchmark part"),
+        (["bench", "scheduler", "--target-groups", "tiny,huge"], "cost-target group(s) ['huge']"),
         (["demo", "--device", "gpu"], "gpu"),
         (["demo", "--config", "missing.toml"], "missing.toml"),
         (["stress", "--requests", "10", "--cancel", "2"], "--cancel=2.0 is out of range"),
@@ -159,6 +160,23 @@ def test_bad_arguments_are_usage_errors(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""  # said before anything runs or prints
+
+
+def test_bench_runs_the_cost_target_groups_asked_for(tmp_path, monkeypatch):
+    from opsched.cli import bench_scheduler
+
+    asked: list[tuple[str, ...]] = []
+
+    def targets(rounds, quick=False, groups=()):
+        asked.append(groups)
+        return {}
+
+    monkeypatch.setattr(bench_scheduler, "bench_targets", targets)
+    proc = opsched_cmd(
+        "bench", "scheduler", "--parts", "targets", "--target-groups", "tiny,graphs", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert asked == [("tiny", "graphs")]
 
 
 def test_stress_writes_a_trace(tmp_path):
