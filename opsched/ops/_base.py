@@ -405,6 +405,8 @@ class Operator(abc.ABC):
             return None, None
 
     def _generic_call_signature(self, args: Sequence[Any]) -> Hashable | None:
+        """The key of :meth:`call_tensors` for any operator: the operator's name and each
+        argument by kind; None for an argument of no cached kind."""
         parts: list[Any] = [self.name]
         for value in args:
             kind = type(value)

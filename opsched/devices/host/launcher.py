@@ -137,10 +137,9 @@ class HostLauncher(abc.ABC):
     @abc.abstractmethod
     def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
         """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
-        the fused arrays, one signature group after another (``groups``: each a list of
-        indices into ``requests`` of one signature, :func:`~opsched.ops._fusion.
-        signature_groups`); return each group's first unit. A few numpy calls a group,
-        none a request, where the layouts allow."""
+        the fused arrays, one signature group after another (``groups``: :data:`Groups`);
+        return each group's first unit. A few numpy calls a group, none a request, where
+        the layouts allow."""
 
     @abc.abstractmethod
     def scatter(
