@@ -115,9 +115,9 @@ def broken(monkeypatch, what: str) -> None:
                 if out.size:
                     out.reshape(-1)[0] += 1
 
-        def scatter(self, requests, groups, fused, starts):
-            real_scatter(self, requests, groups, fused, starts)
-            for r in requests:
+        def scatter(self, layout, fused):
+            real_scatter(self, layout, fused)
+            for r in layout.requests:
                 spoil(r)
 
         def run_solo(self, request):

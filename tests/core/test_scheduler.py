@@ -85,9 +85,9 @@ def spy_glu_gathers(monkeypatch) -> list[int]:
     gathered: list[int] = []
     gather_of = GluBackwardLauncher.gather
 
-    def gather_spy(self, requests, groups, fused):
-        gathered.append(len(requests))
-        return gather_of(self, requests, groups, fused)
+    def gather_spy(self, layout, fused):
+        gathered.append(len(layout.requests))
+        return gather_of(self, layout, fused)
 
     monkeypatch.setattr(GluBackwardLauncher, "gather", gather_spy)
     return gathered

@@ -35,6 +35,7 @@ from opsched._lru import LRU
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.host.executor import Executor, geometry_of
+from opsched.devices.host.launcher import Layout
 from opsched.devices.host.launchers import LAUNCHERS
 from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
@@ -42,7 +43,6 @@ from opsched.devices.streams import InlineStream, Stream, ThreadStream
 from opsched.kernels._common import DEFAULT_BLOCK, Carver, workspace_bytes
 from opsched.ops import Operator
 from opsched.ops._base import Launch
-from opsched.ops._fusion import signature_groups
 
 __all__ = ["CpuDevice", "FusedLayout", "HostDevice", "ReferenceDevice", "bucket"]
 
@@ -516,11 +516,11 @@ class HostDevice(Device):
         try:
             self.check_fault(requests)
             host = LAUNCHERS[op.name]
-            groups = signature_groups(requests)
-            starts = host.gather(requests, groups, arrays)
-            for part in host.fused_parts(arrays, requests, groups, starts):
+            layout = Layout.of(requests)
+            host.gather(layout, arrays)
+            for part in host.fused_parts(layout, arrays):
                 self.run_kernel(op, plan, part, workspace)
-            host.scatter(requests, groups, arrays, starts)
+            host.scatter(layout, arrays)
         except Exception as exc:
             if len(requests) == 1:
                 errors[requests[0].id] = exc

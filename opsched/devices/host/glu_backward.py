@@ -9,12 +9,12 @@ requests' results in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import Groups, HostLauncher
+from opsched.devices.host.launcher import HostLauncher, Layout
 from opsched.kernels.glu import (
     GluPlan,
     glu_backward_fast,
@@ -95,31 +95,23 @@ class GluBackwardLauncher(HostLauncher):
         # rows of (a, b) halves split along dim 1: sizes come from each call's arrays
         return make_glu_plan((capacity, 2), 1, key[1], block=block)  # type: ignore[index]
 
-    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
+    def gather(self, layout: Layout, fused: Tensors) -> None:
         # Each request's operands as they are laid out alone, one after another: a
         # signature group's grad_out with one concatenate, its self with another (a
         # request's self is its ``(outer, 2 * half)`` rows, halves side by side).
-        starts, offset = [], 0
-        g, x = fused["grad_out"], fused["self"]
-        for members in groups:
-            start, offset = offset, offset + len(members) * requests[members[0]].units
-            starts.append(start)
-            gather_into([requests[i].tensors["grad_out"] for i in members], g[start:offset])
-            gather_into([requests[i].tensors["self"] for i in members], x[2 * start : 2 * offset])
-        return starts
+        g, x, requests = fused["grad_out"], fused["self"], layout.requests
+        for members, _, start, stop in layout.spans():
+            gather_into([requests[i].tensors["grad_out"] for i in members], g[start:stop])
+            gather_into([requests[i].tensors["self"] for i in members], x[2 * start : 2 * stop])
 
-    def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
-    ) -> list[dict[str, np.ndarray]]:
+    def fused_parts(self, layout: Layout, fused: Tensors) -> list[dict[str, np.ndarray]]:
         # one kernel call a signature group, on its rows as gathered: the kernel reads
         # each half where it lies, so nothing is split into halves and back
         g, x, out = fused["grad_out"], fused["self"], fused["out"]
         parts = []
-        for members, start in zip(groups, starts, strict=True):
-            first = requests[members[0]]
+        for members, first, start, stop in layout.spans():
             outer, half = glu_grid(first.tensors["self"].shape, first.scalars["dim"])
             rows = len(members) * outer
-            stop = start + rows * half
             parts.append(
                 {
                     "grad_out": g[start:stop].reshape(rows, half),
@@ -129,12 +121,8 @@ class GluBackwardLauncher(HostLauncher):
             )
         return parts
 
-    def scatter(
-        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
-    ) -> None:
+    def scatter(self, layout: Layout, fused: Tensors) -> None:
         out = fused["out"]
-        for members, start in zip(groups, starts, strict=True):
-            first = requests[members[0]]
-            stop = start + len(members) * first.units
+        for members, first, start, stop in layout.spans():
             results = out[2 * start : 2 * stop].reshape(len(members), *first.tensors["self"].shape)
-            deliver_each(requests, members, "out", results)
+            deliver_each(layout.requests, members, "out", results)

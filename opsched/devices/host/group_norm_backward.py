@@ -5,13 +5,13 @@ layout (per-row statistics summed into each request's dgamma / dbeta).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
 from opsched.devices.base import allocate_missing
-from opsched.devices.host.launcher import Groups, HostLauncher
+from opsched.devices.host.launcher import HostLauncher, Layout
 from opsched.kernels.group_norm_backward import (
     GnbPlan,
     gnb_table_row,
@@ -173,11 +173,9 @@ class GroupNormBackwardLauncher(HostLauncher):
         arrays["db"] = ((capacity * cpg,), F32)
         return arrays, {"N": capacity, "C": cpg, "HxW": hxw, "group": 1, "output_mask": mask}
 
-    def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
-    ) -> list[dict[str, np.ndarray]]:
+    def fused_parts(self, layout: Layout, fused: Tensors) -> list[dict[str, np.ndarray]]:
         # one kernel call on the first units in use of every array
-        units = starts[-1] + len(groups[-1]) * requests[groups[-1][0]].units
+        units = layout.bounds[-1]
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
         out = {}
         for name, array in fused.items():
@@ -199,15 +197,12 @@ class GroupNormBackwardLauncher(HostLauncher):
             stats_out=True,
         )
 
-    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
+    def gather(self, layout: Layout, fused: Tensors) -> None:
         # Requests of one signature (same shapes, N, C, group) move together: one
         # concatenate per operand, one broadcast copy of their gammas.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        starts, offset = [], 0
-        for members in groups:
-            first = requests[members[0]]
-            start, offset = offset, offset + len(members) * first.units
-            starts.append(start)
+        requests = layout.requests
+        for members, first, start, offset in layout.spans():
             for name in ("grad_out", "input"):
                 parts = [requests[i].tensors[name] for i in members]
                 gather_into(parts, fused[name][start * cpg : offset * cpg])
@@ -223,20 +218,16 @@ class GroupNormBackwardLauncher(HostLauncher):
                 gammas = np.empty(len(members) * parts[0].size, parts[0].dtype)
                 gather_into(parts, gammas)
                 np.copyto(rows, gammas.reshape(len(members), 1, c))
-        return starts
 
-    def scatter(
-        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
-    ) -> None:
+    def scatter(self, layout: Layout, fused: Tensors) -> None:
         # dgamma / dbeta: each request's per-row sums added over its own samples in order
         # 0, 1, ..., N-1 in FLOAT (as reduce_over_samples does for a solo launch), a whole
         # group at a time, then rounded once into the output dtype.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        for members, start in zip(groups, starts, strict=True):
-            first = requests[members[0]]
+        requests = layout.requests
+        for members, first, start, stop in layout.spans():
             k, n, c = len(members), first.scalars["N"], first.scalars["C"]
-            lo = start * cpg
-            hi = lo + k * first.units * cpg
+            lo, hi = start * cpg, stop * cpg
             want_dx, want_dgamma, want_dbeta = first.scalars["output_mask"]
             shape = first.tensors["input"].shape
             if want_dx:

@@ -7,12 +7,12 @@ launch is a GroupNormalizationGrad of x shape (capacity, 1, M).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
-from opsched.devices.host.launcher import Groups, HostLauncher
+from opsched.devices.host.launcher import HostLauncher, Layout
 from opsched.kernels.group_norm import (
     GroupNormPlan,
     group_norm_grad_fast,
@@ -63,11 +63,9 @@ class GroupNormalizationGradLauncher(HostLauncher):
         arrays = {"x": rows, "dy": rows, "gamma": rows, "mean": stats, "rstd": stats, "dx": rows}
         return arrays, {}
 
-    def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
-    ) -> list[dict[str, np.ndarray]]:
+    def fused_parts(self, layout: Layout, fused: Tensors) -> list[dict[str, np.ndarray]]:
         # one kernel call on the rows in use of every array
-        units = starts[-1] + len(groups[-1]) * requests[groups[-1][0]].units
+        units = layout.bounds[-1]
         return [{name: array[:units] for name, array in fused.items()}]
 
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> GroupNormPlan:
@@ -75,26 +73,18 @@ class GroupNormalizationGradLauncher(HostLauncher):
         m: int = key[2]  # type: ignore[index]
         return make_group_norm_plan((capacity, 1, m), dtype)
 
-    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
+    def gather(self, layout: Layout, fused: Tensors) -> None:
         # Requests of one signature (same shapes) move together: one concatenate per
         # operand into their rows, seen in their own shape (no reshape per request).
-        starts, offset = [], 0
-        for members in groups:
-            start, offset = offset, offset + len(members) * requests[members[0]].units
-            starts.append(start)
+        requests = layout.requests
+        for members, _, start, stop in layout.spans():
             for name in ("x", "dy", "gamma", "mean", "rstd"):
                 parts = [requests[i].tensors[name] for i in members]
-                gather_into(parts, fused[name][start:offset])
-        return starts
+                gather_into(parts, fused[name][start:stop])
 
-    def scatter(
-        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
-    ) -> None:
+    def scatter(self, layout: Layout, fused: Tensors) -> None:
         # A signature group's rows are contiguous (the gather placed them so).
         dx_all = fused["dx"]
-        for members, start in zip(groups, starts, strict=True):
-            first = requests[members[0]]
-            stop = start + len(members) * first.units
-            deliver_each(
-                requests, members, "dx", dx_all[start:stop].reshape(-1, *first.tensors["x"].shape)
-            )
+        for members, first, start, stop in layout.spans():
+            shape = first.tensors["x"].shape
+            deliver_each(layout.requests, members, "dx", dx_all[start:stop].reshape(-1, *shape))

@@ -20,19 +20,46 @@ own arrays, found by address, with the arguments of its solo launch.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from opsched.ops import Operator
 from opsched.ops._base import FusedGeometry, Launch, Tensors
+from opsched.ops._fusion import signature_groups
 
-__all__ = ["Groups", "HostLauncher", "Table"]
+__all__ = ["HostLauncher", "Layout", "Table"]
 
-#: A fused launch's requests by signature: lists of their indices, in order
-#: (:func:`~opsched.ops._fusion.signature_groups`).
-Groups = list[list[int]]
+
+class Layout(NamedTuple):
+    """Where a fused launch's requests lie in its arrays, worked out once a launch: its
+    ``requests`` (objects with ``.tensors``, ``.scalars`` and ``.units``) by signature,
+    each ``groups`` entry the indices of one signature's requests, in order
+    (:func:`~opsched.ops._fusion.signature_groups`), one group after another in the arrays;
+    ``bounds``: each group's first unit, then the units in use."""
+
+    requests: Sequence[Any]
+    groups: list[list[int]]
+    bounds: list[int]
+
+    @classmethod
+    def of(cls, requests: Sequence[Any]) -> Layout:
+        """The layout of ``requests`` gathered one signature group after another."""
+        groups = signature_groups(requests)
+        bounds = [0]
+        for members in groups:
+            bounds.append(bounds[-1] + len(members) * requests[members[0]].units)
+        return cls(requests, groups, bounds)
+
+    def spans(self) -> Iterator[tuple[list[int], Any, int, int]]:
+        """Each group's members, its first request (whose shapes and scalars all share),
+        its first unit and the unit after its last."""
+        requests, bounds = self.requests, self.bounds
+        for i, members in enumerate(self.groups):
+            yield members, requests[members[0]], bounds[i], bounds[i + 1]
+
+
 #: A table launch (:meth:`HostLauncher.table`): its call (None: none), the requests it
 #: computes, the rest.
 Table = tuple[Callable[[], None] | None, list[Any], list[Any]]
@@ -123,26 +150,21 @@ class HostLauncher(abc.ABC):
         """The arrays and scalars of a fused launch of ``capacity`` units."""
 
     @abc.abstractmethod
-    def fused_parts(
-        self, fused: Tensors, requests: Sequence[Any], groups: Groups, starts: list[int]
-    ) -> list[dict[str, np.ndarray]]:
-        """The kernel calls of a fused launch of ``requests`` (gathered by :meth:`gather`):
-        views of the fused arrays each one computes. Only the part in use: a launch never
-        computes its capacity's padding."""
+    def fused_parts(self, layout: Layout, fused: Tensors) -> list[dict[str, np.ndarray]]:
+        """The kernel calls of a fused launch (gathered by :meth:`gather`): views of the
+        fused arrays each one computes. Only the part in use: a launch never computes its
+        capacity's padding."""
 
     @abc.abstractmethod
     def fused_plan(self, key: Hashable, capacity: int, block: int) -> Any:
         """The kernel plan of a fused launch (contiguous gathered operands, no overlap)."""
 
     @abc.abstractmethod
-    def gather(self, requests: Sequence[Any], groups: Groups, fused: Tensors) -> list[int]:
-        """Copy the inputs of ``requests`` (objects with ``.tensors`` and ``.scalars``) into
-        the fused arrays, one signature group after another (``groups``: :data:`Groups`);
-        return each group's first unit. A few numpy calls a group, none a request, where
-        the layouts allow."""
+    def gather(self, layout: Layout, fused: Tensors) -> None:
+        """Copy the inputs of the layout's requests into the fused arrays where it places
+        them. A few numpy calls a signature group, none a request, where the layouts
+        allow."""
 
     @abc.abstractmethod
-    def scatter(
-        self, requests: Sequence[Any], groups: Groups, fused: Tensors, starts: list[int]
-    ) -> None:
+    def scatter(self, layout: Layout, fused: Tensors) -> None:
         """Copy each request's slice of the fused outputs into its own output arrays."""
