@@ -32,7 +32,7 @@ import numpy as np
 from opsched import ops
 from opsched.core import scheduler as _core
 from opsched.core.config import SchedulerConfig
-from opsched.core.engine import Engine, SchedulerState
+from opsched.core.engine import OPEN, Engine
 from opsched.core.graph import GraphBuilder, Node, Placeholder
 from opsched.core.loop import current_loop
 from opsched.core.requests import Pending
@@ -266,8 +266,6 @@ _current: contextvars.ContextVar[_Opened | None] = contextvars.ContextVar(
     "opsched_scheduler", default=None
 )
 _defaults: dict[Hashable, _Opened] = {}
-#: (read by the generated module-level functions)
-_OPEN = SchedulerState.OPEN
 # A forked child has none of the parent's loops' default schedulers: it makes its own.
 os.register_at_fork(after_in_child=_defaults.clear)
 
@@ -399,7 +397,7 @@ def _here() -> _Opened:
     module-level call runs it: one context-variable read in a block, one dict lookup
     outside."""
     opened = _current.get()
-    if opened is not None and opened.engine.state is SchedulerState.OPEN:
+    if opened is not None and opened.engine.state is OPEN:
         return opened
     # The running asyncio loop's default, found by the loop itself: current_loop() builds
     # a whole handle (about 6 us, as much again as the rest of a tiny request). On trio,
@@ -408,11 +406,11 @@ def _here() -> _Opened:
         opened = _defaults.get(asyncio.get_running_loop())
     except RuntimeError:
         opened = None
-    if opened is not None and opened.engine.state is SchedulerState.OPEN:
+    if opened is not None and opened.engine.state is OPEN:
         return opened
     loop = current_loop()
     opened = _defaults.get(loop.key)
-    if opened is None or opened.engine.state is not SchedulerState.OPEN:
+    if opened is None or opened.engine.state is not OPEN:
         engine = _new_engine(SchedulerConfig(), "cpu")
         opened = _defaults[loop.key] = _Opened(Scheduler(engine), engine)
 
@@ -473,12 +471,12 @@ def glu_backward(
     :meth:`Scheduler.glu_backward`.
     """
     opened = _current.get()
-    if opened is None or opened.engine.state is not _OPEN:
+    if opened is None or opened.engine.state is not OPEN:
         try:
             opened = _defaults[get_running_loop()]
         except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
             opened = _here()
-        if opened.engine.state is not _OPEN:
+        if opened.engine.state is not OPEN:
             opened = _here()
     return opened.engine.submit(
         (ops.GLU_BACKWARD, (grad_out, self, dim), out, priority, deadline, timeout)
@@ -501,12 +499,12 @@ def group_norm_grad(
     when it is called: see :meth:`Scheduler.group_norm_grad`.
     """
     opened = _current.get()
-    if opened is None or opened.engine.state is not _OPEN:
+    if opened is None or opened.engine.state is not OPEN:
         try:
             opened = _defaults[get_running_loop()]
         except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
             opened = _here()
-        if opened.engine.state is not _OPEN:
+        if opened.engine.state is not OPEN:
             opened = _here()
     return opened.engine.submit(
         (ops.GROUP_NORM_GRAD, (x, dy, gamma, mean, rstd), out, priority, deadline, timeout)
@@ -534,12 +532,12 @@ def group_norm_backward(
     called: see :meth:`Scheduler.group_norm_backward`.
     """
     opened = _current.get()
-    if opened is None or opened.engine.state is not _OPEN:
+    if opened is None or opened.engine.state is not OPEN:
         try:
             opened = _defaults[get_running_loop()]
         except (RuntimeError, KeyError):  # no asyncio loop, or no default yet
             opened = _here()
-        if opened.engine.state is not _OPEN:
+        if opened.engine.state is not OPEN:
             opened = _here()
     return opened.engine.submit(
         (

@@ -212,12 +212,12 @@ def module_functions(op: Operator) -> list[str]:
     # so a module-level call costs what the method's does; _here() does the rest.
     lines += [
         "    opened = _current.get()",
-        "    if opened is None or opened.engine.state is not _OPEN:",
+        "    if opened is None or opened.engine.state is not OPEN:",
         "        try:",
         "            opened = _defaults[get_running_loop()]",
         "        except (RuntimeError, KeyError):  # no asyncio loop, or no default yet",
         "            opened = _here()",
-        "        if opened.engine.state is not _OPEN:",
+        "        if opened.engine.state is not OPEN:",
         "            opened = _here()",
     ]
     lines += _call("return opened.engine.submit(", call, "    ")

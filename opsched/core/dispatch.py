@@ -24,7 +24,7 @@ from opsched._errors import InnerError, RuntimeLaunchError, SchedulerClosedError
 from opsched.core.batching import MIN_SPREAD_BYTES, Batch, RequestQueue, form_batches
 from opsched.core.config import SchedulerConfig
 from opsched.core.loop import LoopEvent, LoopHandle
-from opsched.core.requests import Request, RequestState, finish
+from opsched.core.requests import DONE, RUNNING, Request, RequestState, finish
 from opsched.core.stats import Counters
 from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
 from opsched.devices import Device, Prepared
@@ -215,7 +215,7 @@ class Dispatcher:
         now = time.monotonic()
         requests = group[0].requests
         for request in requests:
-            request.state = RequestState.RUNNING
+            request.state = RUNNING
             request.launched_at = now
             request.parts_left = len(group)
         self.running += len(requests)
@@ -316,7 +316,7 @@ class Dispatcher:
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
         failed = error is not None or bool(errors)
-        counters, done = self.counters, RequestState.DONE
+        counters = self.counters
         for request in batch.requests:
             if failed:
                 cause = error if error is not None else errors.get(request.id)
@@ -328,7 +328,7 @@ class Dispatcher:
                 if request.abandoned or request.error is not None:
                     self._resolve(request)
                 else:  # the common case, without the call to _resolve
-                    finish(request, done, counters)
+                    finish(request, DONE, counters)
         if self.queue.live:
             self.schedule()  # a stream and workspace came free for what waits
         else:
@@ -361,7 +361,7 @@ class Dispatcher:
         elif request.error is not None:
             finish(request, RequestState.FAILED, self.counters)
         else:
-            finish(request, RequestState.DONE, self.counters)
+            finish(request, DONE, self.counters)
 
     def fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
         """Fail ``requests`` with an InnerError naming ``what`` went wrong."""

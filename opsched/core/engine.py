@@ -52,6 +52,8 @@ from opsched.core.config import SchedulerConfig
 from opsched.core.dispatch import Dispatcher, device_lost, launch_error
 from opsched.core.loop import FUTURE, LoopEvent, LoopHandle, upgrade_waiter
 from opsched.core.requests import (
+    DONE,
+    EXPIRED,
     Call,
     Request,
     RequestFuture,
@@ -65,7 +67,7 @@ from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
 from opsched.ops.products import Product, resolve_product
 
-__all__ = ["FEW_READY", "Engine", "SchedulerState"]
+__all__ = ["FEW_READY", "OPEN", "Engine", "SchedulerState"]
 
 #: Every engine not yet collected, to orphan them in a forked child.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -104,6 +106,10 @@ class SchedulerState(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
+
+
+#: Bound once, as :data:`opsched.core.requests.DONE` is (read at every submission).
+OPEN = SchedulerState.OPEN
 
 
 @attrs.define(eq=False)
@@ -279,7 +285,7 @@ class Engine:
             and deadline is None
             and timeout is None
             and type(priority) is int
-            and self.state is SchedulerState.OPEN
+            and self.state is OPEN
             and self.device.lost is None
             and self.admission.has_room()
         ):
@@ -331,7 +337,7 @@ class Engine:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
             raise RuntimeError(msg)
         try:
-            if self.state is not SchedulerState.OPEN or self.device.lost is not None:
+            if self.state is not OPEN or self.device.lost is not None:
                 self.require_open("new requests")  # raises
             request = self.checks.call(call)
         except BaseException:
@@ -352,7 +358,7 @@ class Engine:
 
     def _checked_call(self, call: Call) -> Request:
         """A call's checked request (any thread; :meth:`Checks.call`)."""
-        if self.state is not SchedulerState.OPEN or self.device.lost is not None:
+        if self.state is not OPEN or self.device.lost is not None:
             self.require_open("new requests")  # raises
         return self.checks.call(call)
 
@@ -369,30 +375,22 @@ class Engine:
         node's: op, tensors, scalars, key, units, nbytes, priority, deadline, signature)."""
         return Request(next(self._ids), time.monotonic(), *fields)
 
-    def admit(self, request: Request, future: RequestFuture | None = None) -> Request:
-        """Start a checked request's journey: finished at once when it has nothing to
-        compute, run now when it may (:meth:`runs_at_submit`), else queued.
-
-        ``future``: the request came from a thread, which holds that future; its dispatch
-        is deferred to after the whole drained burst.
-        """
-        request.future = future
+    def admit(self, request: Request) -> Request:
+        """Start the journey of a request checked on the loop thread: finished at once when
+        it has nothing to compute, run now when it may (:meth:`runs_at_submit`), else
+        queued and its dispatch decided."""
         self.counters.submitted += 1
         if not request.nbytes:  # an empty tensor: nothing to compute, nothing to launch
             self.finish_empty(request)
             return request
+        queue = self.queue
         # (queue.live first: a busy scheduler skips the call)
-        if future is None and not self.queue.live and self.runs_at_submit(request):
+        if not queue.live and self.runs_at_submit(request):
             self.run_at_submit(request)  # nothing could join it: its solo launch, now
             return request
-        self.enqueue(request)
-        if future is not None:
-            future._request, future._withdraw = request, self._withdraw_hook
-            if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
-                self.abandon(request)
-                return request
-            self.dispatcher.schedule()
-            return request
+        queue.push(request)  # (:meth:`enqueue`, without the call)
+        if request.deadline is not None:
+            self.arm_timer(request.deadline)
         dispatcher = self.dispatcher
         if dispatcher.pending:  # a burst: the dispatch already scheduled takes it too
             return request
@@ -402,15 +400,30 @@ class Engine:
             dispatcher.schedule()  # others are about to submit: let them, then fuse
         return request
 
+    def _admit_posted(self, request: Request, future: RequestFuture) -> None:
+        """Queue a request a thread submitted (:meth:`_drain_inbox`), which holds
+        ``future``; its dispatch comes after the whole drained burst."""
+        request.future = future
+        self.counters.submitted += 1
+        if not request.nbytes:
+            self.finish_empty(request)
+            return
+        self.enqueue(request)
+        future._request, future._withdraw = request, self._withdraw_hook
+        if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
+            self.abandon(request)
+            return
+        self.dispatcher.schedule()
+
     def _drain_inbox(self) -> None:
         """Queue every request submitted from threads since the last drain (loop thread)."""
         for future in self.admission.take_inbox():
             request, future.checked = future.checked, None
             assert request is not None  # put_threadsafe set it
-            if self.state is not SchedulerState.OPEN:
+            if self.state is not OPEN:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
-            self.admit(request, future)
+            self._admit_posted(request, future)
 
     def _withdraw_posted(self, request: Request) -> None:
         """A thread's future was cancelled (any thread): withdraw its request on the loop."""
@@ -458,7 +471,7 @@ class Engine:
         state, error = self._solo_launch(request)
         end = time.perf_counter()
         counters = self.counters  # (it was counted as submitted when it was recorded)
-        launched = state is not RequestState.EXPIRED
+        launched = state is not EXPIRED
         if launched:  # a launch of stream 0, which is idle
             counters.launched(1)
             self.device.streams[0].ran(end - start)
@@ -480,7 +493,7 @@ class Engine:
         state, error = self._solo_launch(request)
         with admission.lock:  # submitted, launched and finished at once: one lock round
             counts.submitted += 1
-            if request.nbytes and state is not RequestState.EXPIRED:
+            if request.nbytes and state is not EXPIRED:
                 counts.launched(1)
             finish(request, state, counts, error)
         if error is not None:
@@ -494,13 +507,13 @@ class Engine:
                 f"{request.op.name}: the deadline had passed when the request was submitted; "
                 "it was not launched"
             )
-            return RequestState.EXPIRED, error
+            return EXPIRED, error
         if request.nbytes:
             try:
                 self.device.run_solo(request)
             except Exception as exc:
                 return RequestState.FAILED, launch_error(request, exc)
-        return RequestState.DONE, None
+        return DONE, None
 
     # ------------------------------------------------------------------------- waiting
 
