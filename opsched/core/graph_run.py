@@ -34,7 +34,7 @@ from opsched._errors import (
 )
 from opsched.core.checks import deadline_of, priority_of
 from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
-from opsched.core.requests import Request, RequestState, finish, past_deadline
+from opsched.core.requests import RUNNING, Request, RequestState, finish, past_deadline
 from opsched.devices import Device, Event, meta_of
 
 if TYPE_CHECKING:
@@ -61,6 +61,15 @@ class NodeState(enum.Enum):
 
 #: The states a node ends in.
 _FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
+
+#: The states every node of every run passes through, bound once (as
+#: :data:`opsched.core.requests.DONE` is: a member read through its class is dearer).
+_WAITING, _QUEUED, _LAUNCHED, _DONE = (
+    NodeState.WAITING,
+    NodeState.QUEUED,
+    NodeState.LAUNCHED,
+    NodeState.DONE,
+)
 
 
 class _NodeRun:
@@ -94,7 +103,7 @@ class _NodeRun:
     ) -> None:
         self.node = node
         self.wanted = wanted  # the caller asked for its output: theirs, not pooled
-        self.state = NodeState.WAITING
+        self.state = _WAITING
         self.producers = producers
         self.consumers = consumers
         self.waiting = waiting  # producers not launched yet (fed ones never count)
@@ -160,7 +169,7 @@ class GraphRun:
             return
         for index in plan.order:
             nr = runs[index]
-            if nr.state is NodeState.WAITING and nr.waiting == 0:
+            if nr.state is _WAITING and nr.waiting == 0:
                 self._submit(nr)
 
     def _submit(self, nr: _NodeRun) -> None:
@@ -182,7 +191,7 @@ class GraphRun:
         tensors[node.output] = nr.output
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = self.fresh(shape, dtype)
-        nr.state = NodeState.QUEUED
+        nr.state = _QUEUED
         nr.request = request = self.submit(self, nr, tensors, waits)
         nr.request_id = request.id
 
@@ -191,7 +200,7 @@ class GraphRun:
     def launched(self, nr: _NodeRun, event: Event | None) -> None:
         """``nr``'s launch was enqueued; ``event`` completes when it has run (None: it runs
         inline, before any consumer can be dispatched)."""
-        nr.state = NodeState.LAUNCHED
+        nr.state = _LAUNCHED
         nr.event = event
         if event is not None:
             self.events = True
@@ -199,7 +208,7 @@ class GraphRun:
         for index in nr.consumers:
             consumer = runs[index]
             consumer.waiting -= 1
-            if consumer.waiting == 0 and consumer.state is NodeState.WAITING and not self.cancelled:
+            if consumer.waiting == 0 and consumer.state is _WAITING and not self.cancelled:
                 try:
                     self._submit(consumer)
                 except Exception as exc:  # boundary: from the dispatcher (no memory for
@@ -230,9 +239,9 @@ class GraphRun:
             if upstream is not None:
                 error = _upstream_error(nr.node, upstream)
         if error is None:
-            if nr.state is NodeState.QUEUED:  # never declared launched (no event of its
+            if nr.state is _QUEUED:  # never declared launched (no event of its
                 self.launched(nr, None)  # launch to wait on): its consumers go now
-            nr.state = NodeState.DONE
+            nr.state = _DONE
         else:
             nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED
             self.failed = self.failed or nr.state is NodeState.FAILED
@@ -245,23 +254,23 @@ class GraphRun:
         self.cancelled = True
         queued = []
         for nr in self.runs.values():
-            if nr.state is NodeState.WAITING:
+            if nr.state is _WAITING:
                 nr.state = NodeState.CANCELLED
                 self._settle(nr)
-            elif nr.state is NodeState.QUEUED and nr.request is not None:
+            elif nr.state is _QUEUED and nr.request is not None:
                 queued.append(nr.request)
         return queued
 
     def _fail_downstream(self, failed: _NodeRun) -> None:
         for index in failed.consumers:
             consumer = self.runs[index]
-            if consumer.state is NodeState.WAITING:
+            if consumer.state is _WAITING:
                 consumer.state = NodeState.FAILED
                 self.failed = True
                 consumer.error = _upstream_error(consumer.node, failed)
                 self._settle(consumer)
                 self._fail_downstream(consumer)
-            elif consumer.state is NodeState.QUEUED and consumer.request is not None:
+            elif consumer.state is _QUEUED and consumer.request is not None:
                 # out of the queue at once; its request's end calls finished() for it
                 self.drop(consumer.request, _upstream_error(consumer.node, failed))
             # a launched consumer fails when its launch finishes (its result is discarded)
@@ -311,7 +320,7 @@ def _output(node: Node, nr: _NodeRun) -> Any:
     for a multi-output node), None when it did not complete."""
     if nr.state is NodeState.FED:
         return nr.output
-    if nr.state is not NodeState.DONE:
+    if nr.state is not _DONE:
         return None
     if len(node.op.outputs) > 1 and nr.request is not None:
         return nr.request.result
@@ -508,7 +517,7 @@ def _submit_node(
         engine.finish_empty(request)
         return request
     if not waits and engine.runs_at_submit(request):  # nothing queued or running
-        request.state = RequestState.RUNNING  # (never queued: nothing to take it out of)
+        request.state = RUNNING  # (never queued: nothing to take it out of)
         run.at_submit.append(request)
         return request
     engine.enqueue(request)  # (a node still queued at the run's deadline expires)

@@ -54,6 +54,11 @@ class ExecutorState(enum.Enum):
     DESTROYED = "destroyed"
 
 
+#: Read at every launch, bound once (as :data:`opsched.core.requests.DONE` is: a member
+#: read through its class is dearer).
+_READY, _SPENT = ExecutorState.READY, ExecutorState.SPENT
+
+
 def geometry_of(
     array: np.ndarray | None,
 ) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]] | None:
@@ -211,7 +216,7 @@ class Executor:
         if self.op is not op:
             msg = f"{name}: the executor was prepared for {self.op.name}, not {name}"
             raise ParamInvalidError(msg)
-        if self._state is not ExecutorState.READY:  # one test on the usual path
+        if self._state is not _READY:  # one test on the usual path
             self._require_live("launch")
             msg = (
                 f"{name}: this single-use executor was already launched; call "
@@ -231,7 +236,7 @@ class Executor:
             self._launch = LAUNCHERS[op.name].prepare(self.plan, self.tensors)
         self._launches += 1
         if not self._repeatable:
-            self._state = ExecutorState.SPENT
+            self._state = _SPENT
         return ws
 
     def _check_workspace(
