@@ -516,7 +516,8 @@ def _submit_node(
         run.launched(node_run, None)
         engine.finish_empty(request)
         return request
-    if not waits and engine.runs_at_submit(request):  # nothing queued or running
+    # (queue.live first: a busy scheduler skips the call)
+    if not waits and not engine.queue.live and engine.runs_at_submit(request):
         request.state = RUNNING  # (never queued: nothing to take it out of)
         run.at_submit.append(request)
         return request
