@@ -291,7 +291,11 @@ class Engine:
         ):
             # The common case: a call seen before, room in the queue. One cache lookup,
             # one record, one queue operation, then the wait.
-            known = self.checks.known(op, args, priority)
+            try:
+                known = self.checks.known(op, args, priority)
+            except BaseException:  # refused (the device's bind): counted, as below
+                self.counters.rejected += 1
+                raise
             if known is not None:
                 request = self.admit(known)
                 if request.finished:

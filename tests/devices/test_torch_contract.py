@@ -89,18 +89,22 @@ def test_a_sparse_tensor_is_refused_at_the_call_naming_its_argument(layout):
 
     async def main():
         async with opsched.open_scheduler(device=DEVICE) as sched:
-            with pytest.raises(
-                TypeError,
-                match=rf"GluBackward: self is a tensor of layout "
-                rf"torch\.sparse_{layout}.*self\.to_dense\(\)",
-            ):
-                await sched.glu_backward(g, sparse(x))
-            with pytest.raises(TypeError, match=r"dy is a tensor of layout torch\.sparse_"):
-                await sched.group_norm_grad(dense[0], sparse(dense[1]), dense[2], *stats)
+            for known in (False, True):  # a new call, then one of a geometry seen before
+                if known:
+                    await sched.glu_backward(g, x)
+                    await sched.group_norm_grad(*dense, *stats)
+                with pytest.raises(
+                    TypeError,
+                    match=rf"GluBackward: self is a tensor of layout "
+                    rf"torch\.sparse_{layout}.*self\.to_dense\(\)",
+                ):
+                    await sched.glu_backward(g, sparse(x))
+                with pytest.raises(TypeError, match=r"dy is a tensor of layout torch\.sparse_"):
+                    await sched.group_norm_grad(dense[0], sparse(dense[1]), dense[2], *stats)
         return sched.statistics()
 
     stats_after = asyncio.run(main())
-    assert stats_after.submitted == 0 and stats_after.rejected == 2
+    assert stats_after.submitted == 2 and stats_after.rejected == 4
     with opsched.sync.open_scheduler(device=DEVICE) as sched:
         with pytest.raises(TypeError, match=r"grad_out is a tensor of layout torch\.sparse_"):
             sched.glu_backward(sparse(g), x)

@@ -106,11 +106,16 @@ class TorchDevice(Device):
     #: Whether ``torch_device`` is the CPU, read once: ``torch.device.type`` costs 0.4 us
     #: a read, and :meth:`bind` asks for every request.
     _on_cpu: bool = attrs.field(default=False, init=False)
+    #: ``torch.Tensor`` and ``torch.strided``, read once (:meth:`bind` checks every array
+    #: of every request against them; a module attribute costs a lookup each time).
+    _tensor: Any = attrs.field(default=None, init=False)
+    _strided: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         import torch
 
         self._torch = torch
+        self._tensor, self._strided = torch.Tensor, torch.strided
         self._on_cpu = self.torch_device is not None and self.torch_device.type == "cpu"
         if self.torch_device is not None and not self._on_cpu:
             self._backend = getattr(torch, self.torch_device.type, None)
@@ -282,16 +287,26 @@ class TorchDevice(Device):
         give come from the launch (its own result, or a view of its stacked output); one
         the scheduler may split across streams gets them now, for its parts to write."""
         if self._on_cpu and 0 < nbytes < self.split_min_bytes:
-            # numpy in, numpy out, nothing to split: the arrays stay numpy until the
-            # launch gathers them (ops/_framework.py, host operands)
+            # nothing to split: the usual call's strided CPU tensors as they are (a
+            # request's first tensor that is not one sends it to the general pass below)
+            tensor, strided = self._tensor, self._strided
+            for value in tensors.values():
+                if value is not None and not (
+                    type(value) is tensor and value.is_cpu and value.layout is strided
+                ):
+                    break
+            else:
+                return tensors, None
+            # numpy in, numpy out: the arrays stay numpy until the launch gathers them
+            # (ops/_framework.py, host operands)
             ndarray = np.ndarray
             for value in tensors.values():
                 if type(value) is not ndarray and value is not None:
                     break
             else:
                 return HostOperands(tensors), None
-        tensor, where, on_cpu = self._torch.Tensor, self.torch_device, self._on_cpu
-        strided = self._torch.strided
+        tensor, where, on_cpu = self._tensor, self.torch_device, self._on_cpu
+        strided = self._strided
         # one pass (this runs for every request), in place (``tensors`` is the request's
         # own dict): a tensor on this device as it is, anything else through admit()
         caller_out: dict[str, np.ndarray] | None = None
