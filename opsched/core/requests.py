@@ -68,8 +68,8 @@ class RequestState(enum.Enum):
 
 #: The members every request's journey compares against, bound once. On Python 3.11 a
 #: member read through its class (``RequestState.DONE``) goes through
-#: ``EnumType.__getattr__``'s hook, which makes and frees a method wrapper each time
-#: (about 60 ns, three times a module global's read; Python 3.12 dropped the hook).
+#: ``EnumType.__getattr__``'s hook, which makes and frees a method wrapper each time:
+#: several times a module global's read (Python 3.12 dropped the hook).
 QUEUED, RUNNING, DONE = RequestState.QUEUED, RequestState.RUNNING, RequestState.DONE
 EXPIRED = RequestState.EXPIRED
 
