@@ -25,6 +25,7 @@ import bisect
 import collections
 import heapq
 import math
+import operator
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -108,6 +109,9 @@ class RequestQueue:
     _earliest: dict[Hashable, float] = attrs.field(factory=dict)
     #: Live requests (``len()``; read as an attribute on the hot path, never written outside).
     live: int = 0
+    #: Entries still in lanes whose request left the queue in place (:meth:`discard`), not
+    #: yet dropped: while there are none, :meth:`take` may take a lane whole unread.
+    _dead: int = 0
     peak: int = 0
     #: When a list, every popped request is also appended to it (the dispatcher's record of
     #: what a batch formation round took, to fail them if the round raises).
@@ -190,6 +194,7 @@ class RequestQueue:
         request.state = state
         self._bytes[request.key] -= request.nbytes
         self.live -= 1
+        self._dead += 1
 
     def head(self, key: Hashable) -> Request | None:
         """The next live request of ``key``, dropping dead entries on the way."""
@@ -202,6 +207,7 @@ class RequestQueue:
                 if request.state is RequestState.QUEUED:
                     return request
                 lane.popleft()
+                self._dead -= 1
             del lanes[priority]
         self._forget(key)
         return None
@@ -235,6 +241,22 @@ class RequestQueue:
         if lanes is None:
             return taken, expired
         record = self.taken
+        if len(lanes) == 1 and not self._dead and key not in self._earliest:
+            # One lane, every entry live, no deadline: when the key's bytes fit and no
+            # request is too large to fuse, the loop below would take the lane whole.
+            # Take it so, reading each request's size once, in C.
+            (lane,) = lanes.values()
+            if (
+                len(lane) <= limit
+                and self._bytes[key] <= max_batch_bytes
+                and max(map(_nbytes, lane)) <= fuse_max_bytes
+            ):
+                taken = list(lane)
+                if record is not None:
+                    record.extend(taken)
+                self.live -= len(taken)
+                self._forget(key)
+                return taken, expired
         queued = RequestState.QUEUED
         nbytes = popped = gone = 0  # bytes taken; requests and bytes out of the queue
         for priority, lane in list(lanes.items()):
@@ -242,6 +264,7 @@ class RequestQueue:
                 request = lane[0]
                 if request.state is not queued:  # cancelled or expired in place: drop it
                     lane.popleft()
+                    self._dead -= 1
                     continue
                 size = request.nbytes
                 if size > fuse_max_bytes or (taken and nbytes + size > max_batch_bytes):
@@ -319,7 +342,7 @@ class RequestQueue:
         self._deadlines.clear()
         self._heads.clear()
         self._listed.clear()
-        self.live = 0
+        self.live = self._dead = 0
         return [r for r in out if r.state is RequestState.QUEUED]
 
 
@@ -342,6 +365,10 @@ def _queued(request: Request | None) -> bool:
 
 def _request_id(request: Request) -> int:
     return request.id
+
+
+#: A request's bytes (read in C: :meth:`RequestQueue.take` weighs a whole lane at once).
+_nbytes = operator.attrgetter("nbytes")
 
 
 def form_batches(

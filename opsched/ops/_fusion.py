@@ -73,11 +73,18 @@ def signature_groups(
     per request. A request without a signature is a group of its own, or, given ``key``,
     grouped with those of equal ``key(request)`` (a framework launch's shapes and scalars).
     """
+    try:
+        signatures = [request.signature for request in requests]
+    except AttributeError:  # (a stand-in may have none)
+        signatures = [getattr(request, "signature", None) for request in requests]
+    first = signatures[0] if signatures else None
+    if first is not None and signatures.count(first) == len(signatures):
+        # the usual launch: one signature throughout (counted in C, by identity first)
+        return [list(range(len(signatures)))]
     groups: dict[Hashable, list[int]] = {}
     last: Any = None  # the previous request's signature, and its group's members
     members: list[int] = []
-    for i, request in enumerate(requests):
-        signature = getattr(request, "signature", None)  # (a stand-in may have none)
+    for i, (request, signature) in enumerate(zip(requests, signatures, strict=True)):
         if signature is last and signature is not None:
             # a run of calls seen before shares one signature object: no hashing (a
             # GroupNormBackward signature's hash costs more than the rest of this loop)

@@ -255,12 +255,15 @@ def test_no_idle_stream_no_batch():
     assert len(q) == 1
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["priorities-deadlines", "plain"])
 @pytest.mark.parametrize("seed", range(6))
-def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
+def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed, plain):
     # The queue's lanes against a plain model: the live requests of a key sorted by
-    # (-priority, id). Pushes come with mixed priorities, taken requests are put back
-    # (older ids pushed after newer ones, as after a launch that could not start), some are
-    # discarded or expire, and batches are cut by count and by bytes.
+    # (-priority, id). Pushes come with mixed priorities (or, ``plain``, one priority and
+    # no deadline, so that a take may find its lane whole), mixed sizes in one key, taken
+    # requests are put back (older ids pushed after newer ones, as after a launch that
+    # could not start), some are discarded or expire, and batches are cut by count, by
+    # bytes, and by the largest request that fuses.
     rng = random.Random(seed)
     q = RequestQueue()
     live: list[Request] = []
@@ -269,9 +272,12 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
         action = rng.random()
         if action < 0.5:
             r = glu_request(
-                priority=rng.choice([0, 0, 0, 1, 5, -2]),
-                deadline=rng.choice([None, None, None, 0.5, 2.0]),
+                rows=rng.choice([2, 2, 4]),
+                cols=rng.choice([8, 8, 16]),
+                priority=0 if plain else rng.choice([0, 0, 0, 1, 5, -2]),
+                deadline=None if plain else rng.choice([None, None, None, 0.5, 2.0]),
             )
+            assert r.key == key
             q.push(r)
             live.append(r)
         elif action < 0.6 and live:
@@ -279,12 +285,17 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed):
             q.discard(r, RequestState.CANCELLED)
             live.remove(r)
         else:
-            limit = rng.randint(1, 6)
-            budget = per * rng.randint(1, 6)
-            taken, expired = q.take(key, limit, 1 << 20, budget, now=1.0)
+            limit = rng.choice([rng.randint(1, 6), 1024])
+            budget = rng.choice([per * rng.randint(1, 6), 1 << 30])
+            fuse_max = rng.choice([per, 4 * per, 1 << 20])
+            taken, expired = q.take(key, limit, fuse_max, budget, now=1.0)
             want, want_expired, nbytes = [], [], 0
             for r in sorted(live, key=lambda r: (-r.priority, r.id)):
-                if len(want) == limit or (want and nbytes + r.nbytes > budget):
+                if (
+                    len(want) == limit
+                    or r.nbytes > fuse_max
+                    or (want and nbytes + r.nbytes > budget)
+                ):
                     break
                 if r.deadline is not None and r.deadline <= 1.0:
                     want_expired.append(r)

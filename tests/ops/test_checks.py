@@ -286,6 +286,9 @@ def test_signature_groups_keep_first_appearance_order_and_isolate_the_unsigned()
     requests = [SimpleNamespace(signature=s) for s in sigs]
     assert signature_groups(requests) == [[0, 1, 3, 6], [2, 7, 8], [4], [5]]
     assert signature_groups([]) == []
+    # one signature throughout (the usual launch), by identity or by value: one group
+    assert signature_groups([requests[0], requests[3], requests[6]]) == [[0, 1, 2]]
+    assert signature_groups([requests[4], requests[5]]) == [[0], [1]]  # unsigned: alone
     # given a key, the unsigned group by it (a framework launch's shapes), the signed as before
     shapes = [None, None, None, None, (1,), (2,), None, None, None]
     for r, shape in zip(requests, shapes, strict=True):
