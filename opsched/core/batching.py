@@ -61,6 +61,8 @@ class Batch:
     fused: bool
     #: For a split request: this part's tensors and scalars.
     part: tuple[dict[str, Any], dict[str, Any]] | None = None
+    #: When it started (``time.monotonic()``; set by whoever starts it).
+    launched_at: float = 0.0
 
     @property
     def units(self) -> int:

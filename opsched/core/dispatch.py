@@ -214,11 +214,11 @@ class Dispatcher:
             return self._out_of_memory(group, last)
         now = time.monotonic()
         requests = group[0].requests
-        for request in requests:
+        for request in requests:  # (a split request's parts_left is its parts already)
             request.state = RUNNING
-            request.launched_at = now
-            request.parts_left = len(group)
         self.running += len(requests)
+        for batch in group:
+            batch.launched_at = now
         final = len(prepared) - 1
         for j, (batch, ready) in enumerate(prepared):
             self._launch(batch, ready, may_inline=last and j == final)
@@ -231,11 +231,12 @@ class Dispatcher:
         self.counters.launched(len(batch.requests))
         stream = self.device.streams[batch.stream]
         nodes = [r for r in batch.requests if r.graph is not None]
+        nbytes = batch.nbytes
         try:
             # Graph nodes: wait on the device for producers still running (no Python
             # wait), and tell each run when its node is launched, so its consumers can be
-            # queued at once.
-            waits = [e for r in batch.requests if r.waits for e in r.waits if not e.query()]
+            # queued at once. (Only a node waits: a batch of none has nothing to look at.)
+            waits = [e for r in nodes if r.waits for e in r.waits if not e.query()]
             # Inline: up to inline_max_bytes on an idle stream, except one long kernel
             # call of at least MIN_SPREAD_BYTES (a lone request, or a fused launch that
             # is one compiled call) that is not the round's last launch: it computes on
@@ -245,8 +246,8 @@ class Dispatcher:
             many_calls = batch.fused and not prepared.one_call
             inline = (
                 self.device.inline_capable
-                and batch.nbytes <= self.config.inline_max_bytes
-                and (may_inline or many_calls or batch.nbytes < MIN_SPREAD_BYTES)
+                and nbytes <= self.config.inline_max_bytes
+                and (may_inline or many_calls or nbytes < MIN_SPREAD_BYTES)
                 and not waits
             )
             if inline:
@@ -315,20 +316,24 @@ class Dispatcher:
         self._memory_wait = False
         bisect.insort(self._idle, batch.stream)
         errors: dict[int, BaseException] = result[0] if error is None else {}
-        failed = error is not None or bool(errors)
         counters = self.counters
-        for request in batch.requests:
-            if failed:
+        if error is None and not errors and batch.part is None:
+            # the common case: a whole launch that went well (each request's last part)
+            self.running -= len(batch.requests)
+            for request in batch.requests:
+                if request.abandoned or request.error is not None:
+                    self._resolve(request)
+                else:  # without the call to _resolve
+                    finish(request, DONE, counters)
+        else:
+            for request in batch.requests:
                 cause = error if error is not None else errors.get(request.id)
                 if cause is not None and request.error is None:
                     request.error = launch_error(request, cause)
-            request.parts_left -= 1
-            if request.parts_left <= 0:
-                self.running -= 1
-                if request.abandoned or request.error is not None:
+                request.parts_left -= 1
+                if request.parts_left <= 0:
+                    self.running -= 1
                     self._resolve(request)
-                else:  # the common case, without the call to _resolve
-                    finish(request, DONE, counters)
         if self.queue.live:
             self.schedule()  # a stream and workspace came free for what waits
         else:

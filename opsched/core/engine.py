@@ -470,7 +470,7 @@ class Engine:
     def run_at_submit(self, request: Request) -> None:
         """Run a recorded, not yet queued ``request`` now (:meth:`runs_at_submit` said so)
         and finish it: its waiter finds it finished."""
-        request.launched_at = time.monotonic()
+        launched_at = time.monotonic()
         start = time.perf_counter()
         state, error = self._solo_launch(request)
         end = time.perf_counter()
@@ -481,7 +481,7 @@ class Engine:
             self.device.streams[0].ran(end - start)
         finish(request, state, counters, error)
         if launched and enabled():  # the dispatcher's launch event, as for any launch
-            batch = Batch([request], 0, request.key, fused=False)
+            batch = Batch([request], 0, request.key, False, launched_at=launched_at)
             log_launch(request.op, batch, (None, start, end) if error is None else None)
 
     def _run_in_thread(self, call: Call) -> Any:

@@ -391,9 +391,9 @@ class Request:
     waiting: int = 0
     #: The caller stopped waiting: the result is dropped when the launch finishes.
     abandoned: bool = False
-    #: Launches (split parts) still running for this request.
-    parts_left: int = 0
-    launched_at: float = 0.0
+    #: Launches still to finish for this request once it is launched: its parts when it
+    #: is split (set as it is), else one.
+    parts_left: int = 1
     #: For requests submitted from threads: the future their submitter holds.
     future: RequestFuture | None = None
     #: For a graph node: ``(graph run, node run)``; its launch reports to them.

@@ -229,7 +229,7 @@ def trace_launch(
         "fused": batch.fused,
         "bytes": batch.nbytes,
         "executor cache": _CACHE_WORDS[cache_hit],
-        "queue wait us": round(min(r.launched_at - r.enqueued_at for r in requests) * 1e6, 1),
+        "queue wait us": round(_queue_wait(batch) * 1e6, 1),
         "failed": sum(1 for r in requests if r.error is not None),
     }
     if batch.part is not None:
@@ -259,11 +259,16 @@ def log_launch(op: Any, batch: Any, result: Any | None) -> None:
         bytes=batch.nbytes,
         stream=batch.stream,
         fused=batch.fused,
-        queue_wait_s=min(r.launched_at - r.enqueued_at for r in requests),
+        queue_wait_s=_queue_wait(batch),
         run_s=result[2] - result[1] if result is not None else 0.0,
         failed=sum(1 for r in requests if r.error is not None),
         nodes=[r.graph[1].node.name for r in requests if r.graph is not None],
     )
+
+
+def _queue_wait(batch: Any) -> float:
+    """The shortest wait in the queue of a launch's requests (the newest's)."""
+    return batch.launched_at - max(r.enqueued_at for r in batch.requests)
 
 
 def log_overflow(requests: int) -> None:
