@@ -119,6 +119,10 @@ class RunPlan:
     #: dependencies a run must wait for (those not fed)
     consumers: tuple[tuple[int, ...], ...]
     waiting: tuple[int, ...]
+    #: the needed nodes a run submits as it starts (none of their dependencies to wait
+    #: for), in order; and how many nodes it computes (those not fed)
+    ready: tuple[int, ...]
+    computed: int
 
 
 @attrs.define(eq=False)
@@ -268,6 +272,8 @@ class GraphBuilder:
             for i, needs in zip(order, deps, strict=True):
                 for d in needs:
                     consumers[d].append(i)
+            waiting = tuple(sum(d not in fed for d in needs) for needs in deps)
+            computed = [i for i in order if i not in fed]
             plan = self._plans[key] = RunPlan(
                 tuple(order),
                 deps,
@@ -275,7 +281,9 @@ class GraphBuilder:
                 tuple(used.items()),
                 fed,
                 tuple(tuple(consumers[i]) for i in order),
-                tuple(sum(d not in fed for d in needs) for needs in deps),
+                waiting,
+                tuple(i for i, w in zip(order, waiting, strict=True) if i not in fed and not w),
+                len(computed),
             )
         return plan
 

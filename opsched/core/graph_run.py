@@ -154,23 +154,22 @@ class GraphRun:
     def start(self, inputs: Mapping[Node | Placeholder, np.ndarray], plan: RunPlan) -> None:
         """Set up the nodes ``plan`` (the outputs' nodes, given ``inputs``) runs, bind
         inputs, submit the ready ones."""
-        fed, wanted, nodes, runs = plan.fed, plan.wanted, self.graph.nodes, self.runs
+        wanted, nodes, runs = plan.wanted, self.graph.nodes, self.runs
         for index, deps, consumers, waiting in zip(
             plan.order, plan.deps, plan.consumers, plan.waiting, strict=True
         ):
-            nr = runs[index] = _NodeRun(nodes[index], index in wanted, deps, consumers, waiting)
-            if index in fed:
-                nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
-            else:
-                self.left += 1
-        self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
+            runs[index] = _NodeRun(nodes[index], index in wanted, deps, consumers, waiting)
+        for index in plan.fed.intersection(runs):
+            nr = runs[index]
+            nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
+        self.left = plan.computed
+        if inputs:
+            self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
         if not self.left:
             self.done()
             return
-        for index in plan.order:
-            nr = runs[index]
-            if nr.state is _WAITING and nr.waiting == 0:
-                self._submit(nr)
+        for index in plan.ready:
+            self._submit(runs[index])
 
     def _submit(self, nr: _NodeRun) -> None:
         node = nr.node
@@ -281,14 +280,15 @@ class GraphRun:
         for index in nr.producers:
             producer = runs[index]
             producer.consumers_left -= 1
-            self._maybe_release(producer)
-        self._maybe_release(nr)
+            if producer.block is not None:  # (the cheap test first: most hold none)
+                self._maybe_release(producer)
+        if nr.block is not None:
+            self._maybe_release(nr)
         self.left -= 1
         if self.left == 0:
             self.done()
 
     def _maybe_release(self, nr: _NodeRun) -> None:
-        # the cheap test first: most nodes hold no pooled block (small intermediates)
         if nr.block is not None and nr.consumers_left == 0 and nr.state in _FINAL:
             self.release(nr.block)
             nr.block = None
