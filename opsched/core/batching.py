@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import heapq
+import itertools
 import math
 import operator
 import weakref
@@ -244,20 +245,27 @@ class RequestQueue:
             return taken, expired
         record = self.taken
         if len(lanes) == 1 and not self._dead and key not in self._earliest:
-            # One lane, every entry live, no deadline: when the key's bytes fit and no
-            # request is too large to fuse, the loop below would take the lane whole.
-            # Take it so, reading each request's size once, in C.
+            # One lane, every entry live, no deadline: the loop below would take its
+            # longest run of at most ``limit`` requests within the bytes (the first always
+            # goes), unless it met one too large to fuse. Weigh them in C and take them so.
             (lane,) = lanes.values()
-            if (
-                len(lane) <= limit
-                and self._bytes[key] <= max_batch_bytes
-                and max(map(_nbytes, lane)) <= fuse_max_bytes
-            ):
-                taken = list(lane)
+            head = list(lane) if len(lane) <= limit else list(itertools.islice(lane, limit))
+            sizes = list(map(_nbytes, head))
+            if max(sizes) <= fuse_max_bytes:
+                ends = list(itertools.accumulate(sizes))
+                count = max(1, bisect.bisect_right(ends, max_batch_bytes))
+                if count == len(lane):
+                    taken = head
+                    self._forget(key)
+                else:
+                    taken = head[:count]
+                    popleft = lane.popleft
+                    for _ in range(count):
+                        popleft()
+                    self._bytes[key] -= ends[count - 1]
                 if record is not None:
                     record.extend(taken)
-                self.live -= len(taken)
-                self._forget(key)
+                self.live -= count
                 return taken, expired
         queued = RequestState.QUEUED
         nbytes = popped = gone = 0  # bytes taken; requests and bytes out of the queue
