@@ -267,8 +267,8 @@ def log_launch(op: Any, batch: Any, result: Any | None) -> None:
 
 
 def _queue_wait(batch: Any) -> float:
-    """The shortest wait in the queue of a launch's requests (the newest's)."""
-    return batch.launched_at - max(r.enqueued_at for r in batch.requests)
+    """How long a launch's earliest-queued request waited in the queue."""
+    return batch.launched_at - min(r.enqueued_at for r in batch.requests)
 
 
 def log_overflow(requests: int) -> None:

@@ -178,3 +178,29 @@ def test_a_long_run_streams_its_events_in_bounded_memory(tmp_path, monkeypatch):
     stats = asyncio.run(main())
     assert max(seen) <= 16
     assert len(_slices(load_trace(path))) == stats.launches
+
+
+def test_a_launch_s_queue_wait_is_its_earliest_queued_request_s(tmp_path):
+    # Two requests queued at 1 s and 3 s, launched together at 5 s: the launch waited as
+    # long as its first request did, 4 s (docs/tracing.md), in the trace and the log event.
+    import structlog
+
+    from opsched.core.batching import Batch
+    from opsched.core.requests import Request
+    from opsched.core.trace import Tracer, log_launch, trace_launch
+    from opsched.ops import GLU_BACKWARD
+
+    def queued_at(at):
+        x = np.zeros((2, 8), F32)
+        tensors = {"grad_out": np.zeros((2, 4), F32), "self": x, "out": np.empty_like(x)}
+        return Request(0, at, GLU_BACKWARD, tensors, {"dim": -1}, "k", 8, 160, 0, None)
+
+    batch = Batch([queued_at(3.0), queued_at(1.0)], 0, "k", True, launched_at=5.0)
+    with structlog.testing.capture_logs() as logs:
+        log_launch(GLU_BACKWARD, batch, ({}, 10.0, 10.5))
+    assert logs[0]["queue_wait_s"] == pytest.approx(4.0)
+    tracer = Tracer(tmp_path / "run.json", "cpu", 1)
+    trace_launch(tracer, GLU_BACKWARD, batch, True, ({}, 10.0, 10.5))
+    tracer.write()
+    (launch,) = _slices(load_trace(tmp_path / "run.json"))
+    assert launch["args"]["queue wait us"] == pytest.approx(4e6)
