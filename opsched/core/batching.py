@@ -113,7 +113,7 @@ class RequestQueue:
     #: Live requests (``len()``; read as an attribute on the hot path, never written outside).
     live: int = 0
     #: Entries still in lanes whose request left the queue in place (:meth:`discard`), not
-    #: yet dropped: while there are none, :meth:`take` may take a lane whole unread.
+    #: yet dropped: while there are none, :meth:`take` weighs a lane's front at once.
     _dead: int = 0
     peak: int = 0
     #: When a list, every popped request is also appended to it (the dispatcher's record of

@@ -273,7 +273,6 @@ class GraphBuilder:
                 for d in needs:
                     consumers[d].append(i)
             waiting = tuple(sum(d not in fed for d in needs) for needs in deps)
-            computed = [i for i in order if i not in fed]
             plan = self._plans[key] = RunPlan(
                 tuple(order),
                 deps,
@@ -283,7 +282,7 @@ class GraphBuilder:
                 tuple(tuple(consumers[i]) for i in order),
                 waiting,
                 tuple(i for i, w in zip(order, waiting, strict=True) if i not in fed and not w),
-                len(computed),
+                sum(i not in fed for i in order),
             )
         return plan
 
