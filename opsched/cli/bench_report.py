@@ -258,7 +258,7 @@ def _others(sched: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 "idle latency added",
-                f"{lat['added_us']:.0f} us ({lat['scheduler_median_us']:.0f} against the call's "
+                f"{round(lat['added_us'])} us ({lat['scheduler_median_us']:.0f} against the call's "
                 f"{lat['direct_median_us']:.0f})",
             ]
         )
@@ -441,7 +441,8 @@ def render_summary(doc: dict[str, Any], source: str) -> str:
             ]
         )
     if "latency" in sched:
-        rows.append(["an idle request", "added latency", f"{sched['latency']['added_us']:.0f} us"])
+        added = round(sched["latency"]["added_us"])  # (an int: never "-0")
+        rows.append(["an idle request", "added latency", f"{added} us"])
     if "graphs" in results:
         rows.append(
             [

@@ -477,7 +477,7 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         line(
             "2. idle latency, added by the scheduler",
             f"{lat['scheduler_median_us']:.0f} us - {lat['direct_median_us']:.0f} us (call) = "
-            f"{lat['added_us']:.0f} us",
+            f"{round(lat['added_us'])} us",  # (an int: never "-0")
         )
     if "responsiveness" in r:
         resp = r["responsiveness"]

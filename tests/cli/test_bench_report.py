@@ -159,3 +159,12 @@ def test_a_stale_readme_is_found_and_rewritten(tmp_path):
 def test_a_readme_without_markers_is_refused():
     with pytest.raises(ValueError, match="no .*bench-summary"):
         readme_with_summary("# a readme\n", "table")
+
+
+def test_an_added_latency_within_half_a_microsecond_of_zero_reads_0_never_minus_0():
+    machine = {"python": "3.11", "numpy": "2", "platform": "Linux", "cpus": 2}
+    latency = {"scheduler_median_us": 30.1, "direct_median_us": 30.4, "added_us": -0.3}
+    doc = {"command": "opsched bench all", "machine": machine, "results": {}}
+    doc["results"]["scheduler"] = {"latency": latency}
+    assert "| an idle request | added latency | 0 us |" in render_summary(doc, "x.json")
+    assert "| idle latency added | 0 us (30 against the call's 30) |" in render_page(doc, "x.json")
