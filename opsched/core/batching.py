@@ -251,7 +251,7 @@ class RequestQueue:
             (lane,) = lanes.values()
             head = list(lane) if len(lane) <= limit else list(itertools.islice(lane, limit))
             sizes = list(map(_nbytes, head))
-            if max(sizes) <= fuse_max_bytes:
+            if sizes and max(sizes) <= fuse_max_bytes:  # (the loop answers a limit of 0)
                 ends = list(itertools.accumulate(sizes))
                 count = max(1, bisect.bisect_right(ends, max_batch_bytes))
                 if count == len(lane):

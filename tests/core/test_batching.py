@@ -285,7 +285,7 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed, plain):
             q.discard(r, RequestState.CANCELLED)
             live.remove(r)
         else:
-            limit = rng.choice([rng.randint(1, 6), 1024])
+            limit = rng.choice([0, rng.randint(1, 6), 1024])
             budget = rng.choice([per * rng.randint(1, 6), 1 << 30])
             fuse_max = rng.choice([per, 4 * per, 1 << 20])
             taken, expired = q.take(key, limit, fuse_max, budget, now=1.0)
