@@ -249,7 +249,7 @@ class RequestQueue:
             # longest run of at most ``limit`` requests within the bytes (the first always
             # goes), unless it met one too large to fuse. Weigh them in C and take them so.
             (lane,) = lanes.values()
-            head = list(lane) if len(lane) <= limit else list(itertools.islice(lane, limit))
+            head = list(itertools.islice(lane, limit))
             sizes = list(map(_nbytes, head))
             if sizes and max(sizes) <= fuse_max_bytes:  # (the loop answers a limit of 0)
                 ends = list(itertools.accumulate(sizes))

@@ -289,7 +289,8 @@ class GraphRun:
             self.done()
 
     def _maybe_release(self, nr: _NodeRun) -> None:
-        if nr.block is not None and nr.consumers_left == 0 and nr.state in _FINAL:
+        """Release the pooled block ``nr`` holds once nothing will read it again."""
+        if nr.consumers_left == 0 and nr.state in _FINAL:
             self.release(nr.block)
             nr.block = None
 
