@@ -65,13 +65,13 @@ __all__ = [
     "OUTPUT",
     "TABLE",
     "addresses",
+    "addresses_with_float32",
     "bf16_to_f32",
     "body",
     "compiled",
     "f32_to_bf16",
     "f32_to_half",
     "flat",
-    "float32_addresses",
     "fold",
     "folded",
     "half_to_f32",
@@ -577,17 +577,26 @@ def _addresses3(a: Any, b: Any, c: Any) -> Any:
     return a.ctypes.data, b.ctypes.data, c.ctypes.data
 
 
-def _addresses5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
-    return a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, e.ctypes.data
+def _addresses8(a: Any, b: Any, c: Any, d: Any, e: Any, f: Any, g: Any, h: Any) -> Any:
+    return (
+        a.ctypes.data,
+        b.ctypes.data,
+        c.ctypes.data,
+        d.ctypes.data,
+        e.ctypes.data,
+        f.ctypes.data,
+        g.ctypes.data,
+        h.ctypes.data,
+    )
 
 
 #: The data addresses of three flat storage views of one kind (a request's data operands),
-#: by kind, and of five float32 arrays (GroupNormBackward's statistics, gamma and sums):
-#: one compiled call for a request's arrays. ``ndarray.ctypes`` builds a ctypes object for
-#: each array it is asked about, and numba's dispatch costs about 0.3 us a call whatever it
-#: computes, so a request's addresses are one call, not one per array. They keep the GIL
-#: (``nogil=False``): letting it go and taking it back would hand it to a stream thread and
-#: wait for its return, far longer than the call.
+#: by kind, alone or with five float32 arrays (GroupNormBackward's statistics, gamma and
+#: sums): one compiled call for a request's arrays. ``ndarray.ctypes`` builds a ctypes
+#: object for each array it is asked about, and numba's dispatch costs about 0.3 us a call
+#: whatever it computes, so a request's addresses are one call, not one per array. They
+#: keep the GIL (``nogil=False``): letting it go and taking it back would hand it to a
+#: stream thread and wait for its return, far longer than the call.
 _ADDRESSES3 = Loops(
     {
         kind.name: (_addresses3, types.UniTuple(types.int64, 3)(*[readonly(kind.storage.name)] * 3))
@@ -595,8 +604,16 @@ _ADDRESSES3 = Loops(
     },
     nogil=False,
 )
-_ADDRESSES5 = Loops(
-    {"float32": (_addresses5, types.UniTuple(types.int64, 5)(*[readonly("float32")] * 5))},
+_ADDRESSES8 = Loops(
+    {
+        kind.name: (
+            _addresses8,
+            types.UniTuple(types.int64, 8)(
+                *[readonly(kind.storage.name)] * 3, *[readonly("float32")] * 5
+            ),
+        )
+        for kind in KINDS.values()
+    },
     nogil=False,
 )
 
@@ -612,13 +629,28 @@ def addresses(kind: Kind, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple[
     return found
 
 
-def float32_addresses(
-    a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, e: np.ndarray
-) -> tuple[int, int, int, int, int]:
-    """The data addresses of five C-contiguous float32 arrays, in one compiled call (see
-    :func:`addresses`)."""
-    found: tuple[int, int, int, int, int] = _ADDRESSES5["float32"](
-        a.ravel(), b.ravel(), c.ravel(), d.ravel(), e.ravel()
+def addresses_with_float32(
+    kind: Kind,
+    a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray,
+    d: np.ndarray,
+    e: np.ndarray,
+    f: np.ndarray,
+    g: np.ndarray,
+    h: np.ndarray,
+) -> tuple[int, int, int, int, int, int, int, int]:
+    """The data addresses of three C-contiguous arrays of ``kind`` (``a``, ``b``, ``c``)
+    and five C-contiguous float32 arrays, in one compiled call (see :func:`addresses`)."""
+    found: tuple[int, int, int, int, int, int, int, int] = _ADDRESSES8[kind.name](
+        storage(a, kind),
+        storage(b, kind),
+        storage(c, kind),
+        d.ravel(),
+        e.ravel(),
+        f.ravel(),
+        g.ravel(),
+        h.ravel(),
     )
     return found
 

@@ -499,18 +499,21 @@ def gnb_table_row(
         return None
     if not fresh and not _usual_outputs(dx, dgamma, dbeta):
         return None
-    data = _jit.addresses(kind, grad_out, x, dx)
-    # five, gamma or not (one compiled call a row: mean stands in for a missing gamma)
-    found = _jit.float32_addresses(mean, rstd, dgamma, dbeta, mean if gamma is None else gamma)
+    # eight, gamma or not (one compiled call a row: mean stands in for a missing gamma)
+    dy_at, x_at, dx_at, mean_at, rstd_at, dgamma_at, dbeta_at, gamma_at = (
+        _jit.addresses_with_float32(
+            kind, grad_out, x, dx, mean, rstd, dgamma, dbeta, mean if gamma is None else gamma
+        )
+    )
     if not fresh and _overlap(
-        [(data[2], dx.nbytes), (found[2], dgamma.nbytes), (found[3], dbeta.nbytes)],
-        [(data[0], grad_out.nbytes), (data[1], x.nbytes), (found[0], mean.nbytes)]
-        + [(found[1], rstd.nbytes)]
-        + ([] if gamma is None else [(found[4], gamma.nbytes)]),
+        [(dx_at, dx.nbytes), (dgamma_at, dgamma.nbytes), (dbeta_at, dbeta.nbytes)],
+        [(dy_at, grad_out.nbytes), (x_at, x.nbytes), (mean_at, mean.nbytes)]
+        + [(rstd_at, rstd.nbytes)]
+        + ([] if gamma is None else [(gamma_at, gamma.nbytes)]),
     ):
         return None
-    g = 0 if gamma is None else found[4]
-    return (*data, found[0], found[1], g, found[2], found[3], n, c, group, hxw)
+    g = 0 if gamma is None else gamma_at
+    return (dy_at, x_at, dx_at, mean_at, rstd_at, g, dgamma_at, dbeta_at, n, c, group, hxw)
 
 
 def _overlap(outputs: list[tuple[int, int]], inputs: list[tuple[int, int]]) -> bool:

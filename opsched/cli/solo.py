@@ -41,7 +41,7 @@ def _planned(
     """Checked, outputs allocated, planned: ``(tensors, workspace size, executor)``."""
     tensors, scalars = op.arguments(args, None)
     checked = op.check_on(product_named(product), tensors, scalars, allocate=True)
-    tensors.update(op.allocate(tensors, checked))
+    op.allocate(tensors, checked)
     size, executor = get_workspace_size(op, tensors, scalars, product)
     return tensors, size, executor
 

@@ -121,7 +121,7 @@ def allocate_missing(op: Operator, tensors: dict[str, Any], scalars: Mapping[str
     """Allocate the outputs of a checked request that the caller did not give, in place."""
     for name in op.outputs:  # a loop, not any(): this runs for every request
         if tensors[name] is None:
-            tensors.update(op.allocate(tensors, scalars))
+            op.allocate(tensors, scalars)
             return
 
 

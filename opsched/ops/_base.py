@@ -463,11 +463,12 @@ class Operator(abc.ABC):
     ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``name -> (shape, dtype)`` of each output of a checked request."""
 
-    def allocate(self, tensors: Tensors, scalars: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Return new, C-contiguous arrays for the outputs of a checked request that the
-        caller did not give (None in ``tensors``)."""
-        spec = self.output_spec(tensors, scalars)
-        return {name: np.empty(*spec[name]) for name in spec if tensors[name] is None}
+    def allocate(self, tensors: dict[str, Any], scalars: Mapping[str, Any]) -> None:
+        """Put new, C-contiguous arrays in ``tensors`` for the outputs of a checked request
+        that the caller did not give (None there)."""
+        for name, (shape, dtype) in self.output_spec(tensors, scalars).items():
+            if tensors[name] is None:
+                tensors[name] = np.empty(shape, dtype)
 
     def tolerance(self, dtype: np.dtype) -> tuple[float, float]:
         """``(rtol, atol)`` a result in ``dtype`` keeps against the float64 :meth:`oracle`

@@ -223,6 +223,7 @@ def test_addresses_are_each_array_s_own_data_address(dtype: type) -> None:
         return tuple(a.__array_interface__["data"][0] for a in found)
 
     assert _jit.addresses(kind, *arrays) == expected(arrays)
-    if dtype is F32:
-        five = [*arrays, rand(rng, (3,), F32), base[5:]]
-        assert _jit.float32_addresses(*five) == expected(five)
+    floats = rand(rng, (6, 8), F32)
+    five = [floats[1:3], rand(rng, (3,), F32), floats[5:], floats[:1], floats[3:4]]
+    eight = [*arrays, *five]
+    assert _jit.addresses_with_float32(kind, *eight) == expected(eight)
