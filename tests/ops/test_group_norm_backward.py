@@ -12,8 +12,6 @@ import pytest
 import opsched
 import opsched.sync
 from opsched import ParamInvalidError, ParamNullptrError, aclnn
-from opsched.devices.host import SOLO_BATCH_MAX
-from opsched.devices.host.group_norm_backward import GroupNormBackwardLauncher
 from opsched.devices.host.launchers import launcher_of
 from opsched.kernels.group_norm_backward import (
     plan_group_norm_backward,
@@ -380,50 +378,6 @@ def test_fused_results_are_bit_identical_to_solo_launches(dtype):
     assert stats.requests_per_launch_max > 1  # they did fuse
     for i, (r, out) in enumerate(zip(requests, outs, strict=True)):
         for got, want in zip(out, solo(r, masks[i % 4]), strict=True):
-            if want is None:
-                assert got is None
-            else:
-                assert_same_bits(got, want)
-
-
-@pytest.mark.parametrize("dtype", GN_DTYPES, ids=str)
-def test_a_fused_batch_runs_what_the_table_loop_takes_on_its_own_arrays(dtype, monkeypatch):
-    # On the cpu device, batches of more than SOLO_BATCH_MAX tiny requests: those the table
-    # loop takes (all three outputs, the usual layout) run in its one call on their own
-    # arrays, whatever their size; in the same batch, those it cannot take (inputs cut from
-    # wider rows) are gathered, and so is a batch of requests that ask for two outputs.
-    # The loop takes FLOAT data only (its statistics and gamma are FLOAT, and they have the
-    # data's dtype): FLOAT16 and BFLOAT16 batches are gathered whole. Every result is its
-    # solo launch's bits.
-    gathered: list[int] = []
-    gather = GroupNormBackwardLauncher.gather
-
-    def spy(self, layout, fused):
-        gathered.append(len(layout.requests))
-        return gather(self, layout, fused)
-
-    monkeypatch.setattr(GroupNormBackwardLauncher, "gather", spy)
-    rng = np.random.default_rng(13)
-    count = SOLO_BATCH_MAX + 2
-    usual = _mixed(rng, 2 * count, dtype)
-    strided = []
-    for dy, x, *rest in _mixed(rng, count, dtype):
-        wide = np.zeros((*x.shape[:-1], 2 * x.shape[-1]), dtype)
-        wide[..., : x.shape[-1]] = x
-        strided.append((dy, wide[..., : x.shape[-1]], *rest))
-    two = _mixed(rng, count, dtype)
-    calls = [(r, ALL) for r in usual + strided] + [(r, (True, False, True)) for r in two]
-
-    async def main():
-        async with opsched.open_scheduler(streams=1) as sched:
-            outs = await asyncio.gather(*(sched.group_norm_backward(*r, m) for r, m in calls))
-            return outs, sched.statistics()
-
-    outs, stats = asyncio.run(main())
-    by_table = [count, count] if dtype == F32 else [count, 3 * count]
-    assert stats.launches == 2 and sorted(gathered) == by_table
-    for (r, mask), out in zip(calls, outs, strict=True):
-        for got, want in zip(out, solo(r, mask), strict=True):
             if want is None:
                 assert got is None
             else:

@@ -9,6 +9,7 @@
 """
 
 from opsched.devices.host.device import (
+    LONE_BYTES,
     POOLED_INTERMEDIATE_BYTES,
     SOLO_BATCH_MAX,
     CpuDevice,
@@ -17,7 +18,6 @@ from opsched.devices.host.device import (
     ReferenceDevice,
     bucket,
 )
-from opsched.devices.host.launcher import LONE_BYTES
 
 __all__ = [
     "LONE_BYTES",

@@ -35,7 +35,7 @@ from opsched._lru import LRU
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.host.executor import Executor, geometry_of
-from opsched.devices.host.launcher import LONE_BYTES, Layout, Table
+from opsched.devices.host.launcher import Layout
 from opsched.devices.host.launchers import LAUNCHERS
 from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
@@ -75,6 +75,12 @@ _PLANS_KEPT = 1024
 #: several times ``np.empty``.
 POOLED_INTERMEDIATE_BYTES = 64 << 10
 
+
+#: In a fused batch, a request of at least this many bytes (inputs and outputs) runs on its
+#: own arrays with its solo plan (the same bits), one after another inside the launch,
+#: instead of being gathered: copying it in and out costs more than the launch it shares
+#: saves (``opsched bench scheduler --parts medium`` measures such requests).
+LONE_BYTES = 128 << 10
 
 #: A batch of at most this many requests runs each on its own arrays with its solo plan
 #: (:meth:`HostDevice.run_solo`: the same bits), one after another inside the launch: a
@@ -379,20 +385,12 @@ class HostDevice(Device):
         units = batch.units
         if len(requests) <= SOLO_BATCH_MAX:
             return self._alone(op, list(requests))
-        # on their own arrays: those the table loop takes from its operator's size on (one
-        # call), then any other of LONE_BYTES (each its solo launch); the rest gathered
-        table_bytes = LAUNCHERS[op.name].table_bytes
-        call, tabled, lone = self._table(op, [r for r in requests if r.nbytes >= table_bytes])
-        if tabled or lone:
-            rest = [r for r in requests if r.nbytes < table_bytes]
-            if lone:
-                rest += [r for r in lone if r.nbytes < LONE_BYTES]
-                lone = [r for r in lone if r.nbytes >= LONE_BYTES]
-            requests = rest
+        lone = [r for r in requests if r.nbytes >= LONE_BYTES]
+        if lone:
+            requests = [r for r in requests if r.nbytes < LONE_BYTES]
             units = sum([r.units for r in requests])
             if not requests:  # nothing to gather: no fused block
-                work, one_call = self._fused_work(call, tabled, lone, None)
-                return Prepared(work, cache_hit=None, one_call=one_call)
+                return self._alone(op, lone)
         found = self._fused_executor(op, batch.key, units, batch.stream, requests)
         if found is None:  # gathered, they could never fit the cap: each on its own arrays
             return self._alone(op, [*lone, *requests])
@@ -422,21 +420,13 @@ class HostDevice(Device):
             for part in parts:
                 run(part, errors)
 
-        work, _ = self._fused_work(call, tabled, lone, fused)
+        work, _ = self._fused_work(op, lone, fused)
         return Prepared(work, block, hit)
 
     def _alone(self, op: Operator, requests: list[Any]) -> Prepared:
         """A fused batch whose requests all run on their own arrays (no fused block)."""
-        work, one_call = self._fused_work(*self._table(op, requests), None)
+        work, one_call = self._fused_work(op, requests, None)
         return Prepared(work, cache_hit=None, one_call=one_call)
-
-    def _table(self, op: Operator, requests: list[Any]) -> Table:
-        """The table launch of those of ``requests`` the operator's table loop takes
-        (:meth:`HostLauncher.table`, built here, on the loop thread): its call (None:
-        none), the requests it computes, the rest."""
-        if requests and self.table_launches:
-            return LAUNCHERS[op.name].table(requests)
-        return None, [], requests
 
     def _fused_executor(
         self, op: Operator, key: Hashable, units: int, stream: int, requests: Sequence[Any]
@@ -474,19 +464,23 @@ class HostDevice(Device):
 
     def _fused_work(
         self,
-        call: Callable[[], None] | None,
-        tabled: list[Any],
-        solo: list[Any],
+        op: Operator,
+        lone: list[Any],
         fused: Callable[[dict[int, BaseException]], None] | None,
     ) -> tuple[Callable[[], Outcome], bool]:
         """A fused batch's launch, and whether it is one compiled call (which holds the GIL
         only to start: it may compute on its stream's thread while the loop runs).
 
-        Requests run on their own arrays first: ``tabled`` by the table loop's ``call``
-        (:meth:`_table`), ``solo`` one by one (:meth:`run_solo`); both with their solo
-        launch's bits. When the table call fails, each of its requests runs alone, so only
-        the one that fails gets an error. Then ``fused``, the gather-compute-scatter of the
-        rest (None: no rest)."""
+        Its ``lone`` requests run on their own arrays: those the operator's table loop
+        takes in one call (:meth:`HostLauncher.table`, built here, on the loop thread), the
+        rest one by one (:meth:`run_solo`); both with their solo launch's bits. When the
+        table call fails, each of its requests runs alone, so only the one that fails gets
+        an error. Then ``fused``, the gather-compute-scatter of the rest (None: no rest)."""
+        call: Callable[[], None] | None = None
+        tabled: list[Any] = []
+        solo = lone
+        if lone and self.table_launches:
+            call, tabled, solo = LAUNCHERS[op.name].table(lone)
 
         def work() -> Outcome:
             start = time.perf_counter()

@@ -43,10 +43,6 @@ class GroupNormBackwardLauncher(HostLauncher):
     """GroupNormBackward on the host devices (see the module docstring)."""
 
     op = GROUP_NORM_BACKWARD
-    # A gather copies five operands in and a scatter three results out (dgamma and dbeta
-    # summed over samples), which costs more than a table row from the tiniest request on
-    # (``opsched bench scheduler --parts targets`` measures both sizes).
-    table_bytes = 0
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
         s = scalars

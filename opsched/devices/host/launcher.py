@@ -64,23 +64,12 @@ class Layout(NamedTuple):
 #: computes, the rest.
 Table = tuple[Callable[[], None] | None, list[Any], list[Any]]
 
-#: In a fused batch, a request of at least this many bytes (inputs and outputs) runs on its
-#: own arrays with its solo plan (the same bits), one after another inside the launch,
-#: instead of being gathered: copying it in and out costs more than the launch it shares
-#: saves (``opsched bench scheduler --parts medium`` measures such requests).
-LONE_BYTES = 128 << 10
-
 
 class HostLauncher(abc.ABC):
     """One operator on the host devices; stateless, one instance per operator."""
 
     #: The operator's description.
     op: ClassVar[Operator]
-    #: In a fused batch, the requests of at least this many bytes that the table loop takes
-    #: (:meth:`table`) run on their own arrays, in its one call, instead of being gathered.
-    #: :data:`LONE_BYTES` by default; an operator whose gather and scatter cost more than
-    #: its table rows at every size sets 0.
-    table_bytes: ClassVar[int] = LONE_BYTES
 
     @abc.abstractmethod
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> Any:
