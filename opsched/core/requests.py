@@ -17,7 +17,7 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -493,6 +493,41 @@ def finish(
             future.settle(None, request.error)
         else:
             future.cancel()
+
+
+def finish_computed(requests: Iterable[Request], counters: Counters) -> None:
+    """End the requests of a whole launch that went well: each DONE, as :func:`finish`
+    does, but one withdrawn while it ran (CANCELLED) or given an error meanwhile (FAILED).
+    A request awaited by one task's bare future and nothing else (the usual one) is
+    finished here without a call of its own: this runs for every request of every launch."""
+    for request in requests:
+        waiter = request.waiter
+        if (
+            type(waiter) is FUTURE
+            and not request.finished
+            and not request.abandoned
+            and request.error is None
+            and request.graph is None
+            and request.future is None
+        ):
+            request.state = DONE
+            request.finished = True
+            counters.completed += 1
+            if not waiter.done():  # (cancelled with its task: nothing to wake)
+                waiter.set_result(None)
+        else:
+            finish_launched(request, counters)
+
+
+def finish_launched(request: Request, counters: Counters) -> None:
+    """End a request whose launches are over: CANCELLED when it was withdrawn while it ran,
+    FAILED when an error was recorded for it, else DONE (:func:`finish`)."""
+    if request.abandoned:
+        finish(request, RequestState.CANCELLED, counters)
+    elif request.error is not None:
+        finish(request, RequestState.FAILED, counters)
+    else:
+        finish(request, DONE, counters)
 
 
 class Pending:
