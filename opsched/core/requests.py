@@ -498,23 +498,26 @@ def finish(
 def finish_computed(requests: Iterable[Request], counters: Counters) -> None:
     """End the requests of a whole launch that went well: each DONE, as :func:`finish`
     does, but one withdrawn while it ran (CANCELLED) or given an error meanwhile (FAILED).
-    A request awaited by one task's bare future and nothing else (the usual one) is
-    finished here without a call of its own: this runs for every request of every launch."""
+    A request awaited by one task's bare future, or by nothing (a graph node: its run is
+    told), is finished here without a call of its own: this runs for every request of
+    every launch."""
     for request in requests:
         waiter = request.waiter
         if (
-            type(waiter) is FUTURE
+            (waiter is None or type(waiter) is FUTURE)
             and not request.finished
             and not request.abandoned
             and request.error is None
-            and request.graph is None
             and request.future is None
         ):
             request.state = DONE
             request.finished = True
             counters.completed += 1
-            if not waiter.done():  # (cancelled with its task: nothing to wake)
+            if waiter is not None and not waiter.done():  # (done: cancelled with its task)
                 waiter.set_result(None)
+            if request.graph is not None:
+                run, node_run = request.graph
+                run.finished(node_run, None)
         else:
             finish_launched(request, counters)
 
