@@ -502,13 +502,14 @@ def finish_computed(requests: Iterable[Request], counters: Counters) -> None:
     told), is finished here without a call of its own: this runs for every request of
     every launch."""
     for request in requests:
+        if request.abandoned or request.error is not None:
+            finish_launched(request, counters)
+            continue
         waiter = request.waiter
         if (
-            (waiter is None or type(waiter) is FUTURE)
+            request.future is None
             and not request.finished
-            and not request.abandoned
-            and request.error is None
-            and request.future is None
+            and (waiter is None or type(waiter) is FUTURE)
         ):
             request.state = DONE
             request.finished = True
@@ -518,8 +519,8 @@ def finish_computed(requests: Iterable[Request], counters: Counters) -> None:
             if request.graph is not None:
                 run, node_run = request.graph
                 run.finished(node_run, None)
-        else:
-            finish_launched(request, counters)
+        else:  # a thread's future, an event, or finished before (counted there)
+            finish(request, DONE, counters)
 
 
 def finish_launched(request: Request, counters: Counters) -> None:
