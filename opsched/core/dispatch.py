@@ -24,14 +24,7 @@ from opsched._errors import InnerError, RuntimeLaunchError, SchedulerClosedError
 from opsched.core.batching import MIN_SPREAD_BYTES, Batch, RequestQueue, form_batches
 from opsched.core.config import SchedulerConfig
 from opsched.core.loop import LoopEvent, LoopHandle
-from opsched.core.requests import (
-    RUNNING,
-    Request,
-    RequestState,
-    finish,
-    finish_computed,
-    finish_launched,
-)
+from opsched.core.requests import DONE, RUNNING, Request, RequestState, finish
 from opsched.core.stats import Counters
 from opsched.core.trace import Tracer, log_failure, log_launch, log_overflow, trace_launch
 from opsched.devices import Device, Prepared
@@ -327,7 +320,11 @@ class Dispatcher:
         if error is None and not errors and batch.part is None:
             # the common case: a whole launch that went well (each request's last part)
             self.running -= len(batch.requests)
-            finish_computed(batch.requests, counters)
+            for request in batch.requests:
+                if request.abandoned or request.error is not None:
+                    self._resolve(request)
+                else:  # without the call to _resolve
+                    finish(request, DONE, counters)
         else:
             for request in batch.requests:
                 cause = error if error is not None else errors.get(request.id)
@@ -336,7 +333,7 @@ class Dispatcher:
                 request.parts_left -= 1
                 if request.parts_left <= 0:
                     self.running -= 1
-                    finish_launched(request, self.counters)
+                    self._resolve(request)
         if self.queue.live:
             self.schedule()  # a stream and workspace came free for what waits
         else:
@@ -362,6 +359,15 @@ class Dispatcher:
         except Exception as exc:  # boundary: the results stand
             self.loop.report(exc, f"opsched: releasing {what} failed")
 
+    def _resolve(self, request: Request) -> None:
+        """A launched request's launch is over: its outcome."""
+        if request.abandoned:
+            finish(request, RequestState.CANCELLED, self.counters)
+        elif request.error is not None:
+            finish(request, RequestState.FAILED, self.counters)
+        else:
+            finish(request, DONE, self.counters)
+
     def fail_requests(self, requests: list[Request], exc: Exception, what: str) -> None:
         """Fail ``requests`` with an InnerError naming ``what`` went wrong."""
         for request in requests:
@@ -370,7 +376,7 @@ class Dispatcher:
             if request.state is RequestState.RUNNING:
                 self.running -= 1
             request.error = InnerError.caused_by(f"{request.op.name}: {what}", exc)
-            finish_launched(request, self.counters)
+            self._resolve(request)
         log_failure(what, exc, len(requests))
 
     def _check_quiet(self) -> None:

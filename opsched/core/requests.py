@@ -17,7 +17,7 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -493,45 +493,6 @@ def finish(
             future.settle(None, request.error)
         else:
             future.cancel()
-
-
-def finish_computed(requests: Iterable[Request], counters: Counters) -> None:
-    """End the requests of a whole launch that went well: each DONE, as :func:`finish`
-    does, but one withdrawn while it ran (CANCELLED) or given an error meanwhile (FAILED).
-    A request awaited by one task's bare future, or by nothing (a graph node: its run is
-    told), is finished here without a call of its own: this runs for every request of
-    every launch."""
-    for request in requests:
-        if request.abandoned or request.error is not None:
-            finish_launched(request, counters)
-            continue
-        waiter = request.waiter
-        if (
-            request.future is None
-            and not request.finished
-            and (waiter is None or type(waiter) is FUTURE)
-        ):
-            request.state = DONE
-            request.finished = True
-            counters.completed += 1
-            if waiter is not None and not waiter.done():  # (done: cancelled with its task)
-                waiter.set_result(None)
-            if request.graph is not None:
-                run, node_run = request.graph
-                run.finished(node_run, None)
-        else:  # a thread's future, an event, or finished before (counted there)
-            finish(request, DONE, counters)
-
-
-def finish_launched(request: Request, counters: Counters) -> None:
-    """End a request whose launches are over: CANCELLED when it was withdrawn while it ran,
-    FAILED when an error was recorded for it, else DONE (:func:`finish`)."""
-    if request.abandoned:
-        finish(request, RequestState.CANCELLED, counters)
-    elif request.error is not None:
-        finish(request, RequestState.FAILED, counters)
-    else:
-        finish(request, DONE, counters)
 
 
 class Pending:

@@ -15,7 +15,6 @@ from opsched.cli.stress import StressOptions, run_stress
 from opsched.cli.stress.driver import _replay_command
 from opsched.core import dispatch
 from opsched.core.engine import Engine
-from opsched.core.requests import DONE
 from opsched.devices.host import HostDevice
 from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.pool import WorkspacePool
@@ -88,45 +87,24 @@ def test_replay_runs_one_request():
 
 def broken(monkeypatch, what: str) -> None:
     """Break the scheduler one way, for a few requests only."""
-    # a launch's requests end through finish_computed (a whole launch that went well) or
-    # finish / finish_launched (the rest): each is broken alike
     if what == "drops":
-        real, real_computed = dispatch.finish, dispatch.finish_computed
-        real_launched = dispatch.finish_launched
-
-        def dropped(request):
-            return request.id % 211 == 7 and request.graph is None  # never resolved
+        real = dispatch.finish
 
         def drop(request, *args):
-            if not dropped(request):
-                real(request, *args)
-
-        def drop_launched(request, counters):
-            if not dropped(request):
-                real_launched(request, counters)
-
-        def drop_computed(requests, counters):
-            real_computed([r for r in requests if not dropped(r)], counters)
+            if request.id % 211 == 7 and request.graph is None:
+                return  # never resolved
+            real(request, *args)
 
         monkeypatch.setattr(dispatch, "finish", drop)
-        monkeypatch.setattr(dispatch, "finish_launched", drop_launched)
-        monkeypatch.setattr(dispatch, "finish_computed", drop_computed)
     elif what == "duplicates":
-        real, real_computed = dispatch.finish, dispatch.finish_computed
+        real = dispatch.finish
 
         def twice(request, *args):
             real(request, *args)
             if request.id % 97 == 5:
                 real(request, *args)  # a second delivery of the same request
 
-        def twice_computed(requests, counters):
-            real_computed(requests, counters)
-            for request in requests:
-                if request.id % 97 == 5:
-                    real(request, DONE, counters)
-
         monkeypatch.setattr(dispatch, "finish", twice)
-        monkeypatch.setattr(dispatch, "finish_computed", twice_computed)
     elif what == "corrupts":
         # one wrong element in some GluBackward results, gathered or run on their own arrays
         real_scatter, real_here = GluBackwardLauncher.scatter, HostDevice.run_solo
