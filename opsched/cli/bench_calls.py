@@ -1,11 +1,14 @@
-"""Python calls per request: how many Python functions one request enters, path by path.
+"""Python calls and bytecodes per request: how much Python one request runs, path by path.
 
 Each path serves tiny GluBackward requests (``self`` 8x64, FLOAT) in steady state (after a
 warm-up round of the same requests) while a profiler counts the Python function calls
 (``sys.setprofile`` 'call' events) of every thread the scheduler runs (the caller's, the
 event loop's and the streams'), and of the caller's thread alone. A row is those calls
 divided by the requests served. The profiler is installed before the scheduler is opened,
-so the threads it starts count too.
+so the threads it starts count too. The path then runs again, on a scheduler of its own,
+under a tracer that counts the bytecodes every thread runs (``sys.settrace`` 'opcode'
+events): what a request costs in the interpreter, whose time follows it more closely
+than the calls' (a call may run three bytecodes or three hundred).
 
 - ``1 coroutine``: one coroutine awaiting ``sched.glu_backward`` request after request.
 - ``module-level``: the same through ``opsched.glu_backward`` (the default scheduler).
@@ -79,15 +82,63 @@ def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
         threading.setprofile(None)
 
 
-def _per_request(before: tuple[int, int], after: tuple[int, int], requests: int) -> Calls:
-    return Calls((after[0] - before[0]) / requests, (after[1] - before[1]) / requests)
+@contextmanager
+def _tracing() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Count the bytecodes run in this thread and every thread started inside the block;
+    yields a function returning the counts so far: every thread's, and this one's (its
+    own few bytecodes a read are counted too: nothing beside a path's thousands)."""
+    counter, mine = itertools.count(), itertools.count()
+    tick, tick_mine = counter.__next__, mine.__next__  # atomic in CPython
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            tick()
+        return local
+
+    def local_mine(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            tick()
+            tick_mine()
+        return local_mine
+
+    def enter(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_lines, frame.f_trace_opcodes = False, True
+        return local
+
+    def enter_mine(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_lines, frame.f_trace_opcodes = False, True
+        return local_mine
+
+    def read() -> tuple[int, int]:
+        return next(counter), next(mine)
+
+    threading.settrace(enter)
+    sys.settrace(enter_mine)
+    try:
+        yield read
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+
+
+#: What a path's runner counts with: :func:`_counting` (calls) or :func:`_tracing`
+#: (bytecodes).
+Counter = Callable[[], Any]
+
+
+def _per_request(
+    before: tuple[int, int], after: tuple[int, int], requests: int
+) -> tuple[float, float]:
+    return (after[0] - before[0]) / requests, (after[1] - before[1]) / requests
 
 
 class Calls(NamedTuple):
-    """Python calls per request: in every thread, and in the caller's alone."""
+    """Python calls per request, in every thread and in the caller's alone, and the
+    bytecodes every thread runs per request."""
 
     all_threads: float
     caller: float
+    bytecodes: float
 
 
 async def _one_coroutine(call: Callable[..., Any], inputs: list[Any]) -> None:
@@ -103,20 +154,21 @@ async def _many(call: Callable[..., Any], inputs: list[Any], clients: int) -> No
     await asyncio.gather(*(client(k) for k in range(clients)))
 
 
-def _async_path(path: str, inputs: list[Any]) -> Calls:
-    """Calls per request of an async path (its own ``asyncio.run``)."""
-    result: list[Calls] = []
+def _async_path(path: str, inputs: list[Any], counting: Counter) -> tuple[float, float]:
+    """Per request of an async path (its own ``asyncio.run``), what ``counting`` counts:
+    in every thread, and in the caller's."""
+    result: list[tuple[float, float]] = []
 
     async def main() -> None:
         if path == "module-level":
             call = opsched.glu_backward
             await _one_coroutine(call, inputs)  # warm-up (and the default scheduler made)
-            with _counting() as read:
+            with counting() as read:
                 before = read()
                 await _one_coroutine(call, inputs)
                 result.append(_per_request(before, read(), len(inputs)))
             return
-        with _counting() as read:
+        with counting() as read:
             async with opsched.open_scheduler() as sched:
                 call = sched.glu_backward
                 run: Callable[[], Any]
@@ -133,9 +185,9 @@ def _async_path(path: str, inputs: list[Any]) -> Calls:
     return result[0]
 
 
-def _sync_path(path: str, inputs: list[Any]) -> Calls:
-    """Calls per request of a path of the sync facade."""
-    with _counting() as read, opsched.sync.open_scheduler() as sched:
+def _sync_path(path: str, inputs: list[Any], counting: Counter) -> tuple[float, float]:
+    """Per request of a path of the sync facade, what ``counting`` counts."""
+    with counting() as read, opsched.sync.open_scheduler() as sched:
 
         def run() -> None:
             if path == "blocking sync":
@@ -152,18 +204,18 @@ def _sync_path(path: str, inputs: list[Any]) -> Calls:
         return _per_request(before, read(), len(inputs))
 
 
-def _floor(floor: str, inputs: list[Any]) -> Calls:
-    """Calls per request of a floor of the 256-coroutine path."""
+def _floor(floor: str, inputs: list[Any], counting: Counter) -> tuple[float, float]:
+    """Per request of a floor of the 256-coroutine path, what ``counting`` counts."""
     make = {
         bench_floors.FLOOR: lambda: bench_floors._BareBatcher(bench_floors._numpy_formula),
         bench_floors.FEATURED: lambda: bench_floors._FeaturedBatcher(bench_floors._numpy_kernel),
     }[floor]
-    result: list[Calls] = []
+    result: list[tuple[float, float]] = []
 
     async def main() -> None:
         batcher = make()
         await bench_floors.clients(batcher, "glu", inputs, len(inputs))  # warm-up
-        with _counting() as read:
+        with counting() as read:
             before = read()
             await bench_floors.clients(batcher, "glu", inputs, len(inputs))
             result.append(_per_request(before, read(), len(inputs)))
@@ -172,28 +224,33 @@ def _floor(floor: str, inputs: list[Any]) -> Calls:
     return result[0]
 
 
+def _path(path: str, inputs: list[Any], counting: Counter) -> tuple[float, float]:
+    """Per request of ``path`` (a path of :data:`CALL_PATHS` or a row of
+    :data:`FLOOR_ROWS`), what ``counting`` counts."""
+    if path in FLOOR_ROWS:
+        return _floor(path.split(", ", 1)[1], inputs, counting)
+    if path in ("blocking sync", "sync futures"):
+        return _sync_path(path, inputs, counting)
+    return _async_path(path, inputs, counting)
+
+
 def bench_calls(requests: int = 2048) -> dict[str, Calls]:
-    """Python calls per request of each path (:data:`CALL_PATHS`) and of the floors
-    (:data:`FLOOR_ROWS`)."""
+    """Python calls and bytecodes per request of each path (:data:`CALL_PATHS`) and of the
+    floors (:data:`FLOOR_ROWS`, after the 256-coroutine path)."""
     inputs = glu_inputs(np.random.default_rng(0), requests)
+    at = CALL_PATHS.index("256 coroutines") + 1
     figures: dict[str, Calls] = {}
-    for path in CALL_PATHS:
-        if path in ("blocking sync", "sync futures"):
-            figures[path] = _sync_path(path, inputs)
-        else:
-            figures[path] = _async_path(path, inputs)
-        if path == "256 coroutines":
-            for floor, row in zip(bench_floors.FLOORS, FLOOR_ROWS, strict=True):
-                figures[row] = _floor(floor, inputs)
+    for path in (*CALL_PATHS[:at], *FLOOR_ROWS, *CALL_PATHS[at:]):
+        every, caller = _path(path, inputs, _counting)
+        figures[path] = Calls(every, caller, _path(path, inputs, _tracing)[0])
     return figures
 
 
 def print_calls(figures: dict[str, Any], out: TextIO) -> None:
-    """One line per path (the floors indented under theirs): every thread's calls, and
-    the caller's thread's."""
-    print("Python calls per request, tiny GLU 8x64 FLOAT, steady state", file=out)
-    print(f"   {'path':<28}{'all threads':>12}{'caller':>8}", file=out)
-    for path, calls in figures.items():
+    """One line per path (the floors indented under theirs): every thread's calls, the
+    caller's thread's, and every thread's bytecodes."""
+    print("Python calls and bytecodes per request, tiny GLU 8x64 FLOAT, steady state", file=out)
+    print(f"   {'path':<28}{'all threads':>12}{'caller':>8}{'bytecodes':>11}", file=out)
+    for path, (every, caller, bytecodes) in figures.items():
         name = f"  {path.split(', ')[1]}" if path in FLOOR_ROWS else path
-        every, caller = calls
-        print(f"   {name:<28}{every:12.1f}{caller:8.1f}", file=out)
+        print(f"   {name:<28}{every:12.1f}{caller:8.1f}{bytecodes:11.0f}", file=out)

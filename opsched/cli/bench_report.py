@@ -233,18 +233,21 @@ def _targets(targets: dict[str, Any]) -> list[str]:
 
 
 def _calls(calls: dict[str, Any]) -> list[str]:
-    """The Python calls one request enters on each path (a count, not a time)."""
-    head = ["path (tiny GLU 8x64 FLOAT)", "every thread", "the caller's"]
+    """The Python calls one request enters and the bytecodes it runs on each path (counts,
+    not times)."""
+    head = ["path (tiny GLU 8x64 FLOAT)", "calls, every thread", "the caller's", "bytecodes"]
     rows = [
-        [path.replace(", ", ": "), f"{every:.1f}", f"{caller:.1f}"]
-        for path, (every, caller) in calls.items()
+        [path.replace(", ", ": "), f"{every:.1f}", f"{caller:.1f}", f"{bytecodes:,.0f}"]
+        for path, (every, caller, bytecodes) in calls.items()
     ]
     return [
-        "### Python calls per request",
+        "### Python calls and bytecodes per request",
         "",
         "`--parts calls`: the Python functions one request enters in steady state "
-        "(`sys.setprofile` 'call' events over requests served), beside the same count of "
-        "the paths' floors (`256 coroutines: bare batcher`, `featured batcher`).",
+        "(`sys.setprofile` 'call' events over requests served), and the bytecodes every "
+        "thread runs for it (`sys.settrace` 'opcode' events, a run of its own), beside the "
+        "same counts of the paths' floors (`256 coroutines: bare batcher`, `featured "
+        "batcher`).",
         "",
         *_table(head, rows),
         "",

@@ -23,8 +23,8 @@
    peak per in-flight request (``tracemalloc``).
 10. Medium requests (64 KiB to 1 MiB) against torch's operator per request
    (:mod:`opsched.cli.bench_medium`).
-11. Calls: the Python functions one request enters on each path, in steady state
-   (:mod:`opsched.cli.bench_calls`): a count, not a time.
+11. Calls: the Python functions one request enters and the bytecodes it runs on each
+   path, in steady state (:mod:`opsched.cli.bench_calls`): counts, not times.
 12. Cost targets: every path, device and workload against torch's call per request, each
    beside its target, median and spread of at least five interleaved rounds
    (:mod:`opsched.cli.bench_targets`; on the host device and ``torch:cpu`` whatever

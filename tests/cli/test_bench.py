@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dis
 import io
 import json
 import pathlib
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
-from opsched.cli.bench_calls import CALL_PATHS, FLOOR_ROWS, _counting, bench_calls, print_calls
+from opsched.cli.bench_calls import (
+    CALL_PATHS,
+    FLOOR_ROWS,
+    _counting,
+    _tracing,
+    bench_calls,
+    print_calls,
+)
 from opsched.cli.bench_floors import FLOORS
 from opsched.cli.bench_graphs import bench_graphs, print_graph_report
 from opsched.cli.bench_kernels import bench_kernels, print_kernel_table
@@ -133,17 +143,52 @@ def test_the_call_counter_counts_each_python_call_once():
     assert (after[0] - before[0], after[1] - before[1]) == (300, 300)
 
 
+def test_the_bytecode_tracer_counts_each_instruction_run_once():
+    def straight(a: int, b: int) -> int:
+        c = a + b
+        return c * 2
+
+    def empty(a: int, b: int) -> None:
+        return None
+
+    def size(function: Any) -> int:  # no branch: each of its instructions runs once a call
+        return len(list(dis.get_instructions(function)))
+
+    def run(function: Any) -> tuple[int, int]:
+        with _tracing() as read:
+            before = read()
+            for _ in range(100):
+                function(1, 2)
+            after = read()
+        return after[0] - before[0], after[1] - before[1]
+
+    (every, mine), (every_empty, mine_empty) = run(straight), run(empty)
+    assert every == mine and every_empty == mine_empty  # one thread: the caller's
+    assert mine - mine_empty == 100 * (size(straight) - size(empty))
+    # a thread started in the block counts in every thread's, not in the caller's
+    with _tracing() as read:
+        before = read()
+        worker = threading.Thread(target=straight, args=(1, 2))
+        worker.start()
+        worker.join()
+        after = read()
+    assert (after[0] - before[0]) - (after[1] - before[1]) >= size(straight)
+
+
 def test_the_calls_benchmark_reports_every_path():
     figures = bench_calls(requests=512)
     assert set(figures) == {*CALL_PATHS, *FLOOR_ROWS}
-    # a request enters at least its entry point, the checks, the kernel and the wake-up
-    assert all(every >= caller > 5 for every, caller in figures.values())
+    # a request enters at least its entry point, the checks, the kernel and the wake-up,
+    # and runs more bytecodes than it enters functions
+    assert all(bytecodes > every >= caller > 5 for every, caller, bytecodes in figures.values())
     out = io.StringIO()
     print_calls(figures, out)
     assert all(path in out.getvalue() for path in CALL_PATHS)
-    # the bare batcher has nothing around asyncio's own wake-up: fewer calls than its path
-    bare, featured = (figures[row].all_threads for row in FLOOR_ROWS)
-    assert bare < featured < figures["256 coroutines"].all_threads
+    # the bare batcher has nothing around asyncio's own wake-up: fewer calls and bytecodes
+    # than its path
+    for counted in ("all_threads", "bytecodes"):
+        bare, featured = (getattr(figures[row], counted) for row in FLOOR_ROWS)
+        assert bare < featured < getattr(figures["256 coroutines"], counted)
 
 
 def test_paths_benchmark_reports_every_operator_and_path():
