@@ -51,74 +51,64 @@ FLOOR_ROWS = tuple(f"256 coroutines, {floor}" for floor in bench_floors.FLOORS)
 
 
 @contextmanager
-def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
-    """Count Python calls in this thread and every thread started inside the block;
-    yields a function returning the counts so far: every thread's, and this one's."""
+def _events(
+    event: str, hook: Callable[[Any], None], thread_hook: Callable[[Any], None]
+) -> Iterator[Callable[[], tuple[int, int]]]:
+    """Count ``event`` ('call' with the profile hooks, 'opcode' with the trace hooks) in
+    this thread and every thread started inside the block; yields a function returning
+    the counts so far: every thread's, and this one's (a read's own events included)."""
     counter, mine = itertools.count(), itertools.count()
     tick, tick_mine = counter.__next__, mine.__next__  # atomic in CPython
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
+    def count(frame: Any, what: str, arg: Any) -> Any:
+        if what == event:
             tick()
+        elif what == "call":  # (tracing) a new frame: its bytecodes reported, not its lines
+            frame.f_trace_lines, frame.f_trace_opcodes = False, True
+        return count
 
-    def profile_mine(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            tick()
-            tick_mine()
-
-    reads = itertools.count(1)
-
-    def read() -> tuple[int, int]:
-        # each read ticks each count twice itself: its own call, and the ``next`` that reads
-        twice = 2 * next(reads)
-        return next(counter) - twice, next(mine) - twice
-
-    threading.setprofile(profile)
-    sys.setprofile(profile_mine)
-    try:
-        yield read
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
-
-
-@contextmanager
-def _tracing() -> Iterator[Callable[[], tuple[int, int]]]:
-    """Count the bytecodes run in this thread and every thread started inside the block;
-    yields a function returning the counts so far: every thread's, and this one's (its
-    own few bytecodes a read are counted too: nothing beside a path's thousands)."""
-    counter, mine = itertools.count(), itertools.count()
-    tick, tick_mine = counter.__next__, mine.__next__  # atomic in CPython
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            tick()
-        return local
-
-    def local_mine(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
+    def count_mine(frame: Any, what: str, arg: Any) -> Any:
+        if what == event:
             tick()
             tick_mine()
-        return local_mine
-
-    def enter(frame: Any, event: str, arg: Any) -> Any:
-        frame.f_trace_lines, frame.f_trace_opcodes = False, True
-        return local
-
-    def enter_mine(frame: Any, event: str, arg: Any) -> Any:
-        frame.f_trace_lines, frame.f_trace_opcodes = False, True
-        return local_mine
+        elif what == "call":
+            frame.f_trace_lines, frame.f_trace_opcodes = False, True
+        return count_mine
 
     def read() -> tuple[int, int]:
         return next(counter), next(mine)
 
-    threading.settrace(enter)
-    sys.settrace(enter_mine)
+    thread_hook(count)
+    hook(count_mine)
     try:
         yield read
     finally:
-        sys.settrace(None)
-        threading.settrace(None)
+        hook(None)
+        thread_hook(None)
+
+
+@contextmanager
+def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
+    """Count Python calls in this thread and every thread started inside the block;
+    yields a function returning the counts so far: every thread's, and this one's."""
+    with _events("call", sys.setprofile, threading.setprofile) as counts:
+        reads = itertools.count(1)
+
+        def read() -> tuple[int, int]:
+            # each read adds three to each count itself: its own call, the raw read's
+            # call, and the raw read's ``next``, which advances the count it reads
+            thrice = 3 * next(reads)
+            every, mine = counts()
+            return every - thrice, mine - thrice
+
+        yield read
+
+
+def _tracing() -> Any:
+    """Count the bytecodes run in this thread and every thread started inside the block
+    (as :func:`_counting`; a read's own few bytecodes are counted: nothing beside a
+    path's thousands)."""
+    return _events("opcode", sys.settrace, threading.settrace)
 
 
 #: What a path's runner counts with: :func:`_counting` (calls) or :func:`_tracing`
