@@ -32,7 +32,7 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NamedTuple, TextIO
 
 import numpy as np
@@ -50,10 +50,14 @@ CALL_PATHS = ("1 coroutine", "module-level", "256 coroutines", "blocking sync", 
 FLOOR_ROWS = tuple(f"256 coroutines, {floor}" for floor in bench_floors.FLOORS)
 
 
+#: Reads a count so far: every thread's, and the counting thread's.
+Reader = Callable[[], tuple[int, int]]
+
+
 @contextmanager
 def _events(
     event: str, hook: Callable[[Any], None], thread_hook: Callable[[Any], None]
-) -> Iterator[Callable[[], tuple[int, int]]]:
+) -> Iterator[Reader]:
     """Count ``event`` ('call' with the profile hooks, 'opcode' with the trace hooks) in
     this thread and every thread started inside the block; yields a function returning
     the counts so far: every thread's, and this one's (a read's own events included)."""
@@ -88,7 +92,7 @@ def _events(
 
 
 @contextmanager
-def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
+def _counting() -> Iterator[Reader]:
     """Count Python calls in this thread and every thread started inside the block;
     yields a function returning the counts so far: every thread's, and this one's."""
     with _events("call", sys.setprofile, threading.setprofile) as counts:
@@ -104,7 +108,7 @@ def _counting() -> Iterator[Callable[[], tuple[int, int]]]:
         yield read
 
 
-def _tracing() -> Any:
+def _tracing() -> AbstractContextManager[Reader]:
     """Count the bytecodes run in this thread and every thread started inside the block
     (as :func:`_counting`; a read's own few bytecodes are counted: nothing beside a
     path's thousands)."""
@@ -113,7 +117,7 @@ def _tracing() -> Any:
 
 #: What a path's runner counts with: :func:`_counting` (calls) or :func:`_tracing`
 #: (bytecodes).
-Counter = Callable[[], Any]
+Counter = Callable[[], AbstractContextManager[Reader]]
 
 
 def _per_request(
