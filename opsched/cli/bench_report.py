@@ -254,6 +254,12 @@ def _calls(calls: dict[str, Any]) -> list[str]:
     ]
 
 
+def _added(latency: dict[str, Any]) -> str:
+    """The latency an idle request's scheduler adds, in whole microseconds (rounded to an
+    int: a figure within half a microsecond of zero reads ``0 us``, never ``-0 us``)."""
+    return f"{round(latency['added_us'])} us"
+
+
 def _others(sched: dict[str, Any]) -> list[str]:
     rows = []
     if "latency" in sched:
@@ -261,7 +267,7 @@ def _others(sched: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 "idle latency added",
-                f"{round(lat['added_us'])} us ({lat['scheduler_median_us']:.0f} against the call's "
+                f"{_added(lat)} ({lat['scheduler_median_us']:.0f} against the call's "
                 f"{lat['direct_median_us']:.0f})",
             ]
         )
@@ -444,8 +450,7 @@ def render_summary(doc: dict[str, Any], source: str) -> str:
             ]
         )
     if "latency" in sched:
-        added = round(sched["latency"]["added_us"])  # (an int: never "-0")
-        rows.append(["an idle request", "added latency", f"{added} us"])
+        rows.append(["an idle request", "added latency", _added(sched["latency"])])
     if "graphs" in results:
         rows.append(
             [
