@@ -15,12 +15,16 @@ caller's arrays. A failing node fails everything downstream, with the cause chai
 independent branches still complete.
 
 This module is the builder: it knows operators only through their descriptions (the
-per-operator methods of :class:`opsched.Graph` are generated) and devices not at all.
+per-operator methods of :class:`opsched.Graph` are generated) and devices not at all (a node
+keeps what a run's device said of it, :attr:`Node.launch_on`, without reading it). What a run
+of given outputs needs, it plans once (:class:`RunPlan`, by node index).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import weakref
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -37,6 +41,7 @@ __all__ = [
     "PLACEHOLDER",
     "GraphBuilder",
     "Node",
+    "NodeState",
     "Placeholder",
     "RunPlan",
     "stand_in",
@@ -92,6 +97,11 @@ class Node:
     extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
     #: Zero-byte stand-ins of its arguments, to check it again for a product.
     stand_ins: dict[str, Any] = attrs.field(factory=dict)
+    #: The device it last ran on (weakly: a graph keeps no closed scheduler's device
+    #: alive) and that device's launch key for it, set once the node passed the device's
+    #: workspace check: what a run asks a device of a node only once
+    #: (:func:`~opsched.core.graph_run._submit_node`).
+    launch_on: tuple[weakref.ref[Any], Hashable] | None = None
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
@@ -105,20 +115,47 @@ def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.broadcast_to(np.empty((), dtype), shape)
 
 
+class NodeState(enum.Enum):
+    """Where a node is in one run."""
+
+    WAITING = "waiting"  # for nodes it depends on to launch
+    QUEUED = "queued"
+    LAUNCHED = "launched"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FED = "fed"  # its value was given in ``inputs``
+
+    #: Members are singletons compared by identity: hashed by it too, in C (``Enum``'s
+    #: Python-level ``__hash__`` cost a frame per ``in`` test, one a node).
+    __hash__ = object.__hash__
+
+
 @attrs.frozen
 class RunPlan:
-    """What a run of given outputs (and fed nodes) needs, computed once per graph version."""
+    """What a run of given outputs (and fed nodes) needs, computed once per graph version.
+
+    Its tables are by node index, one entry for every node of the graph (a node the run
+    does not need has no state, no producers and no consumers): a run copies the ones it
+    changes (:class:`~opsched.core.graph_run.GraphRun`) and reads the others as they are.
+    """
 
     order: tuple[int, ...]  # needed node indices, producers before consumers
-    deps: tuple[tuple[int, ...], ...]  # per entry of ``order``: its needed dependencies
+    #: per node: the needed nodes it depends on (none for a fed node), and those that
+    #: depend on it
+    producers: tuple[tuple[int, ...], ...]
+    consumers: tuple[tuple[int, ...], ...]
+    #: per node: where a run starts it (None: not needed), how many of its producers a run
+    #: waits for (those not fed), and how many consumers it has
+    states: tuple[NodeState | None, ...]
+    waiting: tuple[int, ...]
+    consumer_counts: tuple[int, ...]
     wanted: frozenset[int]
+    #: the wanted nodes of several outputs: a run returns their request's tuple
+    tuples: frozenset[int]
     #: ``(placeholder, name of a node using it)`` for every placeholder the run binds.
     placeholders: tuple[tuple[Placeholder, str], ...]
     fed: frozenset[int]  # the nodes whose values the run is given
-    #: per entry of ``order``: the needed nodes that depend on it, and how many of its
-    #: dependencies a run must wait for (those not fed)
-    consumers: tuple[tuple[int, ...], ...]
-    waiting: tuple[int, ...]
     #: the needed nodes a run submits as it starts (none of their dependencies to wait
     #: for), in order; and how many nodes it computes (those not fed)
     ready: tuple[int, ...]
@@ -259,30 +296,39 @@ class GraphBuilder:
 
             for i in outputs:
                 visit(self.nodes[i])
-            deps = tuple(
-                () if i in fed else tuple(d.index for d in self.nodes[i].deps) for i in order
-            )
+            count = len(self.nodes)
+            producers: list[tuple[int, ...]] = [()] * count
+            consumers: list[list[int]] = [[] for _ in range(count)]
+            states: list[NodeState | None] = [None] * count
+            waiting = [0] * count
             used: dict[Placeholder, str] = {}
             for i in order:
-                if i not in fed:
-                    for _, kind, value in self.nodes[i].binding:
-                        if kind is PLACEHOLDER:
-                            used.setdefault(value, self.nodes[i].name)
-            consumers: dict[int, list[int]] = {i: [] for i in order}
-            for i, needs in zip(order, deps, strict=True):
-                for d in needs:
+                if i in fed:
+                    states[i] = NodeState.FED
+                    continue
+                node = self.nodes[i]
+                states[i] = NodeState.WAITING
+                producers[i] = tuple(d.index for d in node.deps)
+                waiting[i] = sum(d not in fed for d in producers[i])
+                for d in producers[i]:
                     consumers[d].append(i)
-            waiting = tuple(sum(d not in fed for d in needs) for needs in deps)
+                for _, kind, value in node.binding:
+                    if kind is PLACEHOLDER:
+                        used.setdefault(value, node.name)
+            wanted = frozenset(outputs)
             plan = self._plans[key] = RunPlan(
-                tuple(order),
-                deps,
-                frozenset(outputs),
-                tuple(used.items()),
-                fed,
-                tuple(tuple(consumers[i]) for i in order),
-                waiting,
-                tuple(i for i, w in zip(order, waiting, strict=True) if i not in fed and not w),
-                sum(i not in fed for i in order),
+                order=tuple(order),
+                producers=tuple(producers),
+                consumers=tuple(map(tuple, consumers)),
+                states=tuple(states),
+                waiting=tuple(waiting),
+                consumer_counts=tuple(map(len, consumers)),
+                wanted=wanted,
+                tuples=frozenset(i for i in wanted if len(self.nodes[i].op.outputs) > 1),
+                placeholders=tuple(used.items()),
+                fed=fed,
+                ready=tuple(i for i in order if states[i] is NodeState.WAITING and not waiting[i]),
+                computed=sum(i not in fed for i in order),
             )
         return plan
 

@@ -16,13 +16,11 @@ through their descriptions.
 from __future__ import annotations
 
 import collections
-import enum
-import functools
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
 
 from opsched._errors import (
@@ -33,7 +31,7 @@ from opsched._errors import (
     UpstreamFailedError,
 )
 from opsched.core.checks import deadline_of, priority_of
-from opsched.core.graph import NODE, GraphBuilder, Node, Placeholder, RunPlan
+from opsched.core.graph import NODE, GraphBuilder, Node, NodeState, Placeholder, RunPlan
 from opsched.core.requests import RUNNING, Request, RequestState, finish, past_deadline
 from opsched.devices import Device, Event, meta_of
 
@@ -43,297 +41,287 @@ if TYPE_CHECKING:
 __all__ = ["GraphRun", "NodeState", "run_graph"]
 
 
-class NodeState(enum.Enum):
-    """Where a node is in one run."""
-
-    WAITING = "waiting"  # for nodes it depends on to launch
-    QUEUED = "queued"
-    LAUNCHED = "launched"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    FED = "fed"  # its value was given in ``inputs``
-
-    #: Members are singletons compared by identity: hashed by it too, in C (``Enum``'s
-    #: Python-level ``__hash__`` cost a frame per ``in _FINAL`` test, one a node).
-    __hash__ = object.__hash__
-
-
 #: The states a node ends in.
 _FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
 
 #: The states every node of every run passes through, bound once (as
 #: :data:`opsched.core.requests.DONE` is: a member read through its class is dearer).
-_WAITING, _QUEUED, _LAUNCHED, _DONE = (
+_WAITING, _QUEUED, _LAUNCHED, _DONE, _FAILED = (
     NodeState.WAITING,
     NodeState.QUEUED,
     NodeState.LAUNCHED,
     NodeState.DONE,
+    NodeState.FAILED,
 )
 
 
-class _NodeRun:
-    """One node's state in one run (a plain slotted class: a run makes one per node). Its
-    producers and consumers are node indices, the same in every run of a plan
-    (:class:`~opsched.core.graph.RunPlan`): a run wires nothing."""
+class GraphRun:
+    """The state of one run of a graph on a scheduler (driven by the scheduler).
+
+    A node is its index in the graph. What every run of the same outputs shares is the
+    plan's (:class:`~opsched.core.graph.RunPlan`: producers, consumers, where each node
+    starts); what one run changes is in lists by node index, copied from the plan's
+    tables as the run starts: a run makes no object per node, and wires nothing.
+    ``done`` is called once every needed node is final. Everything runs on the
+    scheduler's loop thread.
+    """
 
     __slots__ = (
-        "block",
-        "consumers",
+        "at_submit",
+        "blocks",
+        "cancelled",
         "consumers_left",
-        "error",
-        "event",
-        "node",
+        "deadline",
+        "done",
+        "engine",
+        "errors",
+        "events",
+        "failed",
+        "graph",
+        "left",
+        "nodes",
         "output",
-        "producers",
-        "request",
-        "request_id",
+        "outputs",
+        "placeholders",
+        "plan",
+        "priority",
+        "request_ids",
+        "requests",
         "state",
         "waiting",
-        "wanted",
     )
 
     def __init__(
         self,
-        node: Node,
-        wanted: bool,
-        producers: tuple[int, ...],
-        consumers: tuple[int, ...],
-        waiting: int,
+        engine: Engine,
+        graph: GraphBuilder,
+        plan: RunPlan,
+        outputs: list[Node],
+        priority: int,
+        deadline: float | None,
+        done: Any,
     ) -> None:
-        self.node = node
-        self.wanted = wanted  # the caller asked for its output: theirs, not pooled
-        self.state = _WAITING
-        self.producers = producers
-        self.consumers = consumers
-        self.waiting = waiting  # producers not launched yet (fed ones never count)
-        self.consumers_left = len(consumers)  # consumers not final yet
-        self.output: np.ndarray | None = None
-        self.block: Any = None
-        self.request: Request | None = None  # let go of once final (see finished)
-        self.request_id: int | None = None  # its id, kept: the trace draws edges by it
-        self.event: Event | None = None
-        self.error: BaseException | None = None
-
-
-@attrs.define(eq=False)
-class GraphRun:
-    """The state of one run of a graph on a scheduler (driven by the scheduler).
-
-    The callables are the scheduler's: ``submit`` queues a node's request, ``allocate`` /
-    ``release`` handle intermediate memory, ``drop`` fails a queued request, ``done`` is
-    called once every needed node is final. Everything runs on the scheduler's loop thread.
-    """
-
-    graph: GraphBuilder
-    outputs: list[Node]
-    priority: int
-    deadline: float | None
-    submit: Any
-    allocate: Any
-    release: Any
-    done: Any
-    drop: Any
-    #: allocates a requested output (the caller's array: numpy, or a torch device's tensor)
-    fresh: Any = attrs.field(default=np.empty, kw_only=True)
-    runs: dict[int, _NodeRun] = attrs.field(factory=dict)
-    left: int = 0
-    cancelled: bool = False
-    #: Whether some node of the run failed: only then can a finishing node have a failed
-    #: producer to blame (the common run never looks).
-    failed: bool = False
-    #: Whether some node launched on a stream (with an event its consumers wait on): only
-    #: then can a node have producers to wait for (inline launches record none).
-    events: bool = False
-    #: Node requests to run where they were submitted, in order (nothing queued or
-    #: running: :meth:`~opsched.core.engine.Engine.runs_at_submit`); :func:`_run_at_submit` runs
-    #: them.
-    at_submit: collections.deque[Request] = attrs.field(factory=collections.deque)
-    _placeholders: dict[Placeholder, np.ndarray] = attrs.field(factory=dict)
-
-    def start(self, inputs: Mapping[Node | Placeholder, np.ndarray], plan: RunPlan) -> None:
-        """Set up the nodes ``plan`` (the outputs' nodes, given ``inputs``) runs, bind
-        inputs, submit the ready ones."""
-        wanted, nodes, runs = plan.wanted, self.graph.nodes, self.runs
-        for index, deps, consumers, waiting in zip(
-            plan.order, plan.deps, plan.consumers, plan.waiting, strict=True
-        ):
-            runs[index] = _NodeRun(nodes[index], index in wanted, deps, consumers, waiting)
-        for index in plan.fed.intersection(runs):
-            nr = runs[index]
-            nr.state, nr.output = NodeState.FED, inputs[nodes[index]]
+        self.engine = engine
+        self.graph = graph
+        self.nodes = graph.nodes
+        self.plan = plan
+        self.outputs = outputs
+        self.priority = priority
+        self.deadline = deadline
+        self.done = done
+        #: Per node: where it is, its producers not launched yet (fed ones never count),
+        #: its consumers not final yet.
+        self.state = list(plan.states)
+        self.waiting = list(plan.waiting)
+        self.consumers_left = list(plan.consumer_counts)
+        count = len(self.state)
+        #: Per node: its output array; its request while it may be withdrawn (let go of
+        #: once final), and that request's id, kept (the trace draws edges by it).
+        self.output: list[Any] = [None] * count
+        self.requests: list[Request | None] = [None] * count
+        self.request_ids: list[int | None] = [None] * count
+        #: The nodes holding a pooled intermediate block; those launched on a stream, with
+        #: the event their consumers wait on (only then can a node have producers to wait
+        #: for: inline launches record none); those that failed, with their errors.
+        self.blocks: dict[int, Any] = {}
+        self.events: dict[int, Event] = {}
+        self.errors: dict[int, BaseException] = {}
         self.left = plan.computed
+        self.cancelled = False
+        #: Whether some node of the run failed: only then can a finishing node have a failed
+        #: producer to blame (the common run never looks).
+        self.failed = False
+        #: Node requests to run where they were submitted, in order (nothing queued or
+        #: running: :meth:`~opsched.core.engine.Engine.runs_at_submit`);
+        #: :func:`_run_at_submit` runs them.
+        self.at_submit: collections.deque[Request] = collections.deque()
+        self.placeholders: dict[Placeholder, Any] = {}
+
+    def start(self, inputs: Mapping[Node | Placeholder, Any]) -> None:
+        """Bind ``inputs`` (the fed nodes' values and the placeholders' arrays), submit the
+        nodes ready at once."""
+        output, nodes = self.output, self.nodes
+        for index in self.plan.fed:
+            output[index] = inputs[nodes[index]]
         if inputs:
-            self._placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
+            self.placeholders = {ph: a for ph, a in inputs.items() if isinstance(ph, Placeholder)}
         if not self.left:
             self.done()
             return
-        for index in plan.ready:
-            self._submit(runs[index])
+        for index in self.plan.ready:
+            self._submit(index)
 
-    def _submit(self, nr: _NodeRun) -> None:
-        node = nr.node
+    def _submit(self, index: int) -> None:
+        """Bind node ``index``'s arguments and outputs, and queue its request."""
+        node = self.nodes[index]
         tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
-        runs = self.runs
+        output = self.output
         for arg, kind, value in node.binding:
-            if kind is NODE:
-                tensors[arg] = runs[value].output
-            else:
-                tensors[arg] = self._placeholders[value]
-        waits: list[Event] = []
-        if self.events:  # some node launched on a stream: wait for its producers' events
-            waits = [e for e in (runs[p].event for p in nr.producers) if e is not None]
-        if nr.wanted:
-            nr.output = self.fresh(node.shape, node.dtype)  # the caller's array
+            tensors[arg] = output[value] if kind is NODE else self.placeholders[value]
+        events = self.events
+        waits = None
+        if events:  # some node launched on a stream: wait for its producers' events
+            waits = [events[p] for p in self.plan.producers[index] if p in events] or None
+        device = self.engine.device
+        if index in self.plan.wanted:
+            made = device.empty(node.shape, node.dtype)  # the caller's array
         else:
-            nr.output, nr.block = self.allocate(node.shape, node.dtype)
-        tensors[node.output] = nr.output
+            made, block = device.intermediate(node.shape, node.dtype)
+            if block is not None:
+                self.blocks[index] = block
+        output[index] = tensors[node.output] = made
         for out, shape, dtype in node.extra_outputs:
-            tensors[out] = self.fresh(shape, dtype)
-        nr.state = _QUEUED
-        nr.request = request = self.submit(self, nr, tensors, waits)
-        nr.request_id = request.id
+            tensors[out] = device.empty(shape, dtype)
+        self.state[index] = _QUEUED
+        request = self.requests[index] = _node_request(self.engine, self, index, tensors, waits)
+        self.request_ids[index] = request.id
 
     # ------------------------------------------------------------------ scheduler hooks
 
-    def launched(self, nr: _NodeRun, event: Event | None) -> None:
-        """``nr``'s launch was enqueued; ``event`` completes when it has run (None: it runs
-        inline, before any consumer can be dispatched)."""
-        nr.state = _LAUNCHED
-        nr.event = event
+    def launched(self, index: int, event: Event | None) -> None:
+        """Node ``index``'s launch was enqueued; ``event`` completes when it has run (None:
+        it runs inline, before any consumer can be dispatched)."""
+        state, waiting = self.state, self.waiting
+        state[index] = _LAUNCHED
         if event is not None:
-            self.events = True
-        runs = self.runs
-        for index in nr.consumers:
-            consumer = runs[index]
-            consumer.waiting -= 1
-            if consumer.waiting == 0 and consumer.state is _WAITING and not self.cancelled:
+            self.events[index] = event
+        for consumer in self.plan.consumers[index]:
+            waiting[consumer] -= 1
+            if not waiting[consumer] and state[consumer] is _WAITING and not self.cancelled:
                 try:
                     self._submit(consumer)
                 except Exception as exc:  # boundary: from the dispatcher (no memory for
                     # its output, a device error taking its arrays): the consumer fails,
-                    # with what depends on it, never the dispatch that launched ``nr``
-                    what = f"graph run: submitting node {consumer.node.name!r} failed"
+                    # with what depends on it, never the dispatch that launched ``index``
+                    name = self.nodes[consumer].name
+                    what = f"graph run: submitting node {name!r} failed"
                     self.finished(consumer, InnerError.caused_by(what, exc))
 
-    def finished(self, nr: _NodeRun, error: BaseException | None) -> None:
-        """``nr``'s request reached a final state (``error`` None: success)."""
-        if nr.state in _FINAL:
+    def finished(self, index: int, error: BaseException | None) -> None:
+        """Node ``index``'s request reached a final state (``error`` None: success)."""
+        state = self.state
+        if state[index] in _FINAL:
             return
         # Let go of the request (its tensors, its waits) now, not when the run ends: held
         # by the run, a run's requests all stayed alive, and the objects they kept made the
         # young-generation collections come 40 times per 10,240 nodes instead of once. A
         # requested node of several outputs keeps it: its result is the request's tuple.
-        if not (nr.wanted and len(nr.node.op.outputs) > 1):
-            nr.request = None
+        if index not in self.plan.tuples:
+            self.requests[index] = None
         if error is None and self.failed:
-            upstream = next(
-                (
-                    self.runs[d.index]
-                    for d in nr.node.deps
-                    if self.runs[d.index].state is NodeState.FAILED
-                ),
-                None,
-            )
+            upstream = next((p for p in self.plan.producers[index] if state[p] is _FAILED), None)
             if upstream is not None:
-                error = _upstream_error(nr.node, upstream)
+                error = self._upstream_error(index, upstream)
         if error is None:
-            if nr.state is _QUEUED:  # never declared launched (no event of its
-                self.launched(nr, None)  # launch to wait on): its consumers go now
-            nr.state = _DONE
+            if state[index] is _QUEUED:  # never declared launched (no event of its
+                self.launched(index, None)  # launch to wait on): its consumers go now
+            state[index] = _DONE
         else:
-            nr.state = NodeState.CANCELLED if self.cancelled else NodeState.FAILED
-            self.failed = self.failed or nr.state is NodeState.FAILED
-            nr.error = error
-            self._fail_downstream(nr)
-        self._settle(nr)
+            state[index] = NodeState.CANCELLED if self.cancelled else _FAILED
+            self.failed = self.failed or state[index] is _FAILED
+            self.errors[index] = error
+            self._fail_downstream(index)
+        self._settle(index)
 
     def cancel(self) -> list[Request]:
         """Stop the run: nodes not yet launched will not be; returns queued requests."""
         self.cancelled = True
         queued = []
-        for nr in self.runs.values():
-            if nr.state is _WAITING:
-                nr.state = NodeState.CANCELLED
-                self._settle(nr)
-            elif nr.state is _QUEUED and nr.request is not None:
-                queued.append(nr.request)
+        state, requests = self.state, self.requests
+        for index in self.plan.order:
+            request = requests[index]
+            if state[index] is _WAITING:
+                state[index] = NodeState.CANCELLED
+                self._settle(index)
+            elif state[index] is _QUEUED and request is not None:
+                queued.append(request)
         return queued
 
-    def _fail_downstream(self, failed: _NodeRun) -> None:
-        for index in failed.consumers:
-            consumer = self.runs[index]
-            if consumer.state is _WAITING:
-                consumer.state = NodeState.FAILED
+    def _fail_downstream(self, failed: int) -> None:
+        state, requests = self.state, self.requests
+        for consumer in self.plan.consumers[failed]:
+            request = requests[consumer]
+            if state[consumer] is _WAITING:
+                state[consumer] = _FAILED
                 self.failed = True
-                consumer.error = _upstream_error(consumer.node, failed)
+                self.errors[consumer] = self._upstream_error(consumer, failed)
                 self._settle(consumer)
                 self._fail_downstream(consumer)
-            elif consumer.state is _QUEUED and consumer.request is not None:
+            elif state[consumer] is _QUEUED and request is not None:
                 # out of the queue at once; its request's end calls finished() for it
-                self.drop(consumer.request, _upstream_error(consumer.node, failed))
+                self.engine.drop(request, self._upstream_error(consumer, failed))
             # a launched consumer fails when its launch finishes (its result is discarded)
 
-    def _settle(self, nr: _NodeRun) -> None:
+    def _upstream_error(self, index: int, failed: int) -> BaseException:
+        """Why node ``index`` has no result: its producer ``failed`` failed."""
+        name, upstream = self.nodes[index].name, self.nodes[failed].name
+        error = UpstreamFailedError(
+            f"node {name!r} did not produce a result: upstream node {upstream!r} failed"
+        )
+        error.__cause__ = self.errors.get(failed)
+        return error
+
+    def _settle(self, index: int) -> None:
         """A node is final: free the inputs it held, count it, finish the run."""
-        runs = self.runs
-        for index in nr.producers:
-            producer = runs[index]
-            producer.consumers_left -= 1
-            if producer.block is not None:  # (the cheap test first: most hold none)
+        blocks = self.blocks
+        consumers_left = self.consumers_left
+        for producer in self.plan.producers[index]:
+            consumers_left[producer] -= 1
+            if blocks and producer in blocks:  # (the cheap test first: most hold none)
                 self._maybe_release(producer)
-        if nr.block is not None:
-            self._maybe_release(nr)
+        if blocks and index in blocks:
+            self._maybe_release(index)
         self.left -= 1
         if self.left == 0:
             self.done()
 
-    def _maybe_release(self, nr: _NodeRun) -> None:
-        """Release the pooled block ``nr`` holds once nothing will read it again."""
-        if nr.consumers_left == 0 and nr.state in _FINAL:
-            self.release(nr.block)
-            nr.block = None
+    def _maybe_release(self, index: int) -> None:
+        """Release the pooled block node ``index`` holds once nothing will read it again."""
+        if self.consumers_left[index] == 0 and self.state[index] in _FINAL:
+            block = self.blocks.pop(index)
+            self.engine.dispatcher.release(block, what="a graph intermediate")
 
     def unlink(self) -> None:
-        """Break the run's reference cycles (each node run and its request) once every node
-        is final: reference counting then frees the run at once, instead of the garbage
+        """Break the run's reference cycles (each request and the run) once every node is
+        final: reference counting then frees the run at once, instead of the garbage
         collector's later, costlier passes over everything."""
-        for nr in self.runs.values():
-            if nr.request is not None:
-                nr.request.graph = None
-                nr.request = None
+        for request in self.requests:
+            if request is not None:
+                request.graph = None
+        self.requests = []
 
-    def result(self) -> list[np.ndarray]:
+    def name(self, index: int) -> str:
+        """Node ``index``'s name."""
+        return self.nodes[index].name
+
+    def producer_ids(self, index: int) -> list[int]:
+        """The ids of the requests of node ``index``'s producers (none for a fed one)."""
+        ids = self.request_ids
+        return [i for i in (ids[p] for p in self.plan.producers[index]) if i is not None]
+
+    def result(self) -> list[Any]:
         """The requested outputs, or GraphExecutionError naming every failed node."""
+        state, errors = self.state, self.errors
         failed = {
-            nr.node.name: nr.error
-            for nr in (self.runs.values() if self.failed else ())
-            if nr.state is NodeState.FAILED and nr.error is not None
+            self.nodes[index].name: errors[index]
+            for index in (self.plan.order if self.failed else ())
+            if state[index] is _FAILED and index in errors
         }
-        outs = [_output(n, self.runs[n.index]) for n in self.outputs]
+        outs = [self._output(node.index) for node in self.outputs]
         if failed:
             raise GraphExecutionError(failed, outs)
         return outs
 
-
-def _output(node: Node, nr: _NodeRun) -> Any:
-    """What a run returns for a requested node: its output (the operator's tuple of outputs
-    for a multi-output node), None when it did not complete."""
-    if nr.state is NodeState.FED:
-        return nr.output
-    if nr.state is not _DONE:
-        return None
-    if len(node.op.outputs) > 1 and nr.request is not None:
-        return nr.request.result
-    return nr.output
-
-
-def _upstream_error(node: Node, failed: _NodeRun) -> BaseException:
-    error = UpstreamFailedError(
-        f"node {node.name!r} did not produce a result: upstream node {failed.node.name!r} failed"
-    )
-    error.__cause__ = failed.error
-    return error
+    def _output(self, index: int) -> Any:
+        """What a run returns for a requested node: its output (the operator's tuple of
+        outputs for a multi-output node), None when it did not complete."""
+        state = self.state[index]
+        if state is NodeState.FED:
+            return self.output[index]
+        if state is not _DONE:
+            return None
+        request = self.requests[index] if index in self.plan.tuples else None
+        return self.output[index] if request is None else request.result
 
 
 # ------------------------------------------------------------ the engine's side of runs
@@ -405,20 +393,11 @@ def _start(
     )
 
     run = GraphRun(
-        graph,
-        outputs,
-        priority_of(priority),
-        deadline_of(deadline, timeout),
-        functools.partial(_submit_node, engine),
-        device.intermediate,
-        functools.partial(engine.dispatcher.release, what="a graph intermediate"),
-        done,
-        engine.drop,
-        fresh=device.empty,
+        engine, graph, plan, outputs, priority_of(priority), deadline_of(deadline, timeout), done
     )
     engine.counters.graph_runs += 1
     try:
-        run.start(given, plan)
+        run.start(given)
     except BaseException:  # a node could not be submitted (no memory for its output, say):
         _withdraw(engine, run)  # the caller gets the error; what was queued is withdrawn
         raise
@@ -447,15 +426,12 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
     try:
         while queue:
             request = queue.popleft()
-            node_run = request.graph[1]
+            index = request.graph[1]
             if run.failed:
-                runs = run.runs
-                upstream = next(
-                    (runs[p] for p in node_run.producers if runs[p].state is NodeState.FAILED),
-                    None,
-                )
+                state = run.state
+                upstream = next((p for p in run.plan.producers[index] if state[p] is _FAILED), None)
                 if upstream is not None:
-                    error = _upstream_error(node_run.node, upstream)
+                    error = run._upstream_error(index, upstream)
                     finish(request, RequestState.FAILED, counters, error)
                     continue
             if past_deadline(request):
@@ -463,7 +439,7 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
                 # its consumers are never submitted (they fail with the run, not as requests)
                 engine.run_at_submit(request)  # (expires it)
                 continue
-            run.launched(node_run, None)
+            run.launched(index, None)
             engine.run_at_submit(request)
     except Exception as exc:  # a bug queue fails the run's nodes still to run, never hangs it
         while queue:
@@ -472,12 +448,13 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
         raise
 
 
-def _submit_node(
-    engine: Engine, run: GraphRun, node_run: Any, tensors: dict[str, Any], waits: list[Event]
+def _node_request(
+    engine: Engine, run: GraphRun, index: int, tensors: dict[str, Any], waits: list[Event] | None
 ) -> Request:
-    """Queue a graph node. Its checks ran when it was added; a run binds arrays of exactly
-    the checked geometry, so nothing is checked again."""
-    node = node_run.node
+    """Queue node ``index`` of ``run`` with its bound ``tensors``. Its checks ran when it
+    was added; a run binds arrays of exactly the checked geometry, so nothing is checked
+    again."""
+    node = run.nodes[index]
     device = engine.device
     if type(device).admit is not Device.admit:  # the host devices take arrays as they are
         outputs = node.op.outputs
@@ -485,13 +462,17 @@ def _submit_node(
             n: v if v is None or n in outputs else device.admit(node.name, n, v)
             for n, v in tensors.items()
         }
+    launch_on = node.launch_on
+    if launch_on is not None and launch_on[0]() is device:  # ran on this device before
+        key, checked = launch_on[1], True
+    else:  # the device's launch key, as a caller's request of these shapes gets it
+        key, checked = device.launch_key(node.op, node.stand_ins, node.key), False
     request = engine.record(
         (
             node.op,
             tensors,
             node.scalars,
-            # the device's launch key, as a caller's request of these shapes gets it
-            device.launch_key(node.op, node.stand_ins, node.key),
+            key,
             node.units,
             node.nbytes,
             run.priority,
@@ -499,22 +480,25 @@ def _submit_node(
             node.signature,
         )
     )
-    request.graph = (run, node_run)
-    request.waits = waits or None
+    request.graph = (run, index)
+    request.waits = waits
     counters = engine.counters
     counters.submitted += 1
     counters.graph_nodes += 1
-    try:  # as for callers: a node alone over the workspace cap fails
-        device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
-    except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
-        # could not answer: recorded and counted already, the request must end either way
-        if not isinstance(exc, ParamInvalidError):
-            what = f"graph run: checking node {node.name!r} against the workspace cap failed"
-            exc = InnerError.caused_by(what, exc)
-        finish(request, RequestState.FAILED, counters, exc)
-        return request
+    if not checked:
+        try:  # as for callers: a node alone over the workspace cap fails
+            device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
+        except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
+            # could not answer: recorded and counted already, the request must end either way
+            if not isinstance(exc, ParamInvalidError):
+                what = f"graph run: checking node {node.name!r} against the workspace cap failed"
+                exc = InnerError.caused_by(what, exc)
+            finish(request, RequestState.FAILED, counters, exc)
+            return request
+        # its geometry is the same at every run: the device's answers hold for the next
+        node.launch_on = (weakref.ref(device), request.key)
     if not request.nbytes:  # an empty tensor: done at once, without a launch
-        run.launched(node_run, None)
+        run.launched(index, None)
         engine.finish_empty(request)
         return request
     # (queue.live first: a busy scheduler skips the call)

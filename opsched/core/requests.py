@@ -396,7 +396,7 @@ class Request:
     parts_left: int = 1
     #: For requests submitted from threads: the future their submitter holds.
     future: RequestFuture | None = None
-    #: For a graph node: ``(graph run, node run)``; its launch reports to them.
+    #: For a graph node: ``(graph run, node index)``; its launch reports to the run.
     graph: Any = None
     #: Stream events its launch must wait for (its producers' launches).
     waits: list[Any] | None = None

@@ -237,11 +237,10 @@ def trace_launch(
     edges = []
     for r in requests:
         if r.graph is not None:
-            run, node_run = r.graph
-            ids = (run.runs[p].request_id for p in node_run.producers)
-            edges.append((r.id, [i for i in ids if i is not None]))
+            run, index = r.graph
+            edges.append((r.id, run.producer_ids(index)))
     if edges:
-        args["graph nodes"] = [r.graph[1].node.name for r in requests if r.graph is not None]
+        args["graph nodes"] = [r.graph[0].name(r.graph[1]) for r in requests if r.graph is not None]
     name = f"{op.name} x{len(requests)}" if len(requests) > 1 else op.name
     tracer.launch(batch.stream, start, end, name, args, edges)
 
@@ -262,7 +261,7 @@ def log_launch(op: Any, batch: Any, result: Any | None) -> None:
         queue_wait_s=_queue_wait(batch),
         run_s=result[2] - result[1] if result is not None else 0.0,
         failed=sum(1 for r in requests if r.error is not None),
-        nodes=[r.graph[1].node.name for r in requests if r.graph is not None],
+        nodes=[r.graph[0].name(r.graph[1]) for r in requests if r.graph is not None],
     )
 
 
