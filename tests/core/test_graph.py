@@ -761,3 +761,53 @@ async def test_node_alone_over_the_workspace_cap_fails_its_run_clearly():
     assert isinstance(info.value.failed["big"], ParamInvalidError)
     assert "workspace_limit_bytes=65536" in str(info.value.failed["big"])
     assert isinstance(info.value.failed["after"], UpstreamFailedError)
+
+
+@pytest.mark.anyio
+async def test_a_node_over_the_workspace_cap_fails_at_every_run():
+    # A node's workspace check passed is remembered for its device; one that failed is
+    # asked again (and fails again) at the next run.
+    rng = np.random.default_rng(15)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (4, 8, 4096), F32)
+    wide_x, wide_dy = (np.repeat(t, 2, axis=-1) for t in (x, dy))
+    g = Graph()
+    big = g.group_norm_grad(wide_x[..., ::2], wide_dy[..., ::2], gamma, mean, rstd, name="big")
+    async with opsched.open_scheduler(workspace_limit_bytes=64 << 10) as sched:
+        for _ in range(2):
+            with pytest.raises(GraphExecutionError) as info:
+                await sched.run(g, outputs=[big])
+            assert isinstance(info.value.failed["big"], ParamInvalidError)
+        assert sched.statistics().failed == 2
+
+
+@pytest.mark.anyio
+async def test_a_node_asks_each_device_it_runs_on_once(monkeypatch):
+    # The launch key and the workspace check of a node are its device's: asked at its first
+    # run on a device, remembered for the next runs there, asked again on another device.
+    from opsched.devices.host import HostDevice
+
+    asked: list[tuple[str, object]] = []
+    launch_key, check_fits = HostDevice.launch_key, HostDevice.check_fits
+
+    def counted_key(self, *args):
+        asked.append(("key", self))
+        return launch_key(self, *args)
+
+    def counted_fits(self, *args):
+        asked.append(("fits", self))
+        return check_fits(self, *args)
+
+    monkeypatch.setattr(HostDevice, "launch_key", counted_key)
+    monkeypatch.setattr(HostDevice, "check_fits", counted_fits)
+    rng = np.random.default_rng(16)
+    graph, nodes, oracle = chain(rng, length=4)
+    expected = oracle()[-1]
+    devices = []
+    for _ in range(2):
+        async with opsched.open_scheduler() as sched:
+            devices.append(sched.device)
+            for _ in range(3):
+                (out,) = await sched.run(graph, outputs=[nodes[-1]])
+                assert_same_bits(out, expected)
+    per_device = [sorted(kind for kind, d in asked if d is device) for device in devices]
+    assert per_device == [["fits"] * 4 + ["key"] * 4] * 2
