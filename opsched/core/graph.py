@@ -23,6 +23,7 @@ of given outputs needs, it plans once (:class:`RunPlan`, by node index).
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -94,6 +95,8 @@ class Node:
     #: The output argument the node stands for, and the operator's other requested outputs
     #: ``(argument, shape, dtype)``, allocated fresh at each run.
     output: str = ""
+    #: The bytes of that output.
+    output_nbytes: int = 0
     extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
     #: Zero-byte stand-ins of its arguments, to check it again for a product.
     stand_ins: dict[str, Any] = attrs.field(factory=dict)
@@ -260,6 +263,7 @@ class GraphBuilder:
         node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
         node.stand_ins = kept
         node.output = output
+        node.output_nbytes = math.prod(shape) * dtype.itemsize
         node.extra_outputs = tuple((out, s, d) for out, (s, d) in extra)
         stand_ins.update({out: stand_in(s, d) for out, (s, d) in spec.items()})
         node.key, node.units = op.fusion(stand_ins, checked)

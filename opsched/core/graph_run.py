@@ -67,6 +67,7 @@ class GraphRun:
     """
 
     __slots__ = (
+        "admit",
         "at_submit",
         "blocks",
         "cancelled",
@@ -102,6 +103,9 @@ class GraphRun:
         done: Any,
     ) -> None:
         self.engine = engine
+        device = engine.device
+        #: How the device takes a bound array (None: as it is, the host devices).
+        self.admit = None if type(device).admit is Device.admit else device.admit
         self.graph = graph
         self.nodes = graph.nodes
         self.plan = plan
@@ -152,19 +156,25 @@ class GraphRun:
             self._submit(index)
 
     def _submit(self, index: int) -> None:
-        """Bind node ``index``'s arguments and outputs, and queue its request."""
+        """Bind node ``index``'s arguments and outputs, and queue its request. Its checks
+        ran when it was added; a run binds arrays of exactly the checked geometry, so
+        nothing is checked again."""
         node = self.nodes[index]
+        engine = self.engine
+        device = engine.device
         tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
         output = self.output
         for arg, kind, value in node.binding:
             tensors[arg] = output[value] if kind is NODE else self.placeholders[value]
+        admit = self.admit
+        if admit is not None:  # (before its outputs are bound: those are the device's own)
+            tensors = {n: v if v is None else admit(node.name, n, v) for n, v in tensors.items()}
         events = self.events
         waits = None
         if events:  # some node launched on a stream: wait for its producers' events
             waits = [events[p] for p in self.plan.producers[index] if p in events] or None
-        device = self.engine.device
-        if index in self.plan.wanted:
-            made = device.empty(node.shape, node.dtype)  # the caller's array
+        if index in self.plan.wanted or node.output_nbytes < device.pools_intermediates_from:
+            made = device.empty(node.shape, node.dtype)  # the caller's array, or a small one
         else:
             made, block = device.intermediate(node.shape, node.dtype)
             if block is not None:
@@ -173,8 +183,55 @@ class GraphRun:
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
-        request = self.requests[index] = _node_request(self.engine, self, index, tensors, waits)
+        launch_on = node.launch_on
+        if launch_on is not None and launch_on[0]() is device:  # ran on this device before
+            key, checked = launch_on[1], True
+        else:  # the device's launch key, as a caller's request of these shapes gets it
+            key, checked = device.launch_key(node.op, node.stand_ins, node.key), False
+        request = engine.record(
+            (
+                node.op,
+                tensors,
+                node.scalars,
+                key,
+                node.units,
+                node.nbytes,
+                self.priority,
+                self.deadline,
+                node.signature,
+            )
+        )
+        self.requests[index] = request
         self.request_ids[index] = request.id
+        request.graph = (self, index)
+        request.waits = waits
+        counters = engine.counters
+        counters.submitted += 1
+        counters.graph_nodes += 1
+        if not checked:
+            try:  # as for callers: a node alone over the workspace cap fails
+                device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
+            except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
+                # could not answer: recorded and counted already, the request must end
+                if not isinstance(exc, ParamInvalidError):
+                    what = (
+                        f"graph run: checking node {node.name!r} against the workspace cap failed"
+                    )
+                    exc = InnerError.caused_by(what, exc)
+                finish(request, RequestState.FAILED, counters, exc)
+                return
+            # its geometry is the same at every run: the device's answers hold for the next
+            node.launch_on = (weakref.ref(device), key)
+        if not request.nbytes:  # an empty tensor: done at once, without a launch
+            self.launched(index, None)
+            engine.finish_empty(request)
+        # (queue.live first: a busy scheduler skips the call)
+        elif not waits and not engine.queue.live and engine.runs_at_submit(request):
+            request.state = RUNNING  # (never queued: nothing to take it out of)
+            self.at_submit.append(request)
+        else:
+            engine.enqueue(request)  # (a node still queued at the run's deadline expires)
+            engine.dispatcher.schedule()
 
     # ------------------------------------------------------------------ scheduler hooks
 
@@ -285,9 +342,8 @@ class GraphRun:
         """Break the run's reference cycles (each request and the run) once every node is
         final: reference counting then frees the run at once, instead of the garbage
         collector's later, costlier passes over everything."""
-        for request in self.requests:
-            if request is not None:
-                request.graph = None
+        for request in filter(None, self.requests):  # (most were let go as they finished)
+            request.graph = None
         self.requests = []
 
     def name(self, index: int) -> str:
@@ -446,69 +502,6 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
             error = InnerError.caused_by("graph run: running a node failed", exc)
             finish(queue.popleft(), RequestState.FAILED, counters, error)
         raise
-
-
-def _node_request(
-    engine: Engine, run: GraphRun, index: int, tensors: dict[str, Any], waits: list[Event] | None
-) -> Request:
-    """Queue node ``index`` of ``run`` with its bound ``tensors``. Its checks ran when it
-    was added; a run binds arrays of exactly the checked geometry, so nothing is checked
-    again."""
-    node = run.nodes[index]
-    device = engine.device
-    if type(device).admit is not Device.admit:  # the host devices take arrays as they are
-        outputs = node.op.outputs
-        tensors = {
-            n: v if v is None or n in outputs else device.admit(node.name, n, v)
-            for n, v in tensors.items()
-        }
-    launch_on = node.launch_on
-    if launch_on is not None and launch_on[0]() is device:  # ran on this device before
-        key, checked = launch_on[1], True
-    else:  # the device's launch key, as a caller's request of these shapes gets it
-        key, checked = device.launch_key(node.op, node.stand_ins, node.key), False
-    request = engine.record(
-        (
-            node.op,
-            tensors,
-            node.scalars,
-            key,
-            node.units,
-            node.nbytes,
-            run.priority,
-            run.deadline,
-            node.signature,
-        )
-    )
-    request.graph = (run, index)
-    request.waits = waits
-    counters = engine.counters
-    counters.submitted += 1
-    counters.graph_nodes += 1
-    if not checked:
-        try:  # as for callers: a node alone over the workspace cap fails
-            device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
-        except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
-            # could not answer: recorded and counted already, the request must end either way
-            if not isinstance(exc, ParamInvalidError):
-                what = f"graph run: checking node {node.name!r} against the workspace cap failed"
-                exc = InnerError.caused_by(what, exc)
-            finish(request, RequestState.FAILED, counters, exc)
-            return request
-        # its geometry is the same at every run: the device's answers hold for the next
-        node.launch_on = (weakref.ref(device), request.key)
-    if not request.nbytes:  # an empty tensor: done at once, without a launch
-        run.launched(index, None)
-        engine.finish_empty(request)
-        return request
-    # (queue.live first: a busy scheduler skips the call)
-    if not waits and not engine.queue.live and engine.runs_at_submit(request):
-        request.state = RUNNING  # (never queued: nothing to take it out of)
-        run.at_submit.append(request)
-        return request
-    engine.enqueue(request)  # (a node still queued at the run's deadline expires)
-    engine.dispatcher.schedule()
-    return request
 
 
 def check_inputs(

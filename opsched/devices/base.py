@@ -23,6 +23,7 @@ devices are created by :func:`opsched.devices.make_device`.
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -164,6 +165,9 @@ class Device(abc.ABC):
     #: given (:meth:`bind` would change nothing): a host device allocates their missing
     #: outputs at launch. -1: every request is bound.
     binds_as_given: int = attrs.field(default=-1, kw_only=True)
+    #: Graph intermediates of fewer bytes are plain new arrays (:meth:`empty`), never asked
+    #: of :meth:`intermediate` (default: none is: the default intermediate is one too).
+    pools_intermediates_from: int = attrs.field(default=sys.maxsize, kw_only=True)
     #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.

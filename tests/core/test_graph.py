@@ -396,16 +396,16 @@ async def test_a_consumer_that_cannot_be_submitted_fails_with_its_downstream(
 
     rng = np.random.default_rng(41)
     graph, nodes, oracle = chain(rng, length=4)
-    intermediate = HostDevice.intermediate
+    empty = HostDevice.empty  # (intermediates this small are new arrays, not pooled)
     calls: list[tuple[int, ...]] = []
 
     def no_memory_the_second_time(self, shape, dtype):
         calls.append(shape)
         if len(calls) == 2:  # the first consumer's output (the first is the head's)
             raise MemoryError("no memory for an intermediate")
-        return intermediate(self, shape, dtype)
+        return empty(self, shape, dtype)
 
-    monkeypatch.setattr(HostDevice, "intermediate", no_memory_the_second_time)
+    monkeypatch.setattr(HostDevice, "empty", no_memory_the_second_time)
     async with opsched.open_scheduler(streams=2, inline_max_bytes=inline_max_bytes) as sched:
         with pytest.raises(GraphExecutionError) as info:
             await sched.run(graph, outputs=[nodes[-1]])

@@ -212,6 +212,7 @@ class HostDevice(Device):
 
     def __attrs_post_init__(self) -> None:
         self.binds_as_given = self.fuse_max_bytes  # see bind()
+        self.pools_intermediates_from = POOLED_INTERMEDIATE_BYTES  # see intermediate()
 
     def bind(
         self,
@@ -548,7 +549,8 @@ class HostDevice(Device):
     def intermediate(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[Any, Any]:
         """From the pool while it is at most half full (the other half stays for launch
         workspaces), else a plain array; a plain array too below
-        :data:`POOLED_INTERMEDIATE_BYTES`."""
+        :data:`POOLED_INTERMEDIATE_BYTES` (:attr:`pools_intermediates_from`: a graph run
+        asks for none of those)."""
         nbytes = math.prod(shape) * dtype.itemsize
         pool = self._pool
         if nbytes >= POOLED_INTERMEDIATE_BYTES and pool.current + nbytes <= pool.limit // 2:
