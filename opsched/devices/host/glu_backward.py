@@ -99,10 +99,11 @@ class GluBackwardLauncher(HostLauncher):
         # Each request's operands as they are laid out alone, one after another: a
         # signature group's grad_out with one concatenate, its self with another (a
         # request's self is its ``(outer, 2 * half)`` rows, halves side by side).
-        g, x, requests = fused["grad_out"], fused["self"], layout.requests
+        g, x = fused["grad_out"], fused["self"]
         for members, _, start, stop in layout.spans():
-            gather_into([requests[i].tensors["grad_out"] for i in members], g[start:stop])
-            gather_into([requests[i].tensors["self"] for i in members], x[2 * start : 2 * stop])
+            grad_outs, selves = layout.operands(members, "grad_out", "self")
+            gather_into(grad_outs, g[start:stop])
+            gather_into(selves, x[2 * start : 2 * stop])
 
     def fused_parts(self, layout: Layout, fused: Tensors) -> list[dict[str, np.ndarray]]:
         # one kernel call a signature group, on its rows as gathered: the kernel reads

@@ -76,10 +76,9 @@ class GroupNormalizationGradLauncher(HostLauncher):
     def gather(self, layout: Layout, fused: Tensors) -> None:
         # Requests of one signature (same shapes) move together: one concatenate per
         # operand into their rows, seen in their own shape (no reshape per request).
-        requests = layout.requests
+        names = ("x", "dy", "gamma", "mean", "rstd")
         for members, _, start, stop in layout.spans():
-            for name in ("x", "dy", "gamma", "mean", "rstd"):
-                parts = [requests[i].tensors[name] for i in members]
+            for name, parts in zip(names, layout.operands(members, *names), strict=True):
                 gather_into(parts, fused[name][start:stop])
 
     def scatter(self, layout: Layout, fused: Tensors) -> None:

@@ -20,6 +20,7 @@ own arrays, found by address, with the arguments of its solo launch.
 from __future__ import annotations
 
 import abc
+import operator
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -58,6 +59,16 @@ class Layout(NamedTuple):
         requests, bounds = self.requests, self.bounds
         for i, members in enumerate(self.groups):
             yield members, requests[members[0]], bounds[i], bounds[i + 1]
+
+    def operands(self, members: list[int], *names: str) -> list[list[Any]]:
+        """Operands ``names`` of the requests ``members``: a list each, in order (read in C,
+        no Python step per request)."""
+        tensors = list(map(_TENSORS, map(self.requests.__getitem__, members)))
+        return [list(map(operator.itemgetter(name), tensors)) for name in names]
+
+
+#: A request's arrays by argument name.
+_TENSORS = operator.attrgetter("tensors")
 
 
 #: A table launch (:meth:`HostLauncher.table`): its call (None: none), the requests it
