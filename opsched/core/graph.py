@@ -38,8 +38,6 @@ from opsched.ops import Operator
 from opsched.ops.products import Product
 
 __all__ = [
-    "NODE",
-    "PLACEHOLDER",
     "GraphBuilder",
     "Node",
     "NodeState",
@@ -86,11 +84,12 @@ class Node:
     units: int = 0
     nbytes: int = 0
     signature: Any = None
-    #: ``(argument, kind, value)``: how a run binds each argument that is not an array
-    #: (kind: node index or placeholder), precomputed so binding is a plain loop.
-    binding: tuple[tuple[str, object, Any], ...] = ()
+    #: How a run binds each argument that is not an array: ``(argument, node index)`` for
+    #: one an earlier node's output, ``(argument, placeholder)`` for one a placeholder's.
+    from_nodes: tuple[tuple[str, int], ...] = ()
+    from_placeholders: tuple[tuple[str, Placeholder], ...] = ()
     #: The arguments every run binds alike: the arrays given, every output None (a run
-    #: copies it, then binds :attr:`binding` and its outputs).
+    #: copies it, then binds the two above and its outputs).
     fixed: dict[str, Any] = attrs.field(factory=dict)
     #: The output argument the node stands for, and the operator's other requested outputs
     #: ``(argument, shape, dtype)``, allocated fresh at each run.
@@ -100,17 +99,15 @@ class Node:
     extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
     #: Zero-byte stand-ins of its arguments, to check it again for a product.
     stand_ins: dict[str, Any] = attrs.field(factory=dict)
-    #: The device it last ran on (weakly: a graph keeps no closed scheduler's device
-    #: alive) and that device's launch key for it, set once the node passed the device's
-    #: workspace check: what a run asks a device of a node only once
-    #: (:func:`~opsched.core.graph_run._submit_node`).
-    launch_on: tuple[weakref.ref[Any], Hashable] | None = None
+    #: What the device it last ran on said of it, set once the node passed the device's
+    #: workspace check: ``(a weak reference to the device, its launch key, whether its
+    #: output comes from the device's pool)`` (weakly: a graph keeps no closed scheduler's
+    #: device alive). What a run asks a device of a node only once
+    #: (:meth:`~opsched.core.graph_run.GraphRun._submit`).
+    launch_on: tuple[weakref.ref[Any] | None, Hashable, bool] = (None, None, False)
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
-
-
-NODE, PLACEHOLDER = object(), object()  # kinds of a node argument that is not an array
 
 
 def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -269,10 +266,9 @@ class GraphBuilder:
         node.key, node.units = op.fusion(stand_ins, checked)
         node.nbytes = op.nbytes(stand_ins)
         node.signature = canonical_signature(op.signature(stand_ins, scalars))
-        node.binding = tuple(
-            (arg, NODE, v.index) if isinstance(v, Node) else (arg, PLACEHOLDER, v)
-            for arg, v in args.items()
-            if isinstance(v, Node | Placeholder)
+        node.from_nodes = tuple((a, v.index) for a, v in args.items() if isinstance(v, Node))
+        node.from_placeholders = tuple(
+            (a, v) for a, v in args.items() if isinstance(v, Placeholder)
         )
         node.fixed = {a: v for a, v in args.items() if not isinstance(v, Node | Placeholder)}
         node.fixed.update(dict.fromkeys(op.outputs))
@@ -316,9 +312,8 @@ class GraphBuilder:
                 waiting[i] = sum(d not in fed for d in producers[i])
                 for d in producers[i]:
                     consumers[d].append(i)
-                for _, kind, value in node.binding:
-                    if kind is PLACEHOLDER:
-                        used.setdefault(value, node.name)
+                for _, placeholder in node.from_placeholders:
+                    used.setdefault(placeholder, node.name)
             wanted = frozenset(outputs)
             plan = self._plans[key] = RunPlan(
                 order=tuple(order),

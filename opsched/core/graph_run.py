@@ -31,7 +31,7 @@ from opsched._errors import (
     UpstreamFailedError,
 )
 from opsched.core.checks import deadline_of, priority_of
-from opsched.core.graph import NODE, GraphBuilder, Node, NodeState, Placeholder, RunPlan
+from opsched.core.graph import GraphBuilder, Node, NodeState, Placeholder, RunPlan
 from opsched.core.requests import RUNNING, Request, RequestState, finish, past_deadline
 from opsched.devices import Device, Event, meta_of
 
@@ -73,6 +73,7 @@ class GraphRun:
         "cancelled",
         "consumers_left",
         "deadline",
+        "device_ref",
         "done",
         "engine",
         "errors",
@@ -106,6 +107,8 @@ class GraphRun:
         device = engine.device
         #: How the device takes a bound array (None: as it is, the host devices).
         self.admit = None if type(device).admit is Device.admit else device.admit
+        #: The device's weak reference (one per device: what its nodes remember it by).
+        self.device_ref = weakref.ref(device)
         self.graph = graph
         self.nodes = graph.nodes
         self.plan = plan
@@ -164,8 +167,10 @@ class GraphRun:
         device = engine.device
         tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
         output = self.output
-        for arg, kind, value in node.binding:
-            tensors[arg] = output[value] if kind is NODE else self.placeholders[value]
+        for arg, producer in node.from_nodes:
+            tensors[arg] = output[producer]
+        for arg, placeholder in node.from_placeholders:
+            tensors[arg] = self.placeholders[placeholder]
         admit = self.admit
         if admit is not None:  # (before its outputs are bound: those are the device's own)
             tensors = {n: v if v is None else admit(node.name, n, v) for n, v in tensors.items()}
@@ -173,21 +178,21 @@ class GraphRun:
         waits = None
         if events:  # some node launched on a stream: wait for its producers' events
             waits = [events[p] for p in self.plan.producers[index] if p in events] or None
-        if index in self.plan.wanted or node.output_nbytes < device.pools_intermediates_from:
-            made = device.empty(node.shape, node.dtype)  # the caller's array, or a small one
-        else:
+        on, key, pooled = node.launch_on
+        checked = on is self.device_ref  # (a device's one weak reference: ran there before)
+        if not checked:  # the device's launch key, as a caller's request of these shapes gets
+            key = device.launch_key(node.op, node.stand_ins, node.key)
+            pooled = node.output_nbytes >= device.pools_intermediates_from
+        if pooled and index not in self.plan.wanted:
             made, block = device.intermediate(node.shape, node.dtype)
             if block is not None:
                 self.blocks[index] = block
+        else:
+            made = device.empty(node.shape, node.dtype)  # the caller's array, or a small one
         output[index] = tensors[node.output] = made
         for out, shape, dtype in node.extra_outputs:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
-        launch_on = node.launch_on
-        if launch_on is not None and launch_on[0]() is device:  # ran on this device before
-            key, checked = launch_on[1], True
-        else:  # the device's launch key, as a caller's request of these shapes gets it
-            key, checked = device.launch_key(node.op, node.stand_ins, node.key), False
         request = engine.record(
             (
                 node.op,
@@ -221,7 +226,7 @@ class GraphRun:
                 finish(request, RequestState.FAILED, counters, exc)
                 return
             # its geometry is the same at every run: the device's answers hold for the next
-            node.launch_on = (weakref.ref(device), key)
+            node.launch_on = (self.device_ref, key, pooled)
         if not request.nbytes:  # an empty tensor: done at once, without a launch
             self.launched(index, None)
             engine.finish_empty(request)
