@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 from opsched._errors import (
@@ -55,6 +56,7 @@ _WAITING, _QUEUED, _LAUNCHED, _DONE, _FAILED = (
 )
 
 
+@attrs.define(eq=False)
 class GraphRun:
     """The state of one run of a graph on a scheduler (driven by the scheduler).
 
@@ -66,83 +68,58 @@ class GraphRun:
     scheduler's loop thread.
     """
 
-    __slots__ = (
-        "admit",
-        "at_submit",
-        "blocks",
-        "cancelled",
-        "consumers_left",
-        "deadline",
-        "device_ref",
-        "done",
-        "engine",
-        "errors",
-        "events",
-        "failed",
-        "graph",
-        "left",
-        "nodes",
-        "output",
-        "outputs",
-        "placeholders",
-        "plan",
-        "priority",
-        "request_ids",
-        "requests",
-        "state",
-        "waiting",
-    )
+    engine: Engine
+    graph: GraphBuilder
+    plan: RunPlan
+    outputs: list[Node]
+    priority: int
+    deadline: float | None
+    done: Any
+    nodes: list[Node] = attrs.field(init=False)
+    #: How the device takes a bound array (None: as it is, the host devices).
+    admit: Any = attrs.field(init=False)
+    #: The device's weak reference (one per device: what its nodes remember it by).
+    device_ref: weakref.ref[Device] = attrs.field(init=False)
+    #: Per node: where it is, its producers not launched yet (fed ones never count), its
+    #: consumers not final yet.
+    state: list[NodeState | None] = attrs.field(init=False)
+    waiting: list[int] = attrs.field(init=False)
+    consumers_left: list[int] = attrs.field(init=False)
+    #: Per node: its output array; its request while it may be withdrawn (let go of once
+    #: final), and that request's id, kept (the trace draws edges by it).
+    output: list[Any] = attrs.field(init=False)
+    requests: list[Request | None] = attrs.field(init=False)
+    request_ids: list[int | None] = attrs.field(init=False)
+    #: The nodes holding a pooled intermediate block; those launched on a stream, with the
+    #: event their consumers wait on (only then can a node have producers to wait for:
+    #: inline launches record none); those that failed, with their errors.
+    blocks: dict[int, Any] = attrs.field(init=False, factory=dict)
+    events: dict[int, Event] = attrs.field(init=False, factory=dict)
+    errors: dict[int, BaseException] = attrs.field(init=False, factory=dict)
+    #: Nodes not final yet.
+    left: int = attrs.field(init=False)
+    cancelled: bool = attrs.field(init=False, default=False)
+    #: Whether some node of the run failed: only then can a finishing node have a failed
+    #: producer to blame (the common run never looks).
+    failed: bool = attrs.field(init=False, default=False)
+    #: Node requests to run where they were submitted, in order (nothing queued or running:
+    #: :meth:`~opsched.core.engine.Engine.runs_at_submit`); :func:`_run_at_submit` runs them.
+    at_submit: collections.deque[Request] = attrs.field(init=False, factory=collections.deque)
+    placeholders: dict[Placeholder, Any] = attrs.field(init=False, factory=dict)
 
-    def __init__(
-        self,
-        engine: Engine,
-        graph: GraphBuilder,
-        plan: RunPlan,
-        outputs: list[Node],
-        priority: int,
-        deadline: float | None,
-        done: Any,
-    ) -> None:
-        self.engine = engine
-        device = engine.device
-        #: How the device takes a bound array (None: as it is, the host devices).
+    def __attrs_post_init__(self) -> None:
+        device, plan = self.engine.device, self.plan
+        self.nodes = self.graph.nodes
         self.admit = None if type(device).admit is Device.admit else device.admit
-        #: The device's weak reference (one per device: what its nodes remember it by).
         self.device_ref = weakref.ref(device)
-        self.graph = graph
-        self.nodes = graph.nodes
-        self.plan = plan
-        self.outputs = outputs
-        self.priority = priority
-        self.deadline = deadline
-        self.done = done
-        #: Per node: where it is, its producers not launched yet (fed ones never count),
-        #: its consumers not final yet.
         self.state = list(plan.states)
         self.waiting = list(plan.waiting)
         self.consumers_left = list(plan.consumer_counts)
         count = len(self.state)
-        #: Per node: its output array; its request while it may be withdrawn (let go of
-        #: once final), and that request's id, kept (the trace draws edges by it).
-        self.output: list[Any] = [None] * count
-        self.requests: list[Request | None] = [None] * count
-        self.request_ids: list[int | None] = [None] * count
-        #: The nodes holding a pooled intermediate block; those launched on a stream, with
-        #: the event their consumers wait on (only then can a node have producers to wait
-        #: for: inline launches record none); those that failed, with their errors.
-        self.blocks: dict[int, Any] = {}
-        self.events: dict[int, Event] = {}
-        self.errors: dict[int, BaseException] = {}
+        self.output = [None] * count
+        self.requests = [None] * count
+        self.request_ids = [None] * count
         self.left = plan.computed
-        self.cancelled = False
-        #: Whether some node of the run failed: only then can a finishing node have a failed
-        #: producer to blame (the common run never looks).
-        self.failed = False
-        #: Node requests to run where they were submitted, in order (nothing queued or
-        #: running: :meth:`~opsched.core.engine.Engine.runs_at_submit`);
-        #: :func:`_run_at_submit` runs them.
-        self.at_submit: collections.deque[Request] = collections.deque()
-        self.placeholders: dict[Placeholder, Any] = {}
 
     def start(self, inputs: Mapping[Node | Placeholder, Any]) -> None:
         """Bind ``inputs`` (the fed nodes' values and the placeholders' arrays), submit the
