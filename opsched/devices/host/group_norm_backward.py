@@ -201,19 +201,20 @@ class GroupNormBackwardLauncher(HostLauncher):
         # Requests of one signature (same shapes, N, C, group) move together: one
         # concatenate per operand, one broadcast copy of their gammas.
         cpg = fused["ds"].shape[0] // fused["mean"].shape[0]
-        names = ("grad_out", "input", "mean", "rstd", "gamma")[: 5 if "gamma" in fused else 4]
         for members, first, start, offset in layout.spans():
-            grad_outs, inputs, means, rstds, *gammas_given = layout.operands(members, *names)
+            grad_outs, inputs, means, rstds = layout.operands(
+                members, "grad_out", "input", "mean", "rstd"
+            )
             gather_into(grad_outs, fused["grad_out"][start * cpg : offset * cpg])
             gather_into(inputs, fused["input"][start * cpg : offset * cpg])
             gather_into(means, fused["mean"][start:offset])
             gather_into(rstds, fused["rstd"][start:offset])
-            if gammas_given:
+            if "gamma" in fused:
                 n, c = first.scalars["N"], first.scalars["C"]
                 rows = fused["gamma"][start:offset].reshape(len(members), n, c)
                 # the group's gammas in a row (np.stack adds an axis to each array in
                 # Python), then broadcast over each request's samples
-                (parts,) = gammas_given
+                (parts,) = layout.operands(members, "gamma")
                 gammas = np.empty(len(members) * parts[0].size, parts[0].dtype)
                 gather_into(parts, gammas)
                 np.copyto(rows, gammas.reshape(len(members), 1, c))
