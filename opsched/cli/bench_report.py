@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "SUMMARY_BEGIN",
     "SUMMARY_END",
+    "added_latency",
     "readme_with_summary",
     "render_page",
     "render_summary",
@@ -254,7 +255,7 @@ def _calls(calls: dict[str, Any]) -> list[str]:
     ]
 
 
-def _added(latency: dict[str, Any]) -> str:
+def added_latency(latency: dict[str, Any]) -> str:
     """The latency an idle request's scheduler adds, in whole microseconds (rounded to an
     int: a figure within half a microsecond of zero reads ``0 us``, never ``-0 us``)."""
     return f"{round(latency['added_us'])} us"
@@ -267,7 +268,7 @@ def _others(sched: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 "idle latency added",
-                f"{_added(lat)} ({lat['scheduler_median_us']:.0f} against the call's "
+                f"{added_latency(lat)} ({lat['scheduler_median_us']:.0f} against the call's "
                 f"{lat['direct_median_us']:.0f})",
             ]
         )
@@ -450,7 +451,7 @@ def render_summary(doc: dict[str, Any], source: str) -> str:
             ]
         )
     if "latency" in sched:
-        rows.append(["an idle request", "added latency", _added(sched["latency"])])
+        rows.append(["an idle request", "added latency", added_latency(sched["latency"])])
     if "graphs" in results:
         rows.append(
             [

@@ -65,6 +65,7 @@ from opsched.cli.bench_paths import (
     torch_per_request,
     two_phase_call,
 )
+from opsched.cli.bench_report import added_latency
 from opsched.cli.bench_targets import GROUPS as TARGET_GROUPS
 from opsched.cli.bench_targets import bench_targets, print_targets
 
@@ -477,7 +478,7 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         line(
             "2. idle latency, added by the scheduler",
             f"{lat['scheduler_median_us']:.0f} us - {lat['direct_median_us']:.0f} us (call) = "
-            f"{round(lat['added_us'])} us",  # (an int: never "-0")
+            + added_latency(lat),
         )
     if "responsiveness" in r:
         resp = r["responsiveness"]
