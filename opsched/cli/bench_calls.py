@@ -64,26 +64,22 @@ def _events(
     counter, mine = itertools.count(), itertools.count()
     tick, tick_mine = counter.__next__, mine.__next__  # atomic in CPython
 
-    def count(frame: Any, what: str, arg: Any) -> Any:
-        if what == event:
-            tick()
-        elif what == "call":  # (tracing) a new frame: its bytecodes reported, not its lines
-            frame.f_trace_lines, frame.f_trace_opcodes = False, True
-        return count
+    def ticking(*ticks: Callable[[], int]) -> Callable[[Any, str, Any], Any]:
+        def count(frame: Any, what: str, arg: Any) -> Any:
+            if what == event:
+                for advance in ticks:
+                    advance()
+            elif what == "call":  # (tracing) a new frame: its bytecodes reported, not lines
+                frame.f_trace_lines, frame.f_trace_opcodes = False, True
+            return count
 
-    def count_mine(frame: Any, what: str, arg: Any) -> Any:
-        if what == event:
-            tick()
-            tick_mine()
-        elif what == "call":
-            frame.f_trace_lines, frame.f_trace_opcodes = False, True
-        return count_mine
+        return count
 
     def read() -> tuple[int, int]:
         return next(counter), next(mine)
 
-    thread_hook(count)
-    hook(count_mine)
+    thread_hook(ticking(tick))
+    hook(ticking(tick, tick_mine))
     try:
         yield read
     finally:
