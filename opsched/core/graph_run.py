@@ -248,9 +248,7 @@ class GraphRun:
         if index not in self.plan.tuples:
             self.requests[index] = None
         if error is None and self.failed:
-            upstream = next((p for p in self.plan.producers[index] if state[p] is _FAILED), None)
-            if upstream is not None:
-                error = self._upstream_error(index, upstream)
+            error = self.upstream_failure(index)
         if error is None:
             if state[index] is _QUEUED:  # never declared launched (no event of its
                 self.launched(index, None)  # launch to wait on): its consumers go now
@@ -290,6 +288,13 @@ class GraphRun:
                 # out of the queue at once; its request's end calls finished() for it
                 self.engine.drop(request, self._upstream_error(consumer, failed))
             # a launched consumer fails when its launch finishes (its result is discarded)
+
+    def upstream_failure(self, index: int) -> BaseException | None:
+        """Why node ``index`` cannot have a result when one of its producers failed (its
+        error, naming the first); None when none did."""
+        state = self.state
+        upstream = next((p for p in self.plan.producers[index] if state[p] is _FAILED), None)
+        return None if upstream is None else self._upstream_error(index, upstream)
 
     def _upstream_error(self, index: int, failed: int) -> BaseException:
         """Why node ``index`` has no result: its producer ``failed`` failed."""
@@ -465,13 +470,10 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
         while queue:
             request = queue.popleft()
             index = request.graph[1]
-            if run.failed:
-                state = run.state
-                upstream = next((p for p in run.plan.producers[index] if state[p] is _FAILED), None)
-                if upstream is not None:
-                    error = run._upstream_error(index, upstream)
-                    finish(request, RequestState.FAILED, counters, error)
-                    continue
+            error = run.upstream_failure(index) if run.failed else None
+            if error is not None:
+                finish(request, RequestState.FAILED, counters, error)
+                continue
             if past_deadline(request):
                 # expired before its launch, as in the queue: never declared launched, so
                 # its consumers are never submitted (they fail with the run, not as requests)
