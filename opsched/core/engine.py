@@ -91,6 +91,16 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 #: idle loop ran requests at submit; many clients fill the queue and are not affected.
 FEW_READY = 4
 
+#: A request of fewer bytes than this that its device runs on its own arrays in any launch
+#: (:attr:`~opsched.devices.Device.runs_alone_from`: fusing gains it nothing) runs at
+#: submit on an idle scheduler however many others are about to submit: its kernel takes
+#: tens of microseconds, less than the queue's round trip (queueing, the dispatcher's
+#: round, the launch's bookkeeping, the waiter's wake-up) and a second stream would save
+#: it together. A larger one queues, and is spread across the streams with its company
+#: (``opsched bench scheduler --parts targets --target-groups medium``: 64 KiB requests
+#: gain, 256 KiB ones lose).
+ALONE_AT_SUBMIT_BYTES = 256 << 10
+
 #: On asyncio, a coroutine's request that ran at submit returns without yielding to the
 #: loop (as ``await`` of a finished future does), except every this many in a row: then it
 #: yields once, so a client whose every request runs at submit never keeps the loop's other
@@ -145,6 +155,9 @@ class Engine:
     #: The largest request that runs at submit: one the dispatcher would launch alone and
     #: inline (at most ``inline_max_bytes``, not split across streams).
     _solo_max_bytes: int = attrs.field(default=0, init=False)
+    #: From what size a request gains nothing from company (the device's
+    #: :attr:`~opsched.devices.Device.runs_alone_from`; :meth:`runs_at_submit`).
+    _alone_from: int = attrs.field(default=0, init=False)
     #: Requests run at submit since a waiter last yielded to the loop, and how many may
     #: return without yielding (:data:`YIELD_EVERY` - 1 on asyncio, 0 on trio).
     _unyielded: int = attrs.field(default=0, init=False)
@@ -164,6 +177,7 @@ class Engine:
             self.device.runs_in_caller and self.tracer is None and not config.max_delay_us
         )
         self._solo_max_bytes = min(config.inline_max_bytes, config.split_min_bytes - 1)
+        self._alone_from = self.device.runs_alone_from
         self._unyielded_max = YIELD_EVERY - 1 if self.loop.library == "asyncio" else 0
 
     # ------------------------------------------------------------------------ lifecycle
@@ -454,17 +468,21 @@ class Engine:
 
     def runs_at_submit(self, request: Request) -> bool:
         """Whether a coroutine's (or a graph node's) new ``request`` may run at submit, in
-        the loop thread: at most :data:`FEW_READY` others are ready to run on the loop, the
-        scheduler is idle, and the request is one the dispatcher would launch alone and
-        inline (at most ``inline_max_bytes``, not split across streams). Its waiter still
-        yields to the loop once (others run between two requests of a client whose every
-        request runs at submit)."""
+        the loop thread: the scheduler is idle, the request is one the dispatcher would
+        launch alone and inline (at most ``inline_max_bytes``, not split across streams),
+        and waiting for company would gain it nothing: at most :data:`FEW_READY` others
+        are ready to run on the loop (hardly any could join), or it is a medium request
+        (:data:`ALONE_AT_SUBMIT_BYTES`). Its waiter still yields to the loop now and then
+        (:data:`YIELD_EVERY`)."""
+        nbytes = request.nbytes
         return (
             self._solo_capable
             and not self.queue.live
             and not self.dispatcher.inflight
-            and 0 < request.nbytes <= self._solo_max_bytes
-            and self.loop.ready() <= FEW_READY
+            and 0 < nbytes <= self._solo_max_bytes
+            and (
+                self.loop.ready() <= FEW_READY or self._alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
+            )
         )
 
     def run_at_submit(self, request: Request) -> None:

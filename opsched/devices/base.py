@@ -168,6 +168,9 @@ class Device(abc.ABC):
     #: Graph intermediates of fewer bytes are plain new arrays (:meth:`empty`), never asked
     #: of :meth:`intermediate` (default: none is: the default intermediate is one too).
     pools_intermediates_from: int = attrs.field(default=sys.maxsize, kw_only=True)
+    #: Requests of at least this many bytes run on their own arrays in every launch (never
+    #: gathered or stacked with others): company gains them nothing (default: none does).
+    runs_alone_from: int = attrs.field(default=sys.maxsize, kw_only=True)
     #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.

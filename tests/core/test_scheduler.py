@@ -29,7 +29,7 @@ from opsched import (
 from opsched.cli.solo import solo_gnb
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
-from opsched.core.engine import FEW_READY, YIELD_EVERY
+from opsched.core.engine import ALONE_AT_SUBMIT_BYTES, FEW_READY, YIELD_EVERY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.streams import Stream, ThreadStream
@@ -250,8 +250,9 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
     rng = np.random.default_rng(4)
     big = [(rand(rng, (256, 512), F32), rand(rng, (256, 1024), F32)) for _ in range(2)]
     assert big[0][1].nbytes >= MIN_SPREAD_BYTES  # 2.5 MiB in all: alone, under 4 MiB
-    tabled = [small_glu(rng, rows=64, cols=256) for _ in range(16)]  # 2 x 1.25 MiB
-    assert 2 * tabled[0][1].nbytes + tabled[0][0].nbytes >= LONE_BYTES
+    tabled = [small_glu(rng, rows=128, cols=256) for _ in range(16)]  # 2 x 2.5 MiB
+    # (each of LONE_BYTES at least, and too large to run at submit: queued together)
+    assert 2 * tabled[0][1].nbytes + tabled[0][0].nbytes >= ALONE_AT_SUBMIT_BYTES >= LONE_BYTES
     gathered = [small_glu(rng, rows=32, cols=256) for _ in range(26)]  # 2 x 1.02 MiB
     assert 2 * gathered[0][1].nbytes + gathered[0][0].nbytes < LONE_BYTES
 
@@ -1066,6 +1067,27 @@ async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting,
         stats = sched.statistics()
     assert_same_bits(out, solo_glu(g, x, -1))
     assert stats.queued_peak >= 1  # it went through the queue
+
+
+@pytest.mark.parametrize("device", THREADED_DEVICES)
+@pytest.mark.parametrize(("rows", "at_submit"), [(16, True), (64, False)])
+async def test_a_medium_request_runs_at_submit_however_many_others_are_ready(
+    device, rows, at_submit
+):
+    # Beside tasks that may submit too, a request the device runs on its own arrays in any
+    # launch, and below ALONE_AT_SUBMIT_BYTES, still runs at submit: company would gain it
+    # nothing. A larger one queues (the dispatcher spreads such requests across streams).
+    rng = np.random.default_rng(35)
+    g, x = small_glu(rng, rows=rows, cols=1024)  # 16 rows: 160 KiB with out; 64: 640 KiB
+    async with opsched.open_scheduler(device=device) as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        assert sched.device.runs_alone_from <= 2.5 * x.nbytes
+        assert (2.5 * x.nbytes < ALONE_AT_SUBMIT_BYTES) == at_submit
+        out = await beside_a_ready_task(sched.glu_backward(g, x))
+        stats = sched.statistics()
+    assert_result(device, out, solo_glu(g, x, -1))
+    assert stats.launches == 1
+    assert (stats.queued_peak == 0) == at_submit
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (trio says only "none" or "many")

@@ -469,6 +469,18 @@ def stacked(request, monkeypatch):
     return request.param
 
 
+def test_a_request_the_device_says_runs_alone_is_past_every_launchers_stacking():
+    # The device tells the scheduler that requests of ALONE_BYTES run on their own
+    # tensors in any launch (so one may run at submit without waiting for company): at 4
+    # bytes an element, the largest operand of such a request (a third of its bytes, at
+    # least) must be past the stacking limit of every operator's launcher.
+    from opsched.devices.torch import glu_backward, group_norm_grad
+
+    modules = (glu_backward, group_norm_grad, torch_group_norm_backward)
+    assert make_device("torch:cpu", 1).runs_alone_from == launchers.ALONE_BYTES
+    assert max(m._STACK_MAX for m in modules) <= launchers.ALONE_BYTES // 3 // 4
+
+
 def test_on_the_cpu_each_group_norm_backward_is_its_own_aten_call():
     # tiny requests of every geometry: each launched as aten's own call on its own
     # tensors, in any batch, so bit for bit what aten gives a caller who calls it alone

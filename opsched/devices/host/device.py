@@ -213,6 +213,7 @@ class HostDevice(Device):
     def __attrs_post_init__(self) -> None:
         self.binds_as_given = self.fuse_max_bytes  # see bind()
         self.pools_intermediates_from = POOLED_INTERMEDIATE_BYTES  # see intermediate()
+        self.runs_alone_from = LONE_BYTES
 
     def bind(
         self,

@@ -70,7 +70,7 @@ from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import PoolStatistics
 from opsched.devices.streams import FrameworkStream, Stream, ThreadStream
 from opsched.devices.torch import aten
-from opsched.devices.torch.launchers import LAUNCHERS
+from opsched.devices.torch.launchers import ALONE_BYTES, LAUNCHERS
 from opsched.devices.torch.layout import HostOperands
 from opsched.ops import Operator, register_array_type
 from opsched.ops.products import product_of_device
@@ -185,6 +185,7 @@ class TorchDevice(Device):
             threads,
             inline_capable=kind == "cpu",
             runs_in_caller=kind == "cpu",
+            runs_alone_from=ALONE_BYTES,
             accepts_tensors=True,
             array_kinds="a numpy.ndarray or a torch tensor",
             torch_device=torch_device,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from opsched.devices.torch import glu_backward, group_norm_backward, group_norm_grad
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
 
-__all__ = ["LAUNCHERS", "TorchLauncher"]
+__all__ = ["ALONE_BYTES", "LAUNCHERS", "TorchLauncher"]
 
 
 class TorchLauncher(NamedTuple):
@@ -34,3 +34,11 @@ LAUNCHERS: dict[str, TorchLauncher] = {
     GROUP_NORM_GRAD.name: TorchLauncher(group_norm_grad.call, group_norm_grad.launch),
     GROUP_NORM_BACKWARD.name: TorchLauncher(group_norm_backward.call, group_norm_backward.launch),
 }
+
+#: Requests of at least this many bytes (inputs and outputs) run on their own tensors in
+#: every launch (:attr:`~opsched.devices.Device.runs_alone_from`): an operator's largest
+#: operand is at least a third of its request's bytes, so at 4 bytes an element it holds
+#: more elements than any launcher above stacks (at most 8192). (A FLOAT64 request of this
+#: size may still stack; running it alone gives the same bits, only not its share of a
+#: launch.)
+ALONE_BYTES = 128 << 10
