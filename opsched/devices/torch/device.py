@@ -400,15 +400,16 @@ class TorchDevice(Device):
         if isinstance(issuer, FrameworkStream) and issuer.bind_error is not None:
             return {r.id: issuer.bind_error for r in requests}
         errors: dict[int, BaseException] = {}
-        context: Any = contextlib.nullcontext()
+        context: Any = None  # where the launch issues: an accelerator's framework stream
         default: Any = None
         if framework is not None:
             backend = self._backend
             default = backend.default_stream(self.torch_device)
             for caller in _caller_streams(requests, default):  # after what they queued
                 framework.wait_stream(caller)
+            context = contextlib.nullcontext()  # the stream's own bound thread: bound already
             if not (isinstance(issuer, ThreadStream) and issuer.worker == threading.get_ident()):
-                context = backend.stream(framework)  # not the stream's own bound thread
+                context = backend.stream(framework)
         if self._faulty is None:  # no fault injector: no call a request
             live = list(requests)
         else:
@@ -427,9 +428,11 @@ class TorchDevice(Device):
         if grad:
             torch.set_grad_enabled(False)
         try:
-            with context:
+            if context is None:  # the CPU: no stream to issue on, nothing to wait for
                 self._launch(op, live, errors)
-                if framework is not None:
+            else:
+                with context:
+                    self._launch(op, live, errors)
                     self._finish_on_device(op, framework, issuer, default, live, errors)
         finally:
             if grad:

@@ -48,7 +48,7 @@ def launch(requests: Sequence[Any]) -> None:
     # length stack them, whatever their shapes, and every call covers whole rows and
     # runs serially on the CPU (ops/_framework.py): a row computes the same wherever it
     # sits.
-    if len(requests) == 1 and _lone_host(requests[0]):
+    if len(requests) == 1 and _own(requests[0]):  # (a solo launch: aten's own call)
         return
     glu = torch.ops.aten.glu_backward.grad_input
     for stack in framework_stacks(requests, _stack_key, _size, _STACK_MAX, _half, _INPUTS):
