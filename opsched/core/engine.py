@@ -93,12 +93,12 @@ FEW_READY = 4
 
 #: A request of fewer bytes than this that its device runs on its own arrays in any launch
 #: (:attr:`~opsched.devices.Device.runs_alone_from`: fusing gains it nothing) runs at
-#: submit on an idle scheduler however many others are about to submit: its kernel takes
-#: tens of microseconds, less than the queue's round trip (queueing, the dispatcher's
-#: round, the launch's bookkeeping, the waiter's wake-up) and a second stream would save
-#: it together. A larger one queues, and is spread across the streams with its company
-#: (``opsched bench scheduler --parts targets --target-groups medium``: 64 KiB requests
-#: gain, 256 KiB ones lose).
+#: submit on an idle scheduler however many others are about to submit: for a kernel of
+#: tens of microseconds, the queue's round trip (queueing, the dispatcher's round, the
+#: launch's bookkeeping, the waiter's wake-up) costs more than a second stream would save.
+#: A larger one queues, and is spread across the streams with its company (``opsched bench
+#: scheduler --parts targets --target-groups medium``: 64 KiB requests gain, 256 KiB ones
+#: lose).
 ALONE_AT_SUBMIT_BYTES = 256 << 10
 
 #: On asyncio, a coroutine's request that ran at submit returns without yielding to the

@@ -472,8 +472,8 @@ def stacked(request, monkeypatch):
 def test_a_request_the_device_says_runs_alone_is_past_every_launchers_stacking():
     # The device tells the scheduler that requests of ALONE_BYTES run on their own
     # tensors in any launch (so one may run at submit without waiting for company): at 4
-    # bytes an element, the largest operand of such a request (a third of its bytes, at
-    # least) must be past the stacking limit of every operator's launcher.
+    # bytes an element, the largest operand of such a request (about a third of its
+    # bytes, or more) must be past the stacking limit of every operator's launcher.
     from opsched.devices.torch import glu_backward, group_norm_grad
 
     modules = (glu_backward, group_norm_grad, torch_group_norm_backward)

@@ -37,8 +37,9 @@ LAUNCHERS: dict[str, TorchLauncher] = {
 
 #: Requests of at least this many bytes (inputs and outputs) run on their own tensors in
 #: every launch (:attr:`~opsched.devices.Device.runs_alone_from`): an operator's largest
-#: operand is at least a third of its request's bytes, so at 4 bytes an element it holds
-#: more elements than any launcher above stacks (at most 8192). (A FLOAT64 request of this
+#: operand is about a third of its request's bytes or more (GroupNormBackward's input,
+#: grad_out and dx alike, beside small statistics), so at 4 bytes an element it holds well
+#: over the 8192 elements any launcher above stacks at most. (A FLOAT64 request of this
 #: size may still stack; running it alone gives the same bits, only not its share of a
 #: launch.)
 ALONE_BYTES = 128 << 10
