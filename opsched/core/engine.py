@@ -155,9 +155,6 @@ class Engine:
     #: The largest request that runs at submit: one the dispatcher would launch alone and
     #: inline (at most ``inline_max_bytes``, not split across streams).
     _solo_max_bytes: int = attrs.field(default=0, init=False)
-    #: From what size a request gains nothing from company (the device's
-    #: :attr:`~opsched.devices.Device.runs_alone_from`; :meth:`runs_at_submit`).
-    _alone_from: int = attrs.field(default=0, init=False)
     #: Requests run at submit since a waiter last yielded to the loop, and how many may
     #: return without yielding (:data:`YIELD_EVERY` - 1 on asyncio, 0 on trio).
     _unyielded: int = attrs.field(default=0, init=False)
@@ -177,7 +174,6 @@ class Engine:
             self.device.runs_in_caller and self.tracer is None and not config.max_delay_us
         )
         self._solo_max_bytes = min(config.inline_max_bytes, config.split_min_bytes - 1)
-        self._alone_from = self.device.runs_alone_from
         self._unyielded_max = YIELD_EVERY - 1 if self.loop.library == "asyncio" else 0
 
     # ------------------------------------------------------------------------ lifecycle
@@ -481,7 +477,8 @@ class Engine:
             and not self.dispatcher.inflight
             and 0 < nbytes <= self._solo_max_bytes
             and (
-                self.loop.ready() <= FEW_READY or self._alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
+                self.loop.ready() <= FEW_READY
+                or self.device.runs_alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
             )
         )
 
