@@ -188,7 +188,7 @@ def _tracing(target: BenchTarget, repeats: int, clients: int, per_client: int) -
 
 
 #: Concurrent clients and fused batch caps of the sweeps.
-SWEEP_CLIENTS = (1, 2, 4, 16, 64, 256)
+SWEEP_CLIENTS = (1, 2, 4, 8, 16, 64, 256)
 SWEEP_BATCH = (1, 4, 16, 64, 256, 1024)
 
 

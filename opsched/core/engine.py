@@ -83,13 +83,15 @@ def _orphan_in_child() -> None:
 os.register_at_fork(after_in_child=_orphan_in_child)
 
 #: A coroutine's request runs at submit while at most this many other callbacks are ready
-#: on the loop (:attr:`LoopHandle.ready`): at most a handful of requests could join its
-#: launch, whose batch would gain nothing from them (a device runs so small a batch's
-#: requests one after another on their own arrays anyway, or stacks them no faster), while
-#: the dispatcher's round and each waiter's wake-up cost more than the launch. A few
-#: clients calling in turn get about twice the requests a second they would if only an
-#: idle loop ran requests at submit; many clients fill the queue and are not affected.
-FEW_READY = 4
+#: on the loop (:attr:`LoopHandle.ready`): so few requests could join its launch that a
+#: fused launch of them costs more than their solo launches (the dispatcher's round, the
+#: gather and scatter, each waiter's wake-up, spread over a handful of requests). For
+#: eight coroutines awaiting tiny requests of one operator, run at submit each costs half
+#: to two thirds as much as fused on the cpu device (every operator), three quarters to
+#: four fifths on ``torch:cpu`` (``opsched bench scheduler --parts sweeps`` measures the
+#: tiny GLU requests', on either device: its 8-client row); with sixteen, a fused launch
+#: costs less on ``torch:cpu``. Many clients fill the queue and are not affected.
+FEW_READY = 8
 
 #: A request of fewer bytes than this that its device runs on its own arrays in any launch
 #: (:attr:`~opsched.devices.Device.runs_alone_from`: fusing gains it nothing) runs at

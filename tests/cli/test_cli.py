@@ -123,7 +123,7 @@ def test_bench_writes_results_trace_and_chart(tmp_path):
         assert {"op", "dtype", "elements", "fast_gbps", "copy_gbps", "ratio_to_copy"} <= set(row)
     sched = results["scheduler"]
     assert {"throughput_glu", "throughput_gn", "tracing", "sweeps"} <= set(sched)
-    assert [p["clients"] for p in sched["sweeps"]["by_clients"]] == [1, 2, 4, 16, 64, 256]
+    assert [p["clients"] for p in sched["sweeps"]["by_clients"]] == [1, 2, 4, 8, 16, 64, 256]
     assert sched["tracing"]["traced_rps"] > 0
     assert results["graphs"]["graph_chains_per_s"] > 0
     events = load_trace(tmp_path / "t.json")
