@@ -206,8 +206,9 @@ async def settle(condition, tries: int = 1000) -> None:
 
 async def beside_a_ready_task(awaitable):
     """Await ``awaitable`` while more than ``FEW_READY`` other tasks are ready to run (on
-    either backend), so that a request it submits goes through the queue: with fewer it
-    would run at submit."""
+    either backend), so that a request it submits goes through the queue unless its device
+    says company gains it nothing (``Device.runs_alone_from``): with fewer it would run at
+    submit."""
     import anyio
 
     from opsched.core.engine import FEW_READY

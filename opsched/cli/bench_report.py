@@ -75,6 +75,10 @@ above 1.0x means the scheduler costs less per request than no scheduler at all.
   opsched's promises can cost less than the second.
 - **Medium requests.** 32 coroutines awaiting requests of 64 KiB to 1 MiB, against torch's
   call per request.
+- **Solo or fused.** On the cpu device, 256 coroutines awaiting tiny requests of one
+  geometry, every one run at submit alone against every one fused, per operator and size:
+  each operator's `alone_from` (from which an idle scheduler runs a request at submit)
+  sits where the two cross.
 - **Latency, lag, scaling.** The time an idle scheduler adds to one request; the event
   loop's lag while large launches run; requests a second with two streams against one, and
   one large request split across two streams against one (beside a copy's own scaling, the
@@ -180,6 +184,26 @@ def _medium(medium: dict[str, Any]) -> list[str]:
         rows.append([name, size, str(row["requests"]), _x(row["speedup"])])
     head = ["operator", "request", "requests", "vs torch's call"]
     return ["### Medium requests, 32 coroutines", "", *_table(head, rows), ""]
+
+
+def _alone(alone: dict[str, Any]) -> list[str]:
+    rows = []
+    for row in alone["rows"]:
+        limit = alone["alone_from"][row["op"]]
+        route = "at submit" if row["bytes"] >= limit else "fused"
+        rows.append(
+            [
+                row["op"],
+                f"{row['bytes']:,} B",
+                f"{row['solo_us']:.2f}",
+                f"{row['fused_us']:.2f}",
+                _x(row["ratio"]),
+                f"{route} ({limit >> 10} KiB)",
+            ]
+        )
+    head = ["operator", "request", "solo us", "fused us", "solo / fused", "route (alone_from)"]
+    title = f"### Solo or fused: cpu device, {alone['coroutines']} coroutines"
+    return [title, "", *_table(head, rows), ""]
 
 
 def verdict(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -387,6 +411,8 @@ def render_page(doc: dict[str, Any], source: str) -> str:
         lines += _paths(sched["paths"])
     if "medium" in sched:
         lines += _medium(sched["medium"])
+    if "alone" in sched:
+        lines += _alone(sched["alone"])
     if "calls" in sched:
         lines += _calls(sched["calls"])
     lines += _others(sched)

@@ -1,4 +1,4 @@
-"""The scheduler benchmark: twelve figures, each against a baseline measured in the same run.
+"""The scheduler benchmark: thirteen figures, each against a baseline measured in the same run.
 
 1. Small-request throughput: 256 coroutines each awaiting 200 requests through the
    scheduler, against the same requests one at a time through the two-phase API with no
@@ -29,6 +29,9 @@
    beside its target, median and spread of at least five interleaved rounds
    (:mod:`opsched.cli.bench_targets`; on the host device and ``torch:cpu`` whatever
    ``--device`` says).
+13. Solo or fused: per operator and size, tiny requests of 256 coroutines all run at
+   submit against all fused, on the cpu device (:mod:`opsched.cli.bench_alone`): each
+   operator's ``alone_from`` sits where the two cross.
 
 On a torch device the scheduler is given torch tensors (a torch user's calls), and (1)'s
 torch line compares it with the framework's call once per request.
@@ -53,6 +56,7 @@ from typing import Any, TextIO
 import numpy as np
 
 import opsched
+from opsched.cli.bench_alone import bench_alone, print_alone
 from opsched.cli.bench_calls import bench_calls, print_calls
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import bench_medium, on_device, print_medium
@@ -395,6 +399,7 @@ PARTS = (
     "medium",
     "calls",
     "targets",
+    "alone",
 )
 
 
@@ -444,6 +449,8 @@ def bench_scheduler(
         result["calls"] = bench_calls()
     if "targets" in parts:
         result["targets"] = bench_targets(max(5, repeats), quick=quick, groups=target_groups)
+    if "alone" in parts and target.device == "cpu":
+        result["alone"] = bench_alone(repeats, 1_024 if quick else 7_680)
     return result
 
 
@@ -541,3 +548,5 @@ def print_scheduler_report(r: dict[str, Any], out: TextIO) -> None:
         print_calls(r["calls"], out)
     if "targets" in r:
         print_targets(r["targets"], out)
+    if "alone" in r:
+        print_alone(r["alone"], line)

@@ -93,21 +93,25 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 #: costs less on ``torch:cpu``. Many clients fill the queue and are not affected.
 FEW_READY = 8
 
-#: A request of fewer bytes than this that its device runs on its own arrays in any launch
-#: (:attr:`~opsched.devices.Device.runs_alone_from`: fusing gains it nothing) runs at
-#: submit on an idle scheduler however many others are about to submit: for a kernel of
-#: tens of microseconds, the queue's round trip (queueing, the dispatcher's round, the
-#: launch's bookkeeping, the waiter's wake-up) costs more than a second stream would save.
-#: A larger one queues, and is spread across the streams with its company (``opsched bench
-#: scheduler --parts targets --target-groups medium``: 64 KiB requests gain, 256 KiB ones
-#: lose).
+#: A coroutine's request of fewer bytes than this that company gains nothing, as its device
+#: says (:attr:`~opsched.devices.Device.runs_alone_from`: it runs on its own arrays in any
+#: launch, or its solo launch costs no more than its share of a fused one), runs at submit
+#: however many others are about to submit, while no launch is in flight and nothing of its
+#: launch key is queued: for a kernel of up to tens of microseconds, the queue's round trip
+#: (queueing, the dispatcher's round, the launch's bookkeeping, the waiter's wake-up) costs
+#: more than a second stream would save. A larger one queues, and is spread across the
+#: streams with its company (``opsched bench scheduler --parts targets --target-groups
+#: medium``: 64 KiB requests gain, 256 KiB ones lose).
 ALONE_AT_SUBMIT_BYTES = 256 << 10
 
 #: On asyncio, a coroutine's request that ran at submit returns without yielding to the
-#: loop (as ``await`` of a finished future does), except every this many in a row: then it
-#: yields once, so a client whose every request runs at submit never keeps the loop's other
-#: callbacks, timers and cancellations waiting longer than this many tiny launches. On
-#: trio every request is a checkpoint, as trio's own calls are.
+#: loop (as ``await`` of a finished future does), except every this many in a row (since a
+#: task last waited for a request): then it yields once, so a client whose every request
+#: runs at submit never keeps the loop's other callbacks, timers and cancellations waiting
+#: longer than this many tiny launches. A client whose requests alternate between run at
+#: submit and queued keeps its place among the others (its turn is the queued one's wait),
+#: so their queued requests keep fusing. On trio every request is a checkpoint, as trio's
+#: own calls are.
 YIELD_EVERY = 8
 
 
@@ -322,6 +326,7 @@ class Engine:
                 # does for it, without a coroutine of its own around the await.
                 request.waiting = 1
                 request.waiter = future = new_future()
+                self._unyielded = 0  # this task yields to the loop now (YIELD_EVERY)
                 try:
                     await future
                     if self.loop.scoped and self.loop.cancelled():
@@ -400,9 +405,9 @@ class Engine:
             self.finish_empty(request)
             return request
         queue = self.queue
-        # (queue.live first: a busy scheduler skips the call)
-        if not queue.live and self.runs_at_submit(request):
-            self.run_at_submit(request)  # nothing could join it: its solo launch, now
+        # (queue.live first: a busy scheduler skips the few-ready test)
+        if (not queue.live and self.runs_at_submit(request)) or self.runs_alone_at_submit(request):
+            self.run_at_submit(request)  # nothing would join it: its solo launch, now
             return request
         queue.push(request)  # (:meth:`enqueue`, without the call)
         if request.deadline is not None:
@@ -468,20 +473,34 @@ class Engine:
         """Whether a coroutine's (or a graph node's) new ``request`` may run at submit, in
         the loop thread: the scheduler is idle, the request is one the dispatcher would
         launch alone and inline (at most ``inline_max_bytes``, not split across streams),
-        and waiting for company would gain it nothing: at most :data:`FEW_READY` others
-        are ready to run on the loop (hardly any could join), or it is a medium request
-        (:data:`ALONE_AT_SUBMIT_BYTES`). Its waiter still yields to the loop now and then
-        (:data:`YIELD_EVERY`)."""
+        and at most :data:`FEW_READY` others are ready to run on the loop (so few could
+        join it that their fused launch would cost more). Its waiter still yields to the
+        loop now and then (:data:`YIELD_EVERY`)."""
         nbytes = request.nbytes
         return (
             self._solo_capable
             and not self.queue.live
             and not self.dispatcher.inflight
             and 0 < nbytes <= self._solo_max_bytes
-            and (
-                self.loop.ready() <= FEW_READY
-                or self.device.runs_alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
-            )
+            and self.loop.ready() <= FEW_READY
+        )
+
+    def runs_alone_at_submit(self, request: Request) -> bool:
+        """Whether a coroutine's new ``request``, which its device says company gains
+        nothing (:attr:`~opsched.devices.Device.runs_alone_from`, below
+        :data:`ALONE_AT_SUBMIT_BYTES`), may run at submit however many others are ready:
+        no launch is in flight and nothing of its launch key is queued. Requests of other
+        keys may be: it would share none of their launches (it runs before them, as they
+        wait for the dispatcher's turn of the loop)."""
+        nbytes = request.nbytes
+        # (an operator the device does not name: never)
+        alone_from = self.device.runs_alone_from.get(request.op.name, ALONE_AT_SUBMIT_BYTES)
+        return (
+            alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
+            and nbytes <= self._solo_max_bytes
+            and self._solo_capable
+            and not self.dispatcher.inflight
+            and not self.queue.queued_bytes(request.key)
         )
 
     def run_at_submit(self, request: Request) -> None:
@@ -543,9 +562,9 @@ class Engine:
         withdraws it."""
         loop = self.loop
         request.waiting += 1
+        self._unyielded = 0  # this task yields to the loop now (YIELD_EVERY)
         try:
             if request.finished:  # finished inline at submit: still yield once
-                self._unyielded = 0
                 await loop.checkpoint()
             elif request.waiter is None and loop.new_future:
                 # the common case: one task waits on a bare future (a deadline is the

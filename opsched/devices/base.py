@@ -168,9 +168,13 @@ class Device(abc.ABC):
     #: Graph intermediates of fewer bytes are plain new arrays (:meth:`empty`), never asked
     #: of :meth:`intermediate` (default: none is: the default intermediate is one too).
     pools_intermediates_from: int = attrs.field(default=sys.maxsize, kw_only=True)
-    #: Requests of at least this many bytes run on their own arrays in every launch (never
-    #: gathered or stacked with others): company gains them nothing (default: none does).
-    runs_alone_from: int = attrs.field(default=sys.maxsize, kw_only=True)
+    #: By operator name: the bytes (inputs and outputs) from which a request gains nothing
+    #: from sharing a launch, because the device runs it on its own arrays in every launch
+    #: (never gathered or stacked with others), or because its solo launch costs no more
+    #: than its share of a fused one. An idle scheduler runs such a coroutine's request at
+    #: submit (see :data:`opsched.core.engine.ALONE_AT_SUBMIT_BYTES`). A request of an
+    #: operator not named here always gains (default: every one does).
+    runs_alone_from: Mapping[str, int] = attrs.field(factory=dict, kw_only=True)
     #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)
     #: The Ascend product the device says it is (an NPU's SoC name), else None.

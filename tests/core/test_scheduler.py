@@ -33,7 +33,7 @@ from opsched.core.engine import ALONE_AT_SUBMIT_BYTES, FEW_READY, YIELD_EVERY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.streams import Stream, ThreadStream
-from tests.helpers import assert_same_bits, rand
+from tests.helpers import assert_same_bits, gn_inputs, rand
 from tests.sched_helpers import (
     DEVICES,
     THREADED_DEVICES,
@@ -64,11 +64,17 @@ def assert_adds_up(stats):
 
 async def together(sched, calls, *, errors=False):
     """GluBackward on each ``(grad_out, self)`` of ``calls``, all queued before one dispatch
-    (the loop is kept busy meanwhile); with ``errors``, an exception is returned in place."""
-    async with anyio.create_task_group() as tg:
-        for _ in range(FEW_READY + 1):  # a busy loop: nothing runs at submit, one dispatch
-            tg.start_soon(anyio.lowlevel.checkpoint)  # takes all
-        pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
+    (the loop is kept busy meanwhile, and the device says company gains every request);
+    with ``errors``, an exception is returned in place."""
+    device = sched.device
+    alone, device.runs_alone_from = device.runs_alone_from, {}
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(FEW_READY + 1):  # a busy loop: nothing runs at submit, one
+                tg.start_soon(anyio.lowlevel.checkpoint)  # dispatch takes all
+            pending = [sched.glu_backward_nowait(g, x) for g, x in calls]
+    finally:
+        device.runs_alone_from = alone
     results = []
     for p in pending:
         try:
@@ -1081,13 +1087,94 @@ async def test_a_medium_request_runs_at_submit_however_many_others_are_ready(
     g, x = small_glu(rng, rows=rows, cols=1024)  # 16 rows: 160 KiB with out; 64: 640 KiB
     async with opsched.open_scheduler(device=device) as sched:
         await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
-        assert sched.device.runs_alone_from <= 2.5 * x.nbytes
+        assert sched.device.runs_alone_from[ops.GLU_BACKWARD.name] <= 2.5 * x.nbytes
         assert (2.5 * x.nbytes < ALONE_AT_SUBMIT_BYTES) == at_submit
         out = await beside_a_ready_task(sched.glu_backward(g, x))
         stats = sched.statistics()
     assert_result(device, out, solo_glu(g, x, -1))
     assert stats.launches == 1
     assert (stats.queued_peak == 0) == at_submit
+
+
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+async def test_a_small_request_whose_solo_launch_is_cheap_runs_at_submit_beside_others(device):
+    # On the cpu device a request of at least its operator's alone_from bytes runs at
+    # submit beside tasks that may submit too: its solo launch costs no more than its
+    # share of a fused one. A smaller one queues for company; on the reference device
+    # (its kernels are not the ones measured) both queue.
+    rng = np.random.default_rng(36)
+    seen = []  # per request: (at least alone_from bytes, queued)
+    for rows in (1, 8):  # 640 bytes with out; 5 KiB
+        g, x = small_glu(rng, rows=rows, cols=64)
+        async with opsched.open_scheduler(device=device) as sched:
+            await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+            alone = sched.device.runs_alone_from[ops.GLU_BACKWARD.name]
+            if device == "cpu":
+                assert alone == GluBackwardLauncher.alone_from < LONE_BYTES
+            else:
+                assert alone == LONE_BYTES
+            out = await beside_a_ready_task(sched.glu_backward(g, x))
+            queued = sched.statistics().queued_peak > 0
+        assert_result(device, out, solo_glu(g, x, -1))
+        seen.append((g.nbytes + 2 * x.nbytes >= alone, queued))
+    at_submit = device == "cpu"
+    assert seen == [(False, True), (at_submit, not at_submit)]
+
+
+async def test_a_request_company_gains_nothing_runs_at_submit_beside_another_keys_queue():
+    # Requests of another launch key queued for the dispatcher's next turn do not keep
+    # such a request (a 5 KiB GluBackward on the cpu device) waiting: it would share
+    # none of their launches. One of its own key queued does: it would join that launch.
+    rng = np.random.default_rng(37)
+    big = small_glu(rng, rows=8, cols=64)
+    assert big[0].nbytes + 2 * big[1].nbytes >= GluBackwardLauncher.alone_from
+    gn, tiny = random_gn(rng, F32), small_glu(rng)
+    async with opsched.open_scheduler() as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        async with anyio.create_task_group() as tg:
+            for _ in range(FEW_READY + 1):  # a busy loop: the small ones queue
+                tg.start_soon(anyio.lowlevel.checkpoint)
+            other_key = sched.group_norm_grad_nowait(*gn)
+            beside_other = sched.glu_backward_nowait(*big)
+            own_key = sched.glu_backward_nowait(*tiny)
+            beside_own = sched.glu_backward_nowait(*big)
+            states = [p.done() for p in (other_key, beside_other, own_key, beside_own)]
+        outs = [await p for p in (other_key, beside_other, own_key, beside_own)]
+    assert states == [False, True, False, False]
+    assert_same_bits(outs[0], solo_gn(*gn))
+    for out, (g, x) in zip(outs[1:], (big, tiny, big), strict=True):
+        assert_same_bits(out, solo_glu(g, x, -1))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (on trio every call yields)
+async def test_clients_alternating_at_submit_and_queued_requests_keep_fusing(anyio_backend):
+    # Each client's every other request runs at submit (a 5 KiB GluBackward), the others
+    # queue (a tiny GroupNormalizationGrad): its queued request's wait is its yield, so no
+    # client falls behind the others' dispatch (YIELD_EVERY counts from a task's last
+    # wait): each round of the small ones is one fused launch of all the clients'.
+    rng = np.random.default_rng(38)
+    clients, rounds = 2 * (FEW_READY + 1), 3 * YIELD_EVERY
+    big = [small_glu(rng, rows=8, cols=64) for _ in range(clients)]
+    gns = [gn_inputs(rng, (2, 3, 16), F32) for _ in range(clients)]  # one launch key
+    async with opsched.open_scheduler() as sched:
+        # both calls checked once before: a call checked in full yields (its wait), which
+        # would put its client one round behind the others from the start
+        await sched.glu_backward(*big[0])
+        await sched.group_norm_grad(*gns[0])
+        before = sched.statistics()
+
+        async def client(i: int) -> None:
+            for _ in range(rounds):
+                assert_same_bits(await sched.glu_backward(*big[i]), solo_glu(*big[i], -1))
+                assert_same_bits(await sched.group_norm_grad(*gns[i]), solo_gn(*gns[i]))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(clients):
+                tg.start_soon(client, i)
+        after = sched.statistics()
+    assert after.completed - before.completed == 2 * clients * rounds
+    # each 5 KiB request its solo launch, then one launch of the small ones a round
+    assert after.launches - before.launches == clients * rounds + rounds
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (trio says only "none" or "many")

@@ -35,7 +35,7 @@ from opsched._lru import LRU
 from opsched.devices.base import Device, LaunchBatch, Prepared, allocate_missing
 from opsched.devices.cache import CacheStatistics, ExecutorCache
 from opsched.devices.host.executor import Executor, geometry_of
-from opsched.devices.host.launcher import Layout
+from opsched.devices.host.launcher import HostLauncher, Layout
 from opsched.devices.host.launchers import LAUNCHERS
 from opsched.devices.malloc import keep_freed_memory
 from opsched.devices.pool import Block, PoolStatistics, WorkspacePool
@@ -213,7 +213,16 @@ class HostDevice(Device):
     def __attrs_post_init__(self) -> None:
         self.binds_as_given = self.fuse_max_bytes  # see bind()
         self.pools_intermediates_from = POOLED_INTERMEDIATE_BYTES  # see intermediate()
-        self.runs_alone_from = LONE_BYTES
+        self.runs_alone_from = {
+            name: self.alone_from(launcher) for name, launcher in LAUNCHERS.items()
+        }
+
+    def alone_from(self, launcher: HostLauncher) -> int:
+        """From what size a request of ``launcher``'s operator gains nothing from company:
+        :data:`LONE_BYTES` (a fused launch runs it on its own arrays), or from less where
+        the fast kernel's solo launch costs no more than its share of a fused launch
+        (:attr:`HostLauncher.alone_from`)."""
+        return min(launcher.alone_from, LONE_BYTES)
 
     def bind(
         self,
@@ -611,6 +620,12 @@ class ReferenceDevice(HostDevice):
 
     def launcher(self, op: Operator, plan: Any, tensors: Mapping[str, Any]) -> Launch:
         return LAUNCHERS[op.name].prepare_reference(plan, tensors)
+
+    def alone_from(self, launcher: HostLauncher) -> int:
+        """:data:`LONE_BYTES` for every operator: the launchers measured the fast kernels'
+        solo launches, not the reference kernels'; and tests on this device see small
+        requests fuse."""
+        return LONE_BYTES
 
 
 def _fused_plan(op: Operator, key: Hashable, capacity: int) -> tuple[FusedLayout, Any, Any]:

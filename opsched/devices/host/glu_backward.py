@@ -41,6 +41,7 @@ class GluBackwardLauncher(HostLauncher):
     """GluBackward on the host devices (see the module docstring)."""
 
     op = GLU_BACKWARD
+    alone_from = 4 << 10
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GluPlan:
         return plan_glu_backward(

@@ -43,6 +43,7 @@ class GroupNormBackwardLauncher(HostLauncher):
     """GroupNormBackward on the host devices (see the module docstring)."""
 
     op = GROUP_NORM_BACKWARD
+    alone_from = 24 << 10
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GnbPlan:
         s = scalars

@@ -35,6 +35,7 @@ class GroupNormalizationGradLauncher(HostLauncher):
     """GroupNormalizationGrad on the host devices (see the module docstring)."""
 
     op = GROUP_NORM_GRAD
+    alone_from = 32 << 10
 
     def plan(self, tensors: Tensors, scalars: Mapping[str, Any], block: int) -> GroupNormPlan:
         return plan_group_norm_grad(tensors["x"], tensors["dy"], tensors["gamma"], tensors["dx"])

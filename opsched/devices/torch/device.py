@@ -185,7 +185,7 @@ class TorchDevice(Device):
             threads,
             inline_capable=kind == "cpu",
             runs_in_caller=kind == "cpu",
-            runs_alone_from=ALONE_BYTES,
+            runs_alone_from=dict.fromkeys(LAUNCHERS, ALONE_BYTES),
             accepts_tensors=True,
             array_kinds="a numpy.ndarray or a torch tensor",
             torch_device=torch_device,
