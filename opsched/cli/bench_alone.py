@@ -1,13 +1,14 @@
 """Solo or fused: figure 13 of ``opsched bench scheduler``.
 
-On the cpu device, an idle scheduler runs a coroutine's request at submit, alone, once it
-is at least its operator's :attr:`~opsched.devices.host.launcher.HostLauncher.alone_from`
-bytes, however many other coroutines are about to submit; smaller requests queue for a
-fused launch. This figure measures both routes on the same requests: 256 coroutines
-awaiting tiny requests of one geometry, once with every request run at submit (the device
-says company gains none: ``Device.runs_alone_from`` of 0) and once with every one queued
-for fusion (it says company gains all), in interleaved rounds. Per operator and size, the
-solo route's time over the fused one's: each launcher's constant sits where the two cross.
+On the cpu device, the scheduler runs a coroutine's request at submit, alone, once it is
+at least its operator's :attr:`~opsched.devices.host.launcher.HostLauncher.alone_from`
+bytes, however many other coroutines are about to submit (while no launch is in flight);
+smaller requests queue for a fused launch. This figure measures both routes on the same
+requests: 256 coroutines awaiting tiny requests of one geometry, once with every request
+run at submit (the device says company gains none: ``Device.runs_alone_from`` of 0) and
+once with every one queued for fusion (it says company gains all), in interleaved rounds.
+Per operator and size, the solo route's time over the fused one's: each launcher's
+constant sits where the two cross.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ above 1.0x means the scheduler costs less per request than no scheduler at all.
   call per request.
 - **Solo or fused.** On the cpu device, 256 coroutines awaiting tiny requests of one
   geometry, every one run at submit alone against every one fused, per operator and size:
-  each operator's `alone_from` (from which an idle scheduler runs a request at submit)
+  each operator's `alone_from` (from which the scheduler runs a request at submit)
   sits where the two cross.
 - **Latency, lag, scaling.** The time an idle scheduler adds to one request; the event
   loop's lag while large launches run; requests a second with two streams against one, and

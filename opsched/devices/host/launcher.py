@@ -83,10 +83,11 @@ class HostLauncher(abc.ABC):
     op: ClassVar[Operator]
     #: The bytes (inputs and outputs) from which a request's solo launch on the cpu device
     #: costs no more than its share of a fused launch of 256 tiny requests (its gather and
-    #: scatter, the dispatcher's round, its waiter's wake-up): an idle scheduler then runs
-    #: it at submit (:attr:`~opsched.devices.Device.runs_alone_from`). Where the two cross
-    #: depends on what the operator's solo launch prepares for its compiled call; ``opsched
-    #: bench scheduler --parts alone`` measures both routes at sizes around it.
+    #: scatter, the dispatcher's round, its waiter's wake-up): the scheduler then runs it
+    #: at submit while no launch is in flight (:attr:`~opsched.devices.Device.runs_alone_from`).
+    #: Where the two cross depends on what the operator's solo launch prepares for its
+    #: compiled call; ``opsched bench scheduler --parts alone`` measures both routes at sizes
+    #: around it.
     alone_from: ClassVar[int]
 
     @abc.abstractmethod
