@@ -969,8 +969,11 @@ async def test_steady_state_hits_executor_cache_and_allocates_nothing():
     async with opsched.open_scheduler(streams=2) as sched:
         for _ in range(300):  # warm up over the workload's whole range, largest bursts too
             await burst(sched, int(rng.integers(1, 64)))
-        for _ in range(4):
-            await gather(*(sched.glu_backward(*pool_args[-1]) for _ in range(63)))
+        for _ in range(4):  # the largest batch a burst can queue: a small request first
+            # (it queues; the larger ones, which run at submit while nothing of their launch
+            # key is queued, then queue behind it), then the largest shape
+            largest = (sched.glu_backward(*pool_args[-1]) for _ in range(63))
+            await gather(sched.glu_backward(*pool_args[0]), *largest)
         for args in pool_args:  # bursts of one take the solo path: see each shape alone
             # (alone on an idle loop, a request runs at submit, without the dispatcher's
             # executors)
