@@ -41,6 +41,7 @@ import opsched
 import opsched.sync
 from opsched.cli import bench_floors
 from opsched.cli.bench_paths import glu_inputs
+from opsched.kernels import _jit
 
 __all__ = ["CALL_PATHS", "FLOOR_ROWS", "Calls", "bench_calls", "print_calls"]
 
@@ -227,6 +228,10 @@ def _path(path: str, inputs: list[Any], counting: Counter) -> tuple[float, float
 def bench_calls(requests: int = 2048) -> dict[str, Calls]:
     """Python calls and bytecodes per request of each path (:data:`CALL_PATHS`) and of the
     floors (:data:`FLOOR_ROWS`, after the 256-coroutine path)."""
+    # every kernel compiled (or loaded from numba's cache) first: a path's warm-up round
+    # need not launch every kernel its counted round does (which requests fuse depends on
+    # timing), and a compile in a counted round would count the compiler's calls
+    _jit.warm()
     inputs = glu_inputs(np.random.default_rng(0), requests)
     at = CALL_PATHS.index("256 coroutines") + 1
     figures: dict[str, Calls] = {}
