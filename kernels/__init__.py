@@ -6,3 +6,13 @@ opsched's, only numpy, and knows nothing of scheduling, devices or asyncio.
 Importing it compiles nothing: each compiled loop is compiled (or loaded from numba's disk
 cache) the first time a launch needs it (:mod:`._jit`).
 """
+
+__all__ = ["warm"]
+
+
+def warm() -> int:
+    """Compile (or load from numba's disk cache) every kernel entry point now, instead of
+    at the first launch that needs each; returns how many there are."""
+    from opsched.kernels import _jit
+
+    return _jit.warm()

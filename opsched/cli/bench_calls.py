@@ -39,9 +39,9 @@ import numpy as np
 
 import opsched
 import opsched.sync
+from opsched import kernels
 from opsched.cli import bench_floors
 from opsched.cli.bench_paths import glu_inputs
-from opsched.kernels import _jit
 
 __all__ = ["CALL_PATHS", "FLOOR_ROWS", "Calls", "bench_calls", "print_calls"]
 
@@ -231,7 +231,7 @@ def bench_calls(requests: int = 2048) -> dict[str, Calls]:
     # every kernel compiled (or loaded from numba's cache) first: a path's warm-up round
     # need not launch every kernel its counted round does (which requests fuse depends on
     # timing), and a compile in a counted round would count the compiler's calls
-    _jit.warm()
+    kernels.warm()
     inputs = glu_inputs(np.random.default_rng(0), requests)
     at = CALL_PATHS.index("256 coroutines") + 1
     figures: dict[str, Calls] = {}

@@ -412,10 +412,10 @@ def _run_trace(args: argparse.Namespace) -> int:
 def _run_warm() -> int:
     import time
 
-    from opsched.kernels import _jit
+    from opsched import kernels
 
     started = time.perf_counter()
-    count = _jit.warm()
+    count = kernels.warm()
     elapsed = time.perf_counter() - started
     print(f"{count} kernel entry points compiled or loaded from the cache in {elapsed:.1f} s")
     return 0
