@@ -12,9 +12,11 @@ A request travels one story (``docs/architecture.md``): the caller's call is che
 :class:`~opsched.core.requests.Request`) and admitted; its launch then runs in one of three
 places, and that is the only difference between the routes:
 
-- **at submit, in the loop thread**, when nothing is queued or running, few other callbacks
-  are ready on the loop and the request is small (:meth:`Engine.runs_at_submit`): nothing
-  could join its launch, so it is its solo launch now;
+- **at submit, in the loop thread**, when nothing is running, the request is small, and
+  either nothing is queued and few other callbacks are ready on the loop, or its device says
+  company gains it nothing and nothing of its launch key is queued
+  (:meth:`Engine.runs_at_submit`): nothing would join its launch, so it is its solo launch
+  now;
 - **in the calling thread**, for a thread's blocking call on an idle scheduler
   (:meth:`Engine.runs_in_thread`), the same solo launch there;
 - **from the queue**, otherwise: the dispatcher fuses it with what is queued and starts
@@ -405,8 +407,7 @@ class Engine:
             self.finish_empty(request)
             return request
         queue = self.queue
-        # (queue.live first: a busy scheduler skips the few-ready test)
-        if (not queue.live and self.runs_at_submit(request)) or self.runs_alone_at_submit(request):
+        if self.runs_at_submit(request):
             self.run_at_submit(request)  # nothing would join it: its solo launch, now
             return request
         queue.push(request)  # (:meth:`enqueue`, without the call)
@@ -469,38 +470,35 @@ class Engine:
             and threading.get_ident() != self._loop_thread
         )
 
-    def runs_at_submit(self, request: Request) -> bool:
+    def runs_at_submit(self, request: Request, *, alone: bool = True) -> bool:
         """Whether a coroutine's (or a graph node's) new ``request`` may run at submit, in
-        the loop thread: the scheduler is idle, the request is one the dispatcher would
+        the loop thread: no launch is in flight, the request is one the dispatcher would
         launch alone and inline (at most ``inline_max_bytes``, not split across streams),
-        and at most :data:`FEW_READY` others are ready to run on the loop (so few could
-        join it that their fused launch would cost more). Its waiter still yields to the
+        and waiting for company would gain it nothing: nothing is queued and at most
+        :data:`FEW_READY` others are ready to run on the loop (so few could join it that
+        their fused launch would cost more); or (``alone``: a coroutine's request) its
+        device says company gains a request of its operator and size nothing
+        (:attr:`~opsched.devices.Device.runs_alone_from`, below
+        :data:`ALONE_AT_SUBMIT_BYTES`) and nothing of its launch key is queued: queued
+        requests of other keys would share none of its launch (it runs before them, as
+        they wait for the dispatcher's turn of the loop). Its waiter still yields to the
         loop now and then (:data:`YIELD_EVERY`)."""
         nbytes = request.nbytes
-        return (
-            self._solo_capable
-            and not self.queue.live
+        if not (
+            0 < nbytes <= self._solo_max_bytes
+            and self._solo_capable
             and not self.dispatcher.inflight
-            and 0 < nbytes <= self._solo_max_bytes
-            and self.loop.ready() <= FEW_READY
-        )
-
-    def runs_alone_at_submit(self, request: Request) -> bool:
-        """Whether a coroutine's new ``request``, which its device says company gains
-        nothing (:attr:`~opsched.devices.Device.runs_alone_from`, below
-        :data:`ALONE_AT_SUBMIT_BYTES`), may run at submit however many others are ready:
-        no launch is in flight and nothing of its launch key is queued. Requests of other
-        keys may be: it would share none of their launches (it runs before them, as they
-        wait for the dispatcher's turn of the loop)."""
-        nbytes = request.nbytes
+        ):
+            return False
+        queue = self.queue
+        if not queue.live and self.loop.ready() <= FEW_READY:
+            return True
         # (an operator the device does not name: never)
         alone_from = self.device.runs_alone_from.get(request.op.name, ALONE_AT_SUBMIT_BYTES)
         return (
-            alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
-            and nbytes <= self._solo_max_bytes
-            and self._solo_capable
-            and not self.dispatcher.inflight
-            and not self.queue.queued_bytes(request.key)
+            alone
+            and alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
+            and not queue.queued_bytes(request.key)
         )
 
     def run_at_submit(self, request: Request) -> None:

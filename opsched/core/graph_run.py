@@ -208,7 +208,7 @@ class GraphRun:
             self.launched(index, None)
             engine.finish_empty(request)
         # (queue.live first: a busy scheduler skips the call)
-        elif not waits and not engine.queue.live and engine.runs_at_submit(request):
+        elif not waits and engine.runs_at_submit(request, alone=False):
             request.state = RUNNING  # (never queued: nothing to take it out of)
             self.at_submit.append(request)
         else:
