@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["GraphRun", "NodeState", "run_graph"]
 
 
+#: The nodes fed of a run given no inputs (the usual run: its plan's key, made once).
+_NONE_FED: frozenset[int] = frozenset()
+
 #: The states a node ends in.
 _FINAL = frozenset({NodeState.DONE, NodeState.FAILED, NodeState.CANCELLED})
 
@@ -171,17 +174,15 @@ class GraphRun:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
         request = engine.record(
-            (
-                node.op,
-                tensors,
-                node.scalars,
-                key,
-                node.units,
-                node.nbytes,
-                self.priority,
-                self.deadline,
-                node.signature,
-            )
+            node.op,
+            tensors,
+            node.scalars,
+            key,
+            node.units,
+            node.nbytes,
+            self.priority,
+            self.deadline,
+            node.signature,
         )
         self.requests[index] = request
         self.request_ids[index] = request.id
@@ -207,8 +208,10 @@ class GraphRun:
         if not request.nbytes:  # an empty tensor: done at once, without a launch
             self.launched(index, None)
             engine.finish_empty(request)
-        # (queue.live first: a busy scheduler skips the call)
-        elif not waits and engine.runs_at_submit(request, alone=False):
+        # (a launch in flight first: a busy scheduler, a node's usual case, skips the call)
+        elif not (waits or engine.dispatcher.inflight) and engine.runs_at_submit(
+            request, alone=False
+        ):
             request.state = RUNNING  # (never queued: nothing to take it out of)
             self.at_submit.append(request)
         else:
@@ -344,15 +347,16 @@ class GraphRun:
 
     def result(self) -> list[Any]:
         """The requested outputs, or GraphExecutionError naming every failed node."""
-        state, errors = self.state, self.errors
-        failed = {
-            self.nodes[index].name: errors[index]
-            for index in (self.plan.order if self.failed else ())
-            if state[index] is _FAILED and index in errors
-        }
         outs = [self._output(node.index) for node in self.outputs]
-        if failed:
-            raise GraphExecutionError(failed, outs)
+        if self.failed:
+            state, errors = self.state, self.errors
+            failed = {
+                self.nodes[index].name: errors[index]
+                for index in self.plan.order
+                if state[index] is _FAILED and index in errors
+            }
+            if failed:
+                raise GraphExecutionError(failed, outs)
         return outs
 
     def _output(self, index: int) -> Any:
@@ -512,8 +516,8 @@ def check_inputs(
                 f"expected {key.shape} and {key.dtype}"
             )
             raise ParamInvalidError(msg)
-    fed = frozenset(k.index for k in inputs if isinstance(k, Node))
-    plan = graph._plan(tuple(n.index for n in outputs), fed)
+    fed = frozenset([k.index for k in inputs if isinstance(k, Node)]) if inputs else _NONE_FED
+    plan = graph._plan(tuple([n.index for n in outputs]), fed)
     for placeholder, user in plan.placeholders:
         if placeholder not in inputs:
             msg = (

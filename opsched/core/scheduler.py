@@ -150,7 +150,7 @@ class Scheduler:
         """
         return self._engine.call_threadsafe((op, args, out, priority, deadline, timeout))
 
-    async def run(
+    def run(
         self,
         graph: GraphBuilder,
         outputs: Sequence[Node],
@@ -159,7 +159,7 @@ class Scheduler:
         priority: int = 0,
         deadline: float | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
+    ) -> Coroutine[Any, Any, list[Any]]:
         """Run the nodes ``outputs`` need; return their arrays, in order.
 
         Args:
@@ -176,7 +176,7 @@ class Scheduler:
                 inputs (a placeholder without an array, an array of another geometry).
             SchedulerClosedError: the scheduler is closed.
         """
-        return await run_graph(self._engine, graph, outputs, inputs, priority, deadline, timeout)
+        return run_graph(self._engine, graph, outputs, inputs, priority, deadline, timeout)
 
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of the scheduler's counters."""
