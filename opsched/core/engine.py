@@ -516,15 +516,14 @@ class Engine:
         ):
             return False
         queue = self.queue
-        if not queue.live and self.loop.ready() <= FEW_READY:
-            return True
-        # (an operator the device does not name: never)
-        alone_from = self.device.runs_alone_from.get(request.op.name, ALONE_AT_SUBMIT_BYTES)
-        return (
-            alone
-            and alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES
-            and not queue.queued_bytes(request.key)
-        )
+        if alone:  # first: it asks neither the loop nor, with nothing queued, the queue
+            # (an operator the device does not name: never)
+            alone_from = self.device.runs_alone_from.get(request.op.name, ALONE_AT_SUBMIT_BYTES)
+            if alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES and (
+                not queue.live or not queue.queued_bytes(request.key)
+            ):
+                return True
+        return not queue.live and self.loop.ready() <= FEW_READY
 
     def run_at_submit(self, request: Request) -> None:
         """Run a recorded, not yet queued ``request`` now (:meth:`runs_at_submit` said so)
