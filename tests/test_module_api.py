@@ -174,3 +174,25 @@ def test_scheduler_methods_return_a_coroutine_that_submits_when_awaited():
             assert sched.statistics().submitted == 1
 
     asyncio.run(main())
+
+
+def test_a_graph_run_is_a_coroutine_that_starts_when_awaited():
+    g, x = np.ones((2, 3), F32), np.arange(12, dtype=F32).reshape(2, 6) / 10
+    graph = opsched.Graph()
+    node = graph.glu_backward(g, x, -1)
+
+    async def main():
+        async with opsched.open_scheduler(device="reference") as sched:
+            pending = sched.run(graph, outputs=[node])
+            assert inspect.iscoroutine(pending)
+            assert sched.statistics().graph_runs == 0  # nothing started before the await
+            (out,) = await pending
+            assert_same_bits(out, solo_glu(g, x, -1))
+            sched.run(graph, outputs=[node]).close()  # dropped unawaited: never started
+            bad = sched.run(graph, outputs=[])  # its arguments are checked at the await
+            with pytest.raises(ValueError, match="at least one node"):
+                await bad
+            stats = sched.statistics()
+            assert (stats.graph_runs, stats.submitted) == (1, 1)
+
+    asyncio.run(main())
