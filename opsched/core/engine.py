@@ -39,7 +39,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Any
 
@@ -68,7 +67,6 @@ from opsched.core.requests import (
 from opsched.core.stats import Counters, SchedulerStatistics
 from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
-from opsched.ops import Operator
 from opsched.ops.products import Product, resolve_product
 
 __all__ = ["FEW_READY", "OPEN", "Engine", "SchedulerState"]
@@ -395,33 +393,10 @@ class Engine:
             self.counters.rejected += 1
             raise
 
-    def record(
-        self,
-        op: Operator,
-        tensors: dict[str, Any],
-        scalars: dict[str, Any],
-        key: Hashable,
-        units: int,
-        nbytes: int,
-        priority: int,
-        deadline: float | None,
-        signature: Hashable | None,
-    ) -> Request:
+    def record(self, fields: tuple[Any, ...]) -> Request:
         """A new request record of this engine from a checked call's fields (a graph
-        node's), as :class:`Request` names them."""
-        return Request(
-            next(self._ids),
-            time.monotonic(),
-            op,
-            tensors,
-            scalars,
-            key,
-            units,
-            nbytes,
-            priority,
-            deadline,
-            signature,
-        )
+        node's: op, tensors, scalars, key, units, nbytes, priority, deadline, signature)."""
+        return Request(next(self._ids), time.monotonic(), *fields)
 
     def admit(self, request: Request) -> Request:
         """Start the journey of a request checked on the loop thread: finished at once when

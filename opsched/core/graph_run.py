@@ -174,15 +174,17 @@ class GraphRun:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
         request = engine.record(
-            node.op,
-            tensors,
-            node.scalars,
-            key,
-            node.units,
-            node.nbytes,
-            self.priority,
-            self.deadline,
-            node.signature,
+            (
+                node.op,
+                tensors,
+                node.scalars,
+                key,
+                node.units,
+                node.nbytes,
+                self.priority,
+                self.deadline,
+                node.signature,
+            )
         )
         self.requests[index] = request
         self.request_ids[index] = request.id
