@@ -162,6 +162,9 @@ class Scheduler:
     ) -> Coroutine[Any, Any, list[Any]]:
         """Run the nodes ``outputs`` need; return their arrays, in order.
 
+        Awaitable (a coroutine): the run starts, and its arguments are checked, at the
+        ``await``.
+
         Args:
             graph: the :class:`~opsched.Graph`.
             outputs: nodes of ``graph`` whose results to return (each a fresh array).
