@@ -13,6 +13,6 @@ __all__ = ["warm"]
 def warm() -> int:
     """Compile (or load from numba's disk cache) every kernel entry point now, instead of
     at the first launch that needs each; returns how many there are."""
-    from opsched.kernels import _jit
+    from . import _jit
 
     return _jit.warm()
