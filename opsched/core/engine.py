@@ -500,12 +500,13 @@ class Engine:
                 return True
         return not queue.live and self.loop.ready() <= FEW_READY
 
-    def run_at_submit(self, request: Request) -> None:
+    def run_at_submit(self, request: Request, *, outputs_made: bool = False) -> None:
         """Run a recorded, not yet queued ``request`` now (:meth:`runs_at_submit` said so)
-        and finish it: its waiter finds it finished."""
+        and finish it: its waiter finds it finished. ``outputs_made``: every output it
+        has was made for it by the device (a graph node's: :meth:`Device.run_solo`)."""
         launched_at = time.monotonic()
         start = time.perf_counter()
-        state, error = self._solo_launch(request)
+        state, error = self._solo_launch(request, outputs_made)
         end = time.perf_counter()
         counters = self.counters  # (it was counted as submitted when it was recorded)
         launched = state is not EXPIRED
@@ -537,8 +538,11 @@ class Engine:
             raise error
         return request.outcome()
 
-    def _solo_launch(self, request: Request) -> tuple[RequestState, BaseException | None]:
-        """The solo launch of ``request`` in this thread: how it ended, and its error."""
+    def _solo_launch(
+        self, request: Request, outputs_made: bool = False
+    ) -> tuple[RequestState, BaseException | None]:
+        """The solo launch of ``request`` in this thread: how it ended, and its error
+        (``outputs_made``: as :meth:`run_at_submit`)."""
         if request.deadline is not None and past_deadline(request):
             error = DeadlineExceededError(
                 f"{request.op.name}: the deadline had passed when the request was submitted; "
@@ -547,7 +551,7 @@ class Engine:
             return EXPIRED, error
         if request.nbytes:
             try:
-                self.device.run_solo(request)
+                self.device.run_solo(request, outputs_made=outputs_made)
             except Exception as exc:
                 return RequestState.FAILED, launch_error(request, exc)
         return DONE, None

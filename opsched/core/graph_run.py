@@ -486,7 +486,8 @@ def _run_at_submit(engine: Engine, run: GraphRun) -> None:
                 engine.run_at_submit(request)  # (expires it)
                 continue
             run.launched(index, None)
-            engine.run_at_submit(request)
+            # its outputs are the device's, made for it at submit (:meth:`GraphRun._submit`)
+            engine.run_at_submit(request, outputs_made=True)
     except Exception as exc:  # a bug queue fails the run's nodes still to run, never hangs it
         while queue:
             error = InnerError.caused_by("graph run: running a node failed", exc)

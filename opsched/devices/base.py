@@ -270,9 +270,13 @@ class Device(abc.ABC):
         workspace (the batch waits for a launch to finish). ``overflow``: the last resort,
         workspace beyond the cap when nothing in flight could return any."""
 
-    def run_solo(self, request: LaunchRequest) -> None:
+    def run_solo(self, request: LaunchRequest, *, outputs_made: bool = False) -> None:
         """Run one request now, in the calling thread, exactly as its solo launch would
-        (only where :attr:`runs_in_caller`): the sync facade's lone blocking calls."""
+        (only where :attr:`runs_in_caller`): the sync facade's lone blocking calls.
+        ``outputs_made``: every output the request has came from this device's
+        :meth:`empty` or :meth:`intermediate` for it (a graph node's): new arrays in the
+        device's own layout, overlapping none of its inputs, so the device may plan it by
+        its inputs alone, as a request whose outputs it allocates itself."""
         msg = f"{self.name} cannot run a request in the calling thread"
         raise NotImplementedError(msg)
 

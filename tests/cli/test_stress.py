@@ -120,8 +120,8 @@ def broken(monkeypatch, what: str) -> None:
             for r in layout.requests:
                 spoil(r)
 
-        def run_solo(self, request):
-            real_here(self, request)
+        def run_solo(self, request, **kwargs):
+            real_here(self, request, **kwargs)
             spoil(request)
 
         monkeypatch.setattr(GluBackwardLauncher, "scatter", scatter)
@@ -285,8 +285,8 @@ def _negate_glu_kernels(monkeypatch, *, graphs_only: bool = False, wrong=_negate
 
     real_here = HostDevice.run_solo
 
-    def here(self, request):  # a lone request run where it was made: graph nodes too
-        real_here(self, request)
+    def here(self, request, **kwargs):  # a lone request run where it was made: graph nodes too
+        real_here(self, request, **kwargs)
         if graphs_only and request.graph is not None and request.op.name == "GluBackward":
             wrong(request.tensors["out"])
 

@@ -26,6 +26,7 @@ from opsched import (
     RuntimeLaunchError,
     UpstreamFailedError,
 )
+from opsched.ops import Operator
 from tests.helpers import assert_same_bits, gn_inputs, rand
 from tests.sched_helpers import (
     DEVICES,
@@ -650,6 +651,40 @@ async def test_a_run_on_an_idle_scheduler_runs_its_nodes_at_submit_in_order(devi
     assert stats.queued_peak == 0 and stats.launches - clean.launches == 4  # not after_bad
     assert stats.submitted == stats.completed + stats.failed + stats.cancelled + stats.expired
     assert stats.pool.in_use == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("runs_at_submit")
+async def test_a_node_run_at_submit_is_planned_by_its_inputs_alone(monkeypatch):
+    # A node's outputs are the device's, made for it at submit (new, C-contiguous,
+    # overlapping nothing): its solo launch is planned by its inputs' layout, as a call
+    # whose outputs the launch allocates, without asking whether an output overlaps an
+    # input. A caller's request of a node's geometry whose output is its own input is
+    # still planned by its whole layout, overlap included.
+    rng = np.random.default_rng(14)
+    graph, nodes, oracle = chain(rng, length=4)
+    g, x = rand(rng, nodes[0].shape, F32), rand(rng, nodes[1].shape, F32)
+    want = solo_glu(g, x.copy(), -1)
+    asked = []
+    real = Operator.overlaps_any
+
+    def overlaps_any(self, tensors):
+        asked.append(self.name)
+        return real(self, tensors)
+
+    monkeypatch.setattr(Operator, "overlaps_any", overlaps_any)
+    async with opsched.open_scheduler() as sched:
+        await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
+        outs = await sched.run(graph, outputs=nodes)
+        ran = sched.statistics()
+        assert asked == []  # no node asked
+        got = await sched.glu_backward(g, x, -1, out=x)
+        assert asked == ["GluBackward"]  # the caller's request asked
+    assert ran.queued_peak == 0 and ran.launches == ran.graph_nodes == 4  # all at submit
+    for out, expected in zip(outs, oracle(), strict=True):
+        assert_same_bits(out, expected)
+    assert got is x
+    assert_same_bits(x, want)
 
 
 @pytest.mark.anyio

@@ -275,34 +275,40 @@ class HostDevice(Device):
 
     runs_in_caller: bool = attrs.field(default=True, kw_only=True)
 
-    def run_solo(self, request: Any) -> None:
+    def run_solo(self, request: Any, *, outputs_made: bool = False) -> None:
         """The solo launch of ``request`` in the calling thread: the same plan and kernel
         as :meth:`_prepare_solo` (so the same bits), a fresh workspace instead of the
         pool's (the pool belongs to the loop thread), plans cached by geometry.
 
-        A request whose outputs are all left to the launch (the usual blocking call) is
+        A request whose outputs are all left to the launch (the usual blocking call), or
+        were all made for it by this device (``outputs_made``: a graph node's), is
         planned by its signature and its inputs' strides alone: its outputs are new,
         C-contiguous arrays of shapes the signature fixes, which overlap nothing; the cache
-        holds those shapes too, so they are allocated without the operator's rules."""
+        holds the shapes of those it allocates, so they are allocated without the
+        operator's rules."""
         op: Operator = request.op
         tensors = request.tensors
         signature = request.signature
-        for name in op.outputs:  # a loop, not all(): this runs for every blocking call
-            if tensors[name] is not None:
-                fresh = False
-                break
-        else:
+        if outputs_made:
             fresh = signature is not None
+        else:
+            for name in op.outputs:  # a loop, not all(): this runs for every blocking call
+                if tensors[name] is not None:
+                    fresh = False
+                    break
+            else:
+                fresh = signature is not None
         if fresh:
             # the inputs' strides (None for an absent one), with no Python call per input
             arrays = map(tensors.__getitem__, op.inputs)
             key: Hashable = (signature, *map(getattr, arrays, _STRIDES, _NONE))
             found = self._solo_plans.get(key)
             if found is None:
+                missing = [n for n in op.outputs if tensors[n] is None]
                 allocate_missing(op, tensors, request.scalars)
                 made = tuple(
                     (n, tensors[n].shape, tensors[n].dtype)
-                    for n in op.outputs
+                    for n in missing
                     if tensors[n] is not None
                 )
                 found = self._solo_plan(op, tensors, request.scalars, made)

@@ -370,10 +370,11 @@ class TorchDevice(Device):
 
         return Prepared(work)
 
-    def run_solo(self, request: Any) -> None:
+    def run_solo(self, request: Any, *, outputs_made: bool = False) -> None:
         """The solo launch of ``request`` in the calling thread (torch:cpu only, where a
         launch is the framework's calls in whatever thread makes them): the same
-        :meth:`execute` as on a stream, so the same bits."""
+        :meth:`execute` as on a stream, so the same bits (which read every tensor's
+        layout: ``outputs_made`` changes nothing)."""
         errors = self.execute(request.op, [request], 0)
         if errors:
             raise errors[request.id]
