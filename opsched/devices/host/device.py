@@ -290,15 +290,15 @@ class HostDevice(Device):
         tensors = request.tensors
         signature = request.signature
         if outputs_made:
-            fresh = signature is not None
+            by_inputs = signature is not None
         else:
             for name in op.outputs:  # a loop, not all(): this runs for every blocking call
                 if tensors[name] is not None:
-                    fresh = False
+                    by_inputs = False
                     break
             else:
-                fresh = signature is not None
-        if fresh:
+                by_inputs = signature is not None
+        if by_inputs:
             # the inputs' strides (None for an absent one), with no Python call per input
             arrays = map(tensors.__getitem__, op.inputs)
             key: Hashable = (signature, *map(getattr, arrays, _STRIDES, _NONE))
