@@ -289,15 +289,12 @@ class HostDevice(Device):
         op: Operator = request.op
         tensors = request.tensors
         signature = request.signature
-        if outputs_made:
-            by_inputs = signature is not None
-        else:
+        by_inputs = signature is not None
+        if by_inputs and not outputs_made:
             for name in op.outputs:  # a loop, not all(): this runs for every blocking call
                 if tensors[name] is not None:
                     by_inputs = False
                     break
-            else:
-                by_inputs = signature is not None
         if by_inputs:
             # the inputs' strides (None for an absent one), with no Python call per input
             arrays = map(tensors.__getitem__, op.inputs)
