@@ -229,12 +229,13 @@ def _lone(request: Any, data: Any, wide: Any) -> None:
 
 
 def _own_call(request: Any) -> bool:
-    """On the CPU, a request with something to compute runs as aten's own call on its own
-    tensors and geometry, whatever it is launched with: stacking it would cost more than
-    it saves (a stacked launch of tiny requests makes twenty-odd torch calls beside aten's
-    own, a request alone about five), and a request that always runs alone gets the same
-    bits in any batch. Says whether it ran the request (not: an accelerator's, or one with
-    nothing to compute)."""
+    """On the CPU, a request with something to compute runs as aten's own call on its
+    own tensors and geometry, whatever it is launched with (docs/torch.md): its dgamma /
+    dbeta are aten's own bits, requests of mixed shapes are not cut into stacks of a few
+    (the launcher's cost more than their own calls), and a request launched alone makes
+    aten's one call, not a stack's twenty-odd torch calls around it; a request that
+    always runs alone gets the same bits in any batch. Says whether it ran the request
+    (not: an accelerator's, or one with nothing to compute)."""
     t, s = request.tensors, request.scalars
     if not s["N"] * s["C"] * s["HxW"]:
         return False
