@@ -95,17 +95,6 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 #: costs less on ``torch:cpu``. Many clients fill the queue and are not affected.
 FEW_READY = 8
 
-#: A coroutine's request of fewer bytes than this that company gains nothing, as its device
-#: says (:attr:`~opsched.devices.Device.runs_alone_from`: it runs on its own arrays in any
-#: launch, or its solo launch costs no more than its share of a fused one), runs at submit
-#: however many others are about to submit, while no launch is in flight and nothing of its
-#: launch key is queued: for a kernel of up to tens of microseconds, the queue's round trip
-#: (queueing, the dispatcher's round, the launch's bookkeeping, the waiter's wake-up) costs
-#: more than a second stream would save. A larger one queues, and is spread across the
-#: streams with its company (``opsched bench scheduler --parts targets --target-groups
-#: medium``: 64 KiB requests gain, 256 KiB ones lose).
-ALONE_AT_SUBMIT_BYTES = 256 << 10
-
 #: On asyncio, a coroutine's request that ran at submit returns without yielding to the
 #: loop (as ``await`` of a finished future does), except every this many in a row (since a
 #: task last waited for a request): then it yields once, so a client whose every request
@@ -478,11 +467,16 @@ class Engine:
         :data:`FEW_READY` others are ready to run on the loop (so few could join it that
         their fused launch would cost more); or (``alone``: a coroutine's request) its
         device says company gains a request of its operator and size nothing
-        (:attr:`~opsched.devices.Device.runs_alone_from`, below
-        :data:`ALONE_AT_SUBMIT_BYTES`) and nothing of its launch key is queued: queued
-        requests of other keys would share none of its launch (it runs before them, as
-        they wait for the dispatcher's turn of the loop). Its waiter still yields to the
-        loop now and then (:data:`YIELD_EVERY`)."""
+        (:attr:`~opsched.devices.Device.runs_alone_from`) and nothing of its launch key
+        is queued, however many others are about to submit: queued requests of other
+        keys would share none of its launch (it runs before them, as they wait for the
+        dispatcher's turn of the loop), and queued itself it would gain nothing a second
+        stream could give it: the queue's round trip (the dispatcher's round, the launch's
+        bookkeeping, the waiter's wake-up) and a hand-off to a stream's thread and back
+        cost more than the kernel time two streams save on requests the loop may run
+        inline (``opsched bench scheduler --parts targets --target-groups medium``: 256
+        KiB and 1 MiB requests, 32 coroutines). Its waiter still yields to the loop now
+        and then (:data:`YIELD_EVERY`)."""
         nbytes = request.nbytes
         if not (
             0 < nbytes <= self._solo_max_bytes
@@ -492,10 +486,11 @@ class Engine:
             return False
         queue = self.queue
         if alone:  # first: it asks neither the loop nor, with nothing queued, the queue
-            # (an operator the device does not name: never)
-            alone_from = self.device.runs_alone_from.get(request.op.name, ALONE_AT_SUBMIT_BYTES)
-            if alone_from <= nbytes < ALONE_AT_SUBMIT_BYTES and (
-                not queue.live or not queue.queued_bytes(request.key)
+            alone_from = self.device.runs_alone_from.get(request.op.name)
+            if (  # (an operator the device does not name: never)
+                alone_from is not None
+                and alone_from <= nbytes
+                and (not queue.live or not queue.queued_bytes(request.key))
             ):
                 return True
         return not queue.live and self.loop.ready() <= FEW_READY

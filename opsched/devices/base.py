@@ -172,9 +172,9 @@ class Device(abc.ABC):
     #: from sharing a launch, because the device runs it on its own arrays in every launch
     #: (never gathered or stacked with others), or because its solo launch costs no more
     #: than its share of a fused one. The scheduler runs such a coroutine's request at submit
-    #: while no launch is in flight and none of its launch key is queued (see
-    #: :data:`opsched.core.engine.ALONE_AT_SUBMIT_BYTES`). A request of an operator not
-    #: named here always gains (default: every one does).
+    #: while no launch is in flight and none of its launch key is queued, up to the size
+    #: the loop may run inline (see :meth:`opsched.core.engine.Engine.runs_at_submit`). A
+    #: request of an operator not named here always gains (default: every one does).
     runs_alone_from: Mapping[str, int] = attrs.field(factory=dict, kw_only=True)
     #: Whether :meth:`run_solo` can run a lone request in the calling thread.
     runs_in_caller: bool = attrs.field(default=False, kw_only=True)

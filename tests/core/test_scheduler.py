@@ -29,7 +29,7 @@ from opsched import (
 from opsched.cli.solo import solo_gnb
 from opsched.core.batching import MIN_SPREAD_BYTES
 from opsched.core.dispatch import Dispatcher
-from opsched.core.engine import ALONE_AT_SUBMIT_BYTES, FEW_READY, YIELD_EVERY
+from opsched.core.engine import FEW_READY, YIELD_EVERY
 from opsched.devices.host import LONE_BYTES, SOLO_BATCH_MAX, HostDevice
 from opsched.devices.host.glu_backward import GluBackwardLauncher
 from opsched.devices.streams import Stream, ThreadStream
@@ -257,8 +257,8 @@ async def test_large_lone_requests_compute_on_their_streams_but_the_last(device,
     big = [(rand(rng, (256, 512), F32), rand(rng, (256, 1024), F32)) for _ in range(2)]
     assert big[0][1].nbytes >= MIN_SPREAD_BYTES  # 2.5 MiB in all: alone, under 4 MiB
     tabled = [small_glu(rng, rows=128, cols=256) for _ in range(16)]  # 2 x 2.5 MiB
-    # (each of LONE_BYTES at least, and too large to run at submit: queued together)
-    assert 2 * tabled[0][1].nbytes + tabled[0][0].nbytes >= ALONE_AT_SUBMIT_BYTES >= LONE_BYTES
+    # (each of LONE_BYTES at least: run on its own arrays by the table loop)
+    assert 2 * tabled[0][1].nbytes + tabled[0][0].nbytes >= LONE_BYTES
     gathered = [small_glu(rng, rows=32, cols=256) for _ in range(26)]  # 2 x 1.02 MiB
     assert 2 * gathered[0][1].nbytes + gathered[0][0].nbytes < LONE_BYTES
 
@@ -1079,19 +1079,24 @@ async def test_a_request_runs_at_submit_only_when_nothing_could_join_it(setting,
 
 
 @pytest.mark.parametrize("device", THREADED_DEVICES)
-@pytest.mark.parametrize(("rows", "at_submit"), [(16, True), (64, False)])
+@pytest.mark.parametrize(
+    ("rows", "inline_max_bytes", "at_submit"),
+    [(16, None, True), (64, None, True), (64, 256 << 10, False)],
+)
 async def test_a_medium_request_runs_at_submit_however_many_others_are_ready(
-    device, rows, at_submit
+    device, rows, inline_max_bytes, at_submit
 ):
     # Beside tasks that may submit too, a request the device runs on its own arrays in any
-    # launch, and below ALONE_AT_SUBMIT_BYTES, still runs at submit: company would gain it
-    # nothing. A larger one queues (the dispatcher spreads such requests across streams).
+    # launch still runs at submit, up to the size the loop may run inline: company would
+    # gain it nothing, and queued it would run inline or pay a stream thread's round trip.
+    # A larger one queues (the dispatcher spreads such requests across streams).
     rng = np.random.default_rng(35)
     g, x = small_glu(rng, rows=rows, cols=1024)  # 16 rows: 160 KiB with out; 64: 640 KiB
-    async with opsched.open_scheduler(device=device) as sched:
+    cfg = {} if inline_max_bytes is None else {"inline_max_bytes": inline_max_bytes}
+    async with opsched.open_scheduler(device=device, **cfg) as sched:
         await anyio.lowlevel.checkpoint()  # the scheduler's service task starts
         assert sched.device.runs_alone_from[ops.GLU_BACKWARD.name] <= 2.5 * x.nbytes
-        assert (2.5 * x.nbytes < ALONE_AT_SUBMIT_BYTES) == at_submit
+        assert (2.5 * x.nbytes <= sched.config.inline_max_bytes) == at_submit
         out = await beside_a_ready_task(sched.glu_backward(g, x))
         stats = sched.statistics()
     assert_result(device, out, solo_glu(g, x, -1))
@@ -1255,6 +1260,7 @@ async def test_nothing_in_flight_and_no_memory_overflows_instead_of_stalling():
     g, x = rand(rng, (64, 128), F64), rand(rng, (64, 256), F64)  # DOUBLE carves workspace
     async with opsched.open_scheduler(streams=1, workspace_limit_bytes=1 << 20) as sched:
         held = sched.device._pool.allocate(1 << 20, 0)  # the whole pool, held
+        sched.device.runs_alone_from = {}  # company gains every request: it queues
         out = await beside_a_ready_task(sched.glu_backward(g, x))  # (launched from the queue)
         other = small_glu(rng)
         assert_same_bits(await sched.glu_backward(*other), solo_glu(*other, -1))
