@@ -2,10 +2,10 @@
 called once per request on the same tensors: figure 10 of ``opsched bench scheduler``.
 
 Tiny requests win by fusion; a medium request is worth a launch of its own, so what it
-measures is whether the scheduler's path (checks, queueing, a stream, the result's hand-off)
-costs less than what running requests on several streams at once gains. 32 coroutines await
-the requests; each round moves 64 MiB of ``self`` / ``input``; the ratio is the median of
-interleaved rounds.
+measures is what the scheduler's path (checks, the record, its solo launch at submit or a
+queued launch on a stream, the result's hand-off) adds to the request's own call. 32
+coroutines await the requests; each round moves 64 MiB of ``self`` / ``input``; the ratio
+is the median of interleaved rounds.
 """
 
 from __future__ import annotations
