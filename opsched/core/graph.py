@@ -16,8 +16,9 @@ independent branches still complete.
 
 This module is the builder: it knows operators only through their descriptions (the
 per-operator methods of :class:`opsched.Graph` are generated) and devices not at all (a node
-keeps what a run's device said of it, :attr:`Node.launch_on`, without reading it). What a run
-of given outputs needs, it plans once (:class:`RunPlan`, by node index).
+keeps what a run's device said of its geometry, :attr:`NodeGeometry.launch_on`, without
+reading it). What a run of given outputs needs, it plans once (:class:`RunPlan`, by node
+index).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from opsched.ops.products import Product
 __all__ = [
     "GraphBuilder",
     "Node",
+    "NodeGeometry",
     "NodeState",
     "Placeholder",
     "RunPlan",
@@ -60,6 +62,55 @@ class Placeholder:
         return f"<Placeholder {self.name!r} {self.shape} {self.dtype}>"
 
 
+@attrs.define(eq=False, weakref_slot=True)
+class NodeGeometry:
+    """What a node's checks established, shared by every node of one operator, argument
+    geometry and scalars (in any graph: runs bind arrays of exactly this geometry, so what
+    was checked and asked of a device for one holds for all). A run reads these for every
+    node it submits; shared, they are the same few objects for every client's graph, not
+    one copy a node (a run's queue hashes the fusion key and compares the signatures of
+    the requests it fuses: one object each, compared by identity)."""
+
+    op: Operator
+    #: The checked scalars (read, never changed: every request of the geometry gets them).
+    scalars: dict[str, Any]
+    #: The output argument the node stands for, its shape, dtype and bytes; the operator's
+    #: other requested outputs ``(argument, shape, dtype)``, allocated fresh at each run.
+    output: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    output_nbytes: int
+    extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+    #: The fusion key, units, bytes and the signature of the geometry.
+    key: Any
+    units: int
+    nbytes: int
+    signature: Any
+    #: Zero-byte stand-ins of its arguments, outputs None: to check it again for a product,
+    #: and what a device's launch key is asked of.
+    stand_ins: dict[str, Any]
+    #: What the device it last ran on said of it, set once a node of it passed the
+    #: device's workspace check: ``(a weak reference to the device, its launch key, whether
+    #: its output comes from the device's pool)`` (weakly: a graph keeps no closed
+    #: scheduler's device alive). What a run asks a device of a geometry only once
+    #: (:meth:`~opsched.core.graph_run.GraphRun._submit`).
+    launch_on: tuple[weakref.ref[Any] | None, Hashable, bool] = (None, None, False)
+
+
+#: The geometries of the nodes alive, by operator and signature (a node without a
+#: signature has a geometry of its own).
+_GEOMETRIES: weakref.WeakValueDictionary[tuple[str, Hashable], NodeGeometry] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _shared(geometry: NodeGeometry) -> NodeGeometry:
+    """The geometry alive equal to ``geometry`` (by operator and signature), else it."""
+    if geometry.signature is None:
+        return geometry
+    return _GEOMETRIES.setdefault((geometry.op.name, geometry.signature), geometry)
+
+
 @attrs.define(eq=False, repr=False)
 class Node:
     """One operator call in a graph; stands for its output array in later nodes.
@@ -71,19 +122,11 @@ class Node:
     graph: GraphBuilder
     index: int
     name: str
-    op: Operator
     args: dict[str, Any]
-    scalars: dict[str, Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
+    #: What its checks established (shared with every node of the same geometry).
+    geometry: NodeGeometry
     #: Nodes this one must run after (data producers and ordering-only edges).
     deps: list[Node] = attrs.field(factory=list)
-    #: What its checks established, reused at every run: fusion key, units, bytes and the
-    #: signature of its geometry (runs bind arrays of exactly this geometry).
-    key: Any = None
-    units: int = 0
-    nbytes: int = 0
-    signature: Any = None
     #: How a run binds each argument that is not an array: ``(argument, node index)`` for
     #: one an earlier node's output, ``(argument, placeholder)`` for one a placeholder's.
     from_nodes: tuple[tuple[str, int], ...] = ()
@@ -91,20 +134,31 @@ class Node:
     #: The arguments every run binds alike: the arrays given, every output None (a run
     #: copies it, then binds the two above and its outputs).
     fixed: dict[str, Any] = attrs.field(factory=dict)
-    #: The output argument the node stands for, and the operator's other requested outputs
-    #: ``(argument, shape, dtype)``, allocated fresh at each run.
-    output: str = ""
-    #: The bytes of that output.
-    output_nbytes: int = 0
-    extra_outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...] = ()
-    #: Zero-byte stand-ins of its arguments, to check it again for a product.
-    stand_ins: dict[str, Any] = attrs.field(factory=dict)
-    #: What the device it last ran on said of it, set once the node passed the device's
-    #: workspace check: ``(a weak reference to the device, its launch key, whether its
-    #: output comes from the device's pool)`` (weakly: a graph keeps no closed scheduler's
-    #: device alive). What a run asks a device of a node only once
-    #: (:meth:`~opsched.core.graph_run.GraphRun._submit`).
-    launch_on: tuple[weakref.ref[Any] | None, Hashable, bool] = (None, None, False)
+
+    @property
+    def op(self) -> Operator:
+        """The operator it calls."""
+        return self.geometry.op
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        """Its checked scalars."""
+        return self.geometry.scalars
+
+    @property
+    def output(self) -> str:
+        """The output argument it stands for."""
+        return self.geometry.output
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the output it stands for."""
+        return self.geometry.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the output it stands for."""
+        return self.geometry.dtype
 
     def __repr__(self) -> str:
         return f"<Node {self.name!r} {self.op.name} -> {self.shape} {self.dtype}>"
@@ -187,8 +241,9 @@ class GraphBuilder:
         if product.name in self._products_checked:
             return
         for node in self.nodes:
+            geometry = node.geometry
             try:
-                node.op.check_on(product, node.stand_ins, node.scalars, allocate=True)
+                geometry.op.check_on(product, geometry.stand_ins, geometry.scalars, allocate=True)
             except AclnnError as err:
                 raise type(err)(f"node {node.name!r}: {err.args[0]}", status=err.status) from err
         self._products_checked.add(product.name)
@@ -257,15 +312,23 @@ class GraphBuilder:
         spec = op.output_spec(stand_ins, checked)
         kept = dict(stand_ins)  # the arguments as checked, outputs None
         (output, (shape, dtype)), *extra = spec.items()
-        node = Node(self, len(self.nodes), name, op, dict(args), checked, shape, dtype, deps)
-        node.stand_ins = kept
-        node.output = output
-        node.output_nbytes = math.prod(shape) * dtype.itemsize
-        node.extra_outputs = tuple((out, s, d) for out, (s, d) in extra)
         stand_ins.update({out: stand_in(s, d) for out, (s, d) in spec.items()})
-        node.key, node.units = op.fusion(stand_ins, checked)
-        node.nbytes = op.nbytes(stand_ins)
-        node.signature = canonical_signature(op.signature(stand_ins, scalars))
+        key, units = op.fusion(stand_ins, checked)
+        geometry = NodeGeometry(
+            op,
+            checked,
+            output,
+            shape,
+            dtype,
+            math.prod(shape) * dtype.itemsize,
+            tuple((out, s, d) for out, (s, d) in extra),
+            key,
+            units,
+            op.nbytes(stand_ins),
+            canonical_signature(op.signature(stand_ins, scalars)),
+            kept,
+        )
+        node = Node(self, len(self.nodes), name, dict(args), _shared(geometry), deps)
         node.from_nodes = tuple((a, v.index) for a, v in args.items() if isinstance(v, Node))
         node.from_placeholders = tuple(
             (a, v) for a, v in args.items() if isinstance(v, Placeholder)

@@ -143,6 +143,7 @@ class GraphRun:
         ran when it was added; a run binds arrays of exactly the checked geometry, so
         nothing is checked again."""
         node = self.nodes[index]
+        geometry = node.geometry  # (shared by the nodes of its geometry: hot in the cache)
         engine = self.engine
         device = engine.device
         tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
@@ -158,32 +159,32 @@ class GraphRun:
         waits = None
         if events:  # some node launched on a stream: wait for its producers' events
             waits = [events[p] for p in self.plan.producers[index] if p in events] or None
-        on, key, pooled = node.launch_on
+        on, key, pooled = geometry.launch_on
         checked = on is self.device_ref  # (a device's one weak reference: ran there before)
         if not checked:  # the device's launch key, as a caller's request of these shapes gets
-            key = device.launch_key(node.op, node.stand_ins, node.key)
-            pooled = node.output_nbytes >= device.pools_intermediates_from
+            key = device.launch_key(geometry.op, geometry.stand_ins, geometry.key)
+            pooled = geometry.output_nbytes >= device.pools_intermediates_from
         if pooled and index not in self.plan.wanted:
-            made, block = device.intermediate(node.shape, node.dtype)
+            made, block = device.intermediate(geometry.shape, geometry.dtype)
             if block is not None:
                 self.blocks[index] = block
-        else:
-            made = device.empty(node.shape, node.dtype)  # the caller's array, or a small one
-        output[index] = tensors[node.output] = made
-        for out, shape, dtype in node.extra_outputs:
+        else:  # the caller's array, or a small one
+            made = device.empty(geometry.shape, geometry.dtype)
+        output[index] = tensors[geometry.output] = made
+        for out, shape, dtype in geometry.extra_outputs:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
         request = engine.record(
             (
-                node.op,
+                geometry.op,
                 tensors,
-                node.scalars,
+                geometry.scalars,
                 key,
-                node.units,
-                node.nbytes,
+                geometry.units,
+                geometry.nbytes,
                 self.priority,
                 self.deadline,
-                node.signature,
+                geometry.signature,
             )
         )
         self.requests[index] = request
@@ -195,7 +196,14 @@ class GraphRun:
         counters.graph_nodes += 1
         if not checked:
             try:  # as for callers: a node alone over the workspace cap fails
-                device.check_fits(node.op, tensors, node.scalars, node.key, node.units, node.nbytes)
+                device.check_fits(
+                    geometry.op,
+                    tensors,
+                    geometry.scalars,
+                    geometry.key,
+                    geometry.units,
+                    geometry.nbytes,
+                )
             except Exception as exc:  # the cap's ParamInvalidError; or (boundary) the device
                 # could not answer: recorded and counted already, the request must end
                 if not isinstance(exc, ParamInvalidError):
@@ -205,8 +213,8 @@ class GraphRun:
                     exc = InnerError.caused_by(what, exc)
                 finish(request, RequestState.FAILED, counters, exc)
                 return
-            # its geometry is the same at every run: the device's answers hold for the next
-            node.launch_on = (self.device_ref, key, pooled)
+            # the device's answers hold for every node of this geometry, at every run
+            geometry.launch_on = (self.device_ref, key, pooled)
         if not request.nbytes:  # an empty tensor: done at once, without a launch
             self.launched(index, None)
             engine.finish_empty(request)

@@ -833,3 +833,39 @@ async def test_a_node_asks_each_device_it_runs_on_once(monkeypatch):
                 assert_same_bits(out, expected)
     per_device = [sorted(kind for kind, d in asked if d is device) for device in devices]
     assert per_device == [["fits"] * 4 + ["key"] * 4] * 2
+
+
+@pytest.mark.anyio
+async def test_nodes_of_one_geometry_share_their_checks_and_device_answers(monkeypatch):
+    # Every client's graph of the same shapes reads the same checked geometry: one launch key
+    # and workspace check per geometry and device, whichever graph ran first; a geometry
+    # lives as long as a node of it.
+    from opsched.core.graph import NodeGeometry
+    from opsched.devices.host import HostDevice
+
+    asked: list[str] = []
+    launch_key = HostDevice.launch_key
+
+    def counted_key(self, *args):
+        asked.append("key")
+        return launch_key(self, *args)
+
+    monkeypatch.setattr(HostDevice, "launch_key", counted_key)
+    graphs = [chain(np.random.default_rng(seed), length=4) for seed in (21, 22)]
+    (_, first, _), (_, second, _) = graphs
+    assert [a.geometry is b.geometry for a, b in zip(first, second, strict=True)] == [True] * 4
+    assert len({id(node.geometry) for node in first}) == 4  # each node its own geometry
+    rng = np.random.default_rng(23)
+    gate = first[1].args["self"]  # the first GLU node's, split along another dim
+    other = Graph().glu_backward(rand(rng, (1, 4, 16), F32), gate, dim=0)
+    assert other.geometry is not first[1].geometry
+    async with opsched.open_scheduler() as sched:
+        for graph, nodes, oracle in graphs:
+            (out,) = await sched.run(graph, outputs=[nodes[-1]])
+            assert_same_bits(out, oracle()[-1])
+    assert asked == ["key"] * 4  # asked by the first graph's run only
+    probe = weakref.ref(first[0].geometry)
+    assert isinstance(probe(), NodeGeometry)
+    del graphs, first, second, graph, nodes, oracle
+    gc.collect()
+    assert probe() is None
