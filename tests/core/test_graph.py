@@ -804,8 +804,8 @@ async def test_node_alone_over_the_workspace_cap_fails_its_run_clearly():
 
 @pytest.mark.anyio
 async def test_a_node_asks_each_device_it_runs_on_once(monkeypatch):
-    # The launch key and the workspace check of a node are its device's: asked at its first
-    # run on a device, remembered for the next runs there, asked again on another device.
+    # The launch key and the workspace check of a node's geometry are its device's: asked at
+    # its first run on a device, remembered for the next runs there, asked again on another.
     from opsched.devices.host import HostDevice
 
     asked: list[tuple[str, object]] = []
@@ -851,14 +851,17 @@ async def test_nodes_of_one_geometry_share_their_checks_and_device_answers(monke
         return launch_key(self, *args)
 
     monkeypatch.setattr(HostDevice, "launch_key", counted_key)
-    graphs = [chain(np.random.default_rng(seed), length=4) for seed in (21, 22)]
+    # (shapes no other test uses: no other graph alive shares these geometries)
+    graphs = [chain(np.random.default_rng(seed), length=4, n=3, g=5, m=6) for seed in (21, 22)]
     (_, first, _), (_, second, _) = graphs
     assert [a.geometry is b.geometry for a, b in zip(first, second, strict=True)] == [True] * 4
     assert len({id(node.geometry) for node in first}) == 4  # each node its own geometry
     rng = np.random.default_rng(23)
-    gate = first[1].args["self"]  # the first GLU node's, split along another dim
-    other = Graph().glu_backward(rand(rng, (1, 4, 16), F32), gate, dim=0)
-    assert other.geometry is not first[1].geometry
+    gate = first[1].args["self"]  # (3, 5, 12): the first GLU node's input
+    other = Graph().glu_backward(rand(rng, (3, 5, 6), F32), gate, dim=-1)
+    assert other.geometry is first[1].geometry  # an array where a node was: one geometry
+    other = Graph().glu_backward(rand(rng, (3, 5, 6), F32), rand(rng, (3, 5, 12), F32), dim=2)
+    assert other.geometry is not first[1].geometry  # the same axis, as another scalar
     async with opsched.open_scheduler() as sched:
         for graph, nodes, oracle in graphs:
             (out,) = await sched.run(graph, outputs=[nodes[-1]])
@@ -866,6 +869,6 @@ async def test_nodes_of_one_geometry_share_their_checks_and_device_answers(monke
     assert asked == ["key"] * 4  # asked by the first graph's run only
     probe = weakref.ref(first[0].geometry)
     assert isinstance(probe(), NodeGeometry)
-    del graphs, first, second, graph, nodes, oracle
+    del graphs, first, second, graph, nodes, oracle, other
     gc.collect()
     assert probe() is None
