@@ -185,13 +185,15 @@ class NodeState(enum.Enum):
     __hash__ = object.__hash__
 
 
-@attrs.frozen
+@attrs.frozen(weakref_slot=True)
 class RunPlan:
     """What a run of given outputs (and fed nodes) needs, computed once per graph version.
 
     Its tables are by node index, one entry for every node of the graph (a node the run
     does not need has no state, no producers and no consumers): a run copies the ones it
     changes (:class:`~opsched.core.graph_run.GraphRun`) and reads the others as they are.
+    It names nodes and placeholders by index only, so graphs of one structure share one
+    plan (:func:`_shared_plan`), as nodes of one geometry share theirs.
     """
 
     order: tuple[int, ...]  # needed node indices, producers before consumers
@@ -207,13 +209,23 @@ class RunPlan:
     wanted: frozenset[int]
     #: the wanted nodes of several outputs: a run returns their request's tuple
     tuples: frozenset[int]
-    #: ``(placeholder, name of a node using it)`` for every placeholder the run binds.
-    placeholders: tuple[tuple[Placeholder, str], ...]
+    #: ``(placeholder, a node using it)`` by index for every placeholder the run binds.
+    placeholders: tuple[tuple[int, int], ...]
     fed: frozenset[int]  # the nodes whose values the run is given
     #: the needed nodes a run submits as it starts (none of their dependencies to wait
     #: for), in order; and how many nodes it computes (those not fed)
     ready: tuple[int, ...]
     computed: int
+
+
+#: The run plans of the graphs alive, by their tables (one plan for graphs of one structure).
+_RUN_PLANS: weakref.WeakValueDictionary[tuple[Any, ...], RunPlan] = weakref.WeakValueDictionary()
+
+
+def _shared_plan(plan: RunPlan) -> RunPlan:
+    """The plan alive with the same tables as ``plan`` (a graph of the same structure's),
+    else it: many clients' graphs of one structure make their runs read one plan."""
+    return _RUN_PLANS.setdefault(attrs.astuple(plan, recurse=False), plan)
 
 
 @attrs.define(eq=False)
@@ -364,7 +376,8 @@ class GraphBuilder:
             consumers: list[list[int]] = [[] for _ in range(count)]
             states: list[NodeState | None] = [None] * count
             waiting = [0] * count
-            used: dict[Placeholder, str] = {}
+            positions = {p: i for i, p in enumerate(self.placeholders)}
+            used: dict[int, int] = {}
             for i in order:
                 if i in fed:
                     states[i] = NodeState.FED
@@ -376,21 +389,25 @@ class GraphBuilder:
                 for d in producers[i]:
                     consumers[d].append(i)
                 for _, placeholder in node.from_placeholders:
-                    used.setdefault(placeholder, node.name)
+                    used.setdefault(positions[placeholder], i)
             wanted = frozenset(outputs)
-            plan = self._plans[key] = RunPlan(
-                order=tuple(order),
-                producers=tuple(producers),
-                consumers=tuple(map(tuple, consumers)),
-                states=tuple(states),
-                waiting=tuple(waiting),
-                consumer_counts=tuple(map(len, consumers)),
-                wanted=wanted,
-                tuples=frozenset(i for i in wanted if len(self.nodes[i].op.outputs) > 1),
-                placeholders=tuple(used.items()),
-                fed=fed,
-                ready=tuple(i for i in order if states[i] is NodeState.WAITING and not waiting[i]),
-                computed=sum(i not in fed for i in order),
+            plan = self._plans[key] = _shared_plan(
+                RunPlan(
+                    order=tuple(order),
+                    producers=tuple(producers),
+                    consumers=tuple(map(tuple, consumers)),
+                    states=tuple(states),
+                    waiting=tuple(waiting),
+                    consumer_counts=tuple(map(len, consumers)),
+                    wanted=wanted,
+                    tuples=frozenset(i for i in wanted if len(self.nodes[i].op.outputs) > 1),
+                    placeholders=tuple(used.items()),
+                    fed=fed,
+                    ready=tuple(
+                        i for i in order if states[i] is NodeState.WAITING and not waiting[i]
+                    ),
+                    computed=sum(i not in fed for i in order),
+                )
             )
         return plan
 

@@ -529,11 +529,12 @@ def check_inputs(
             raise ParamInvalidError(msg)
     fed = frozenset([k.index for k in inputs if isinstance(k, Node)]) if inputs else _NONE_FED
     plan = graph._plan(tuple([n.index for n in outputs]), fed)
-    for placeholder, user in plan.placeholders:
+    for index, user in plan.placeholders:
+        placeholder = graph.placeholders[index]
         if placeholder not in inputs:
             msg = (
-                f"run: placeholder {placeholder.name!r} (used by node {user!r}) has no "
-                "array in inputs"
+                f"run: placeholder {placeholder.name!r} (used by node "
+                f"{graph.nodes[user].name!r}) has no array in inputs"
             )
             raise ParamNullptrError(msg)
     return inputs, plan

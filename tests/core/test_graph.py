@@ -872,3 +872,29 @@ async def test_nodes_of_one_geometry_share_their_checks_and_device_answers(monke
     del graphs, first, second, graph, nodes, oracle, other
     gc.collect()
     assert probe() is None
+
+
+@pytest.mark.anyio
+async def test_graphs_of_one_structure_share_one_run_plan_naming_their_own_inputs():
+    # Every client's graph of one structure makes its runs read one plan (by node and
+    # placeholder index), while a missing input is still named by its own graph's names.
+    rng = np.random.default_rng(25)
+    stats = rand(rng, (1, 2), F32)
+    graphs = []
+    for name in ("x", "y"):
+        g = Graph()
+        x = g.input((1, 2, 4), np.float32, name=name)
+        first = g.group_norm_grad(x, x, x, stats, stats, name=f"gn_{name}")
+        last = g.group_norm_grad(x, first, x, stats, stats, name=f"second_{name}")
+        graphs.append((g, x, last))
+    plans = [g._plan((last.index,), frozenset()) for g, _, last in graphs]
+    assert plans[0] is plans[1]
+    g, x, last = graphs[1]
+    g.group_norm_grad(x, last, x, stats, stats)  # another structure: another plan
+    assert g._plan((last.index,), frozenset()) is not plans[0]  # (the same outputs)
+    async with opsched.open_scheduler() as sched:
+        with pytest.raises(ParamNullptrError, match="placeholder 'y' \\(used by node 'gn_y'\\)"):
+            await sched.run(g, outputs=[last])
+        value = rand(rng, (1, 2, 4), F32)
+        outs = [await sched.run(g, outputs=[last], inputs={x: value}) for g, x, last in graphs]
+    assert_same_bits(outs[0], outs[1])
