@@ -67,9 +67,8 @@ class NodeGeometry:
     """What a node's checks established, shared by every node of one operator, argument
     geometry and scalars (in any graph: runs bind arrays of exactly this geometry, so what
     was checked and asked of a device for one holds for all). A run reads these for every
-    node it submits; shared, they are the same few objects for every client's graph, not
-    one copy a node (a run's queue hashes the fusion key and compares the signatures of
-    the requests it fuses: one object each, compared by identity)."""
+    node it submits; shared, they are the same few objects for every client's graph of
+    these shapes, not one copy a node."""
 
     op: Operator
     #: The checked scalars (read, never changed: every request of the geometry gets them).
