@@ -143,7 +143,7 @@ class GraphRun:
         ran when it was added; a run binds arrays of exactly the checked geometry, so
         nothing is checked again."""
         node = self.nodes[index]
-        geometry = node.geometry  # (shared by the nodes of its geometry: hot in the cache)
+        geometry = node.geometry  # (one object for every node of its geometry)
         engine = self.engine
         device = engine.device
         tensors = node.fixed.copy()  # its arrays; outputs not asked for stay None
