@@ -18,7 +18,9 @@ shapes.
   table loop on the requests' own arrays; the framework's calls on a torch device). A
   lone request, and requests of at least :data:`OWN_ELEMENTS` elements, run on their own
   arrays instead of a stack (GluBackward's table loop; the framework's own call), as the
-  scheduler runs them. It has none
+  scheduler runs them, except a small lone GroupNormBackward on a torch device: a stack
+  of one, so that, like the scheduler's, a request's bits never depend on its batch. It
+  has none
   of the rest the scheduler must keep: deadlines, backpressure, error isolation,
   statistics, hand-offs from threads, trio. What it costs over the bare batcher is what
   those few features cost: the floor under a scheduler that keeps them.
@@ -192,11 +194,13 @@ def _torch_gnb(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
     the least a launch of one aten call does. The requests (one shape) are stacked as the
     channels of one sample, each gamma repeated per sample by one batched copy, and the
     per-sample dgamma / dbeta summed over each request's samples by one call; each request
-    gets views ``(dx, dgamma, dbeta)``. A lone request, or requests of
-    :data:`OWN_ELEMENTS`, are each the framework's own call."""
+    gets views ``(dx, dgamma, dbeta)``. Requests of :data:`OWN_ELEMENTS` are each the
+    framework's own call. A smaller lone request is stacked too (a stack of one): those
+    sums are not the bits of the framework's own call, so a request's bits would
+    otherwise depend on its batch, which the scheduler's never do."""
     import torch
 
-    if len(requests) == 1 or requests[0][1].numel() >= OWN_ELEMENTS:
+    if requests[0][1].numel() >= OWN_ELEMENTS:
         mask = (True, True, True)
         return [
             _aten.group_norm_backward(dy, x, mean, rstd, gamma, n, c, hxw, group, mask)

@@ -395,6 +395,51 @@ def test_the_group_norm_backward_floors_compute_the_frameworks_results(featured)
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["glu", "gnb"])
+@pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
+def test_the_featured_floor_gives_a_request_the_same_bits_alone_and_in_a_batch(op, torch_device):
+    """The featured floor keeps the scheduler's batch invariance, as it claims: each
+    request's results are the same bits whether it launched alone or with others (a floor
+    without it would be measuring a batcher that drops a feature the scheduler keeps)."""
+    import asyncio
+
+    from opsched.cli.bench_floors import (
+        _FeaturedBatcher,
+        _numpy_gnb_kernel,
+        _numpy_kernel,
+        _torch_aten,
+        _torch_gnb,
+    )
+    from opsched.cli.bench_paths import INPUTS
+
+    inputs = INPUTS[op](np.random.default_rng(11), 9)
+    launch = {"glu": _numpy_kernel, "gnb": _numpy_gnb_kernel}[op]
+    if torch_device:
+        pytest.importorskip("torch")
+        from opsched.cli.bench_medium import as_tensors
+
+        inputs = as_tensors(inputs)
+        launch = {"glu": _torch_aten, "gnb": _torch_gnb}[op]
+    call = "glu_backward" if op == "glu" else "group_norm_backward"
+
+    async def together():
+        batcher = _FeaturedBatcher(launch)
+        return await asyncio.gather(*(getattr(batcher, call)(*args) for args in inputs))
+
+    async def alone():
+        batcher = _FeaturedBatcher(launch)
+        results = [await getattr(batcher, call)(*args) for args in inputs]
+        assert batcher.launches == len(inputs)  # each request a launch of its own
+        return results
+
+    def bits(result):
+        parts = result if isinstance(result, tuple) else (result,)
+        return [np.asarray(p).tobytes() for p in parts]
+
+    for one, batched in zip(asyncio.run(alone()), asyncio.run(together()), strict=True):
+        assert bits(one) == bits(batched)
+
+
 def test_the_featured_group_norm_backward_floor_checks_each_new_signature():
     import asyncio
 
