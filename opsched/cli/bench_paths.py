@@ -10,7 +10,9 @@ two-phase call: its rows need no torch, and it has no two-phase row of its own.
 
 - ``coroutines``: 256 coroutines each awaiting its share through ``Scheduler``.
 - ``submit``: one thread queuing every request with ``submit_*`` on the sync facade, then
-  waiting on each future.
+  waiting on each future. Every result lives until the last future is read, so its peer
+  keeps every result until its last call too: each call's output is fresh memory, as
+  each future's is, where a peer that dropped its results would reuse one.
 - ``sync``: one thread calling the blocking facade one request at a time.
 - ``two-phase``: ``opsched.aclnn`` per request (workspace size, workspace, launch).
 
@@ -221,22 +223,50 @@ def two_phase_call(op: str) -> Callable[..., Any]:
     return gnb
 
 
-def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int) -> float:
-    """``n`` requests through :func:`two_phase_call`, one after another."""
+def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int, keep: bool = False) -> float:
+    """``n`` requests through :func:`two_phase_call`, one after another (``keep``: as
+    :func:`_calls`)."""
     call = two_phase_call(op)
     count = len(inputs)
+    if keep:  # as in _calls
+        _warm_heap(lambda k: call(*inputs[k % count]), n)
+    kept: list[object] = []
     gc.collect()
     start = time.perf_counter()
-    for k in range(n):
-        call(*inputs[k % count])
+    if keep:
+        for k in range(n):
+            kept.append(call(*inputs[k % count]))
+    else:
+        for k in range(n):
+            call(*inputs[k % count])
     return time.perf_counter() - start
 
 
-def _calls(call: Callable[[int], object], n: int) -> float:
-    """Seconds for ``call(0)`` ... ``call(n - 1)``."""
+def _warm_heap(call: Callable[[int], object], n: int) -> None:
+    """Make and drop the results of ``call(0)`` ... ``call(n - 1)``, all alive at once
+    (untimed): the memory a timed pass keeping them needs is then the allocator's already,
+    and a burst timed after it reuses it. The first touch of fresh pages (many
+    microseconds a page on some machines) would otherwise fall on whichever of the two
+    runs first in a round."""
+    results = [call(k) for k in range(n)]
+    del results
+
+
+def _calls(call: Callable[[int], object], n: int, keep: bool = False) -> float:
+    """Seconds for ``call(0)`` ... ``call(n - 1)``; each result dropped at once, or
+    (``keep``) all kept until the last call returned, after an untimed pass that keeps
+    them too (:func:`_warm_heap`) and a full collection."""
+    if keep:
+        _warm_heap(call, n)
+        gc.collect()
+    kept: list[object] = []
     start = time.perf_counter()
-    for k in range(n):
-        call(k)
+    if keep:
+        for k in range(n):
+            kept.append(call(k))
+    else:
+        for k in range(n):
+            call(k)
     return time.perf_counter() - start
 
 
@@ -267,7 +297,8 @@ def bench_paths(
     for op in ops:
         inputs = INPUTS[op](np.random.default_rng(0), 4096)
         own = op == _OWN_PEER
-        peer: Callable[[int], float] | None = None  # seconds for the first n requests
+        # seconds for the first n requests (``keep``: every result kept, as for a burst)
+        peer: Callable[[int, bool], float] | None = None
         if own:
             peer = functools.partial(_two_phase, op, inputs)
         elif torch is not None:
@@ -281,7 +312,7 @@ def bench_paths(
                 t_peer = None
                 if peer is not None:
                     gc.collect()
-                    t_peer = peer(n)
+                    t_peer = peer(n, path == "submit")
                 t_ours = _run_path(path, target, op, inputs, n)
                 ours.append(t_ours / n)
                 if t_peer is not None:

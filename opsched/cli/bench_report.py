@@ -60,7 +60,12 @@ means something. The peer of a scheduler figure is the operator called once per 
 which is what a user who skips the scheduler does: torch's CPU operator, single-threaded
 (`torch.ops.aten.glu_backward`, `torch.ops.aten.native_group_norm_backward`), or, for
 GroupNormalizationGrad, which has no aten operator, opsched's own two-phase call. A ratio
-above 1.0x means the scheduler costs less per request than no scheduler at all.
+above 1.0x means the scheduler costs less per request than no scheduler at all. The peer
+keeps its results as long as the path beside it does: it drops each one beside coroutines
+and one-at-a-time calls, whose callers drop theirs, and keeps every one until its last
+call beside a burst of futures, whose results all live until the last is read, after an
+untimed pass that keeps them too (the first touch of fresh memory, many microseconds a
+page on this kind of machine, then falls on neither).
 
 - **Kernels.** Each compiled kernel on one contiguous request of each size, against a numpy
   copy of the same bytes (`vs copy`: how close to memory speed), the reference kernel

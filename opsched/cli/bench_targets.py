@@ -11,7 +11,9 @@ for the graph row it is the same chains awaited call by call.
 - Tiny requests (GluBackward 8x64, GroupNormBackward N=4, C=8, HxW=64, 4 groups, FLOAT):
   the module-level function and an explicit scheduler with 256 coroutines, a burst of
   ``submit_*`` futures from one thread, the blocking facade one call at a time, the
-  two-phase API per request; on ``torch:cpu`` with 256 coroutines as well.
+  two-phase API per request; on ``torch:cpu`` with 256 coroutines as well. The peer drops
+  each result, as those paths' callers do, except beside the burst, whose results all live
+  until the last future is read: its peer keeps each result until its last call.
 - Mixed shapes on ``torch:cpu``: GluBackward of 1-8 rows and 16-160 columns,
   GroupNormBackward of N 1-4, C 4-16, HxW 16-160 (groups dividing C), every request its
   own draw: what fusion by signature meets in a real training step.
@@ -93,6 +95,14 @@ def _timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _peer_round(peer: Callable[[int], object], n: int, keep: bool) -> float:
+    """Seconds for the peer's ``n`` calls, timed from a full collection as
+    :func:`_timed` times (``keep``: :func:`~opsched.cli.bench_paths._calls`' untimed pass
+    first)."""
+    gc.collect()
+    return _calls(peer, n, keep)
+
+
 def _module_level(op: str, inputs: list[Any], n: int) -> float:
     """Seconds for ``n`` requests from :data:`CLIENTS` coroutines through ``opsched``'s
     module-level functions (the default scheduler), after a warm-up round."""
@@ -121,13 +131,14 @@ def _tiny_rows(n: int) -> list[TargetRow]:
         ours: Callable[[int], float],
         count: int = n,
         family: str = "",
+        keep: bool = False,
     ) -> TargetRow:
         peer = torch_per_request(op, inputs[op])
         return TargetRow(
             label,
             target,
             count,
-            lambda: (_timed(lambda: _calls(peer, count)), ours(count)),
+            lambda: (_peer_round(peer, count, keep), ours(count)),
             family=family or label,
         )
 
@@ -152,6 +163,7 @@ def _tiny_rows(n: int) -> list[TargetRow]:
             1.0,
             "glu",
             lambda k: _facade(cpu, "glu", glu, k, submit=True),
+            keep=True,  # every future's result lives until the last is read: the peer's too
         ),
         row(
             "GLU, `opsched.sync.glu_backward` one at a time",

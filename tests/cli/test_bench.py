@@ -627,6 +627,52 @@ def test_the_medium_rows_peer_drops_each_result_as_the_scheduler_s_clients_do(mo
     assert 1 <= most[0] <= 2
 
 
+def test_the_burst_rows_peer_keeps_every_result_as_the_burst_does(monkeypatch):
+    """Beside the burst of futures, whose results all live until the last is read, the
+    peer keeps each result until its last call, after an untimed pass that keeps them too
+    (both windows then find that memory in the allocator's hands); beside a path whose
+    callers drop each result, the peer holds one at a time."""
+    pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from opsched.cli import bench_targets
+
+    alive: set[int] = set()
+    most: list[int] = []
+
+    class Result:
+        pass
+
+    def counting(op, inputs):
+        def peer(k):
+            result = Result()
+            alive.add(id(result))
+            weakref.finalize(result, alive.discard, id(result))
+            most.append(len(alive))
+            return result
+
+        return peer
+
+    monkeypatch.setattr(bench_targets, "torch_per_request", counting)
+    rows = {row.label: row for row in bench_targets._tiny_rows(256)}
+    gc.disable()  # (only reference counting frees the results)
+    try:
+        for label, keeps in (
+            ("GLU, a burst of `submit_glu_backward` futures, one thread", True),
+            ("GLU, `await sched.glu_backward`, 256 coroutines", False),
+        ):
+            most.clear()
+            rows[label].round()
+            if keeps:  # the untimed pass, then the timed one: each holds all 256 at its end
+                assert len(most) == 2 * 256
+                assert most[255] == most[-1] == 256
+            else:
+                assert len(most) == 256 and max(most) <= 2
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("torch_device", [False, True], ids=["numpy", "torch"])
 def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(torch_device):
     """Requests of OWN_ELEMENTS run on their own arrays (numpy: GluBackward's table loop,
