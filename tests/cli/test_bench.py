@@ -424,7 +424,9 @@ def test_the_featured_floor_gives_a_request_the_same_bits_alone_and_in_a_batch(o
 
     async def together():
         batcher = _FeaturedBatcher(launch)
-        return await asyncio.gather(*(getattr(batcher, call)(*args) for args in inputs))
+        results = await asyncio.gather(*(getattr(batcher, call)(*args) for args in inputs))
+        assert batcher.launches == 1  # all of them in one launch
+        return results
 
     async def alone():
         batcher = _FeaturedBatcher(launch)
