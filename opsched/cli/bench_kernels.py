@@ -5,6 +5,12 @@ and summarised by the median over repeats, because the machines we run on are sh
 noisy. The baseline for a kernel is ``numpy.copyto`` moving the same number of bytes
 (read + written) as the kernel: the practical memory limit of one core. Where torch is
 installed, its own CPU operator (single-threaded, like our kernels) is the peer column.
+Where the operator writes into a given output in place (GluBackward's ``grad_input``
+variant; GroupNormalizationGrad's torch formula), the peer writes into one made once, as
+our launches write into the ``out`` arrays given to the two-phase call: a new output a
+call would time the allocator's fresh pages (a 64 MB output was new memory, page by page,
+at every call on this machine), not the kernel. GroupNormBackward's ``out`` variant
+computes new tensors and copies them, so its peer is the plain call, new output and all.
 """
 
 from __future__ import annotations
@@ -91,9 +97,10 @@ def _glu_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[
     peer = None
     if torch is not None:
         tg, tx = _aten.to_torch(g), _aten.to_torch(x)
+        t_out = torch.empty_like(tx)
 
         def peer() -> None:
-            _aten.glu_backward(tg, tx, -1)
+            _aten.glu_backward(tg, tx, -1, out=t_out)
 
     return {
         "peer": peer,
@@ -119,9 +126,10 @@ def _gn_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[s
     peer = None
     if torch is not None:
         tensors = [_aten.to_torch(a) for a in (x, dy, gamma, mean, rstd)]
+        t_dx = torch.empty_like(tensors[0])
 
         def peer() -> None:
-            _aten.group_norm_grad(*tensors)
+            _aten.group_norm_grad(*tensors, out=t_dx)
 
     return {
         "peer": peer,
@@ -151,7 +159,7 @@ def _gnb_case(n: int, dtype: Any, rng: np.random.Generator, torch: Any) -> dict[
     if torch is not None:
         t_dy, t_x, t_mean, t_rstd, t_gamma = (_aten.to_torch(a) for a in args[:5])
 
-        def peer() -> None:
+        def peer() -> None:  # (aten's out variant computes new tensors and copies them)
             _aten.group_norm_backward(
                 t_dy, t_x, t_mean, t_rstd, t_gamma, batch, c, hxw, group, mask
             )

@@ -703,3 +703,27 @@ def test_on_the_cpu_torch_has_no_allocator_to_report():
     stats, pool = asyncio.run(main())
     assert stats == {}
     assert (pool.current, pool.peak, pool.allocated, pool.misses) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["FLOAT", "BFLOAT16"])
+def test_the_aten_peers_write_into_given_outputs_the_bits_they_return_new(dtype):
+    """The framework calls the kernel benchmark writes into outputs made once (``out=``:
+    GluBackward's, GroupNormalizationGrad's) give there the bits they return in new
+    tensors, and return those outputs."""
+    from opsched.devices.torch import aten
+
+    gen = torch.Generator().manual_seed(3)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    g, x = t(4, 16), t(4, 32)
+    out = torch.empty_like(x)
+    assert aten.glu_backward(g, x, -1, out=out) is out
+    assert torch.equal(out, aten.glu_backward(g, x, -1))
+
+    gx, gdy, ggamma = t(2, 4, 8), t(2, 4, 8), t(2, 4, 8)
+    gmean, grstd = t(2, 4), t(2, 4).abs() + 0.5
+    dx = torch.empty_like(gx)
+    assert aten.group_norm_grad(gx, gdy, ggamma, gmean, grstd, out=dx) is dx
+    assert torch.equal(dx, aten.group_norm_grad(gx, gdy, ggamma, gmean, grstd))

@@ -74,11 +74,15 @@ def from_torch(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
-def glu_backward(grad_out: Any, x: Any, dim: int) -> Any:
-    """GluBackward through aten (the device operator on torch_npu)."""
+def glu_backward(grad_out: Any, x: Any, dim: int, *, out: Any = None) -> Any:
+    """GluBackward through aten (the device operator on torch_npu); into ``out`` (a tensor
+    of ``x``'s shape and dtype, aten's ``grad_input`` variant) when given, else a new
+    tensor. Returns the result."""
     import torch
 
-    return torch.ops.aten.glu_backward(grad_out, x, dim)
+    if out is None:
+        return torch.ops.aten.glu_backward(grad_out, x, dim)
+    return torch.ops.aten.glu_backward.grad_input(grad_out, x, dim, grad_input=out)
 
 
 def group_norm_backward(
@@ -101,13 +105,14 @@ def group_norm_backward(
     )
 
 
-def group_norm_grad(x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any) -> Any:
-    """GroupNormalizationGrad in torch: the torch launcher's call of one request."""
+def group_norm_grad(x: Any, dy: Any, gamma: Any, mean: Any, rstd: Any, *, out: Any = None) -> Any:
+    """GroupNormalizationGrad in torch: the torch launcher's call of one request, into
+    ``out`` (a tensor of ``x``'s shape and dtype) when given, else a new tensor. Returns dx."""
     import torch
 
     from opsched.devices.torch import group_norm_grad as launcher
 
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x) if out is None else out
     tensors = {"x": x, "dy": dy, "gamma": gamma, "mean": mean, "rstd": rstd, "dx": dx}
     launcher.call(tensors, {})
     return dx
