@@ -706,3 +706,32 @@ def test_the_featured_floor_runs_large_and_mixed_requests_on_their_own_arrays(to
             assert torch.equal(got, want)  # the framework's own call: its bits
         else:
             assert np.array_equal(got, solo_glu(g, x, -1)) and got.base is None
+
+
+def test_the_kernel_benchmarks_torch_peers_write_into_outputs_made_once(monkeypatch):
+    """The kernel figure's torch GluBackward and GroupNormalizationGrad write into one
+    output made once, as our launches write into the out arrays given to the two-phase
+    call; GroupNormBackward's is the plain call (its out variant makes new tensors too)."""
+    torch = pytest.importorskip("torch")
+    from opsched.cli import bench_kernels
+
+    given: dict[str, list] = {"glu": [], "gn": [], "gnb": []}
+
+    def record(name):
+        def peer(*args, out=None, **kw):
+            given[name].append(out)
+
+        return peer
+
+    monkeypatch.setattr(bench_kernels._aten, "glu_backward", record("glu"))
+    monkeypatch.setattr(bench_kernels._aten, "group_norm_grad", record("gn"))
+    monkeypatch.setattr(bench_kernels._aten, "group_norm_backward", record("gnb"))
+    rng = np.random.default_rng(0)
+    for case in (bench_kernels._glu_case, bench_kernels._gn_case, bench_kernels._gnb_case):
+        peer = case(4096, np.float32, rng, torch)["peer"]
+        peer()
+        peer()
+    for name in ("glu", "gn"):
+        first, second = given[name]
+        assert isinstance(first, torch.Tensor) and first is second  # made once, reused
+    assert given["gnb"] == [None, None]
