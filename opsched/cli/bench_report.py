@@ -70,12 +70,12 @@ page on this kind of machine, then falls on neither).
 - **Kernels.** Each compiled kernel on one contiguous request of each size, against a numpy
   copy of the same bytes (`vs copy`: how close to memory speed), the reference kernel
   (`vs ref`) and torch's operator (`vs torch`). Our launches write into outputs given
-  once; so does torch's GluBackward (its `grad_input` variant) and GroupNormalizationGrad's
+  once; so do torch's GluBackward (its `grad_input` variant) and GroupNormalizationGrad's
   torch formula. GroupNormBackward's `out` variant computes new tensors and copies them,
   so its peer is the plain call, which makes a new output each call: a 64 MB output was
-  new memory at every call here (every page faulted in, many microseconds each), most of
-  its time at 16M elements; the temporaries of GroupNormalizationGrad's torch formula do
-  the same at its largest sizes.
+  new memory at every call here (every page faulted in), most of its time at 16M
+  elements; the temporaries of GroupNormalizationGrad's torch formula do the same at its
+  largest sizes.
 - **Throughput.** 256 coroutines awaiting tiny requests through one scheduler, against the
   two-phase call per request and against torch's call per request.
 - **Paths.** The cost of one tiny request through every way in, against the peer on as many
