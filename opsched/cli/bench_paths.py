@@ -230,12 +230,10 @@ def _two_phase(op: str, inputs: list[tuple[Any, ...]], n: int, keep: bool = Fals
     count = len(inputs)
     if keep:  # as in _calls
         _warm_heap(lambda k: call(*inputs[k % count]), n)
-    kept: list[object] = []
     gc.collect()
     start = time.perf_counter()
     if keep:
-        for k in range(n):
-            kept.append(call(*inputs[k % count]))
+        _kept = [call(*inputs[k % count]) for k in range(n)]  # alive until timed
     else:
         for k in range(n):
             call(*inputs[k % count])
@@ -259,11 +257,9 @@ def _calls(call: Callable[[int], object], n: int, keep: bool = False) -> float:
     if keep:
         _warm_heap(call, n)
         gc.collect()
-    kept: list[object] = []
     start = time.perf_counter()
     if keep:
-        for k in range(n):
-            kept.append(call(k))
+        _kept = [call(k) for k in range(n)]  # alive until timed
     else:
         for k in range(n):
             call(k)
