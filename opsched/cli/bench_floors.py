@@ -2,7 +2,7 @@
 measured beside the scheduler in every ``--parts paths`` and ``--parts targets`` run
 (reference rows, no target), for GluBackward and GroupNormBackward on every device: tiny
 requests from 256 coroutines, medium ones from 32, and on ``torch:cpu`` requests of many
-shapes.
+shapes; and the graph row's chains, as graphs.
 
 - ``bare batcher``: the least asyncio batcher, in 40 lines: a list, one flush per loop
   turn, one stacked launch (the operator's formula in numpy calls on the stacked
@@ -25,6 +25,17 @@ shapes.
   statistics, hand-offs from threads, trio. What it costs over the bare batcher is what
   those few features cost: the floor under a scheduler that keeps them.
 
+The graph row's floor (:func:`run_graph_floor`) is the featured batcher running the
+benchmark's chains as graphs: a run's node enters its signature's lane when the node before
+it has launched, shared with every other run's nodes of that signature (so a step of 64
+runs is one launch, as the scheduler fuses it), and its launch moves the run on without
+waking a task; the run's caller awaits one future, and a cancelled run's queued node is
+never launched. Its launches are the product's kernels on the stacked operands
+(GroupNormalizationGrad's: :func:`_numpy_gn_kernel`), each node's output an array of its
+own. The checks run once per signature, as a graph's nodes are checked when added. It has
+none of the rest of a scheduler's graph runs: failures passed downstream, deadlines,
+intermediates from a pool, waits on stream events.
+
 On a torch device GroupNormBackward's launch (:func:`_torch_gnb`) is the least one aten
 call needs: the requests' operands stacked (a copy each: aten reads one contiguous
 tensor), gamma repeated per sample, one call, the per-sample dgamma / dbeta summed by one
@@ -46,10 +57,21 @@ from opsched.cli.bench_kernels import BenchTarget
 from opsched.cli.bench_medium import on_device
 from opsched.devices.torch import aten as _aten
 from opsched.kernels import glu as _glu
+from opsched.kernels.group_norm import group_norm_grad_fast, plan_group_norm_grad
 from opsched.kernels.group_norm_backward import gnb_table_row, group_norm_backward_table
 from opsched.ops import GLU_BACKWARD
 
-__all__ = ["CLIENTS", "FEATURED", "FLOOR", "FLOORS", "METHODS", "clients", "floors_of", "run_floor"]
+__all__ = [
+    "CLIENTS",
+    "FEATURED",
+    "FLOOR",
+    "FLOORS",
+    "METHODS",
+    "clients",
+    "floors_of",
+    "run_floor",
+    "run_graph_floor",
+]
 
 #: The reference rows, in the order a round runs them.
 FLOOR = "bare batcher"
@@ -141,6 +163,22 @@ def _numpy_kernel(requests: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
     out = np.empty_like(x)
     _glu.glu_backward_fast(_glu.plan_glu_backward(g, x, -1, out), g, x, out, None)
     return [row.copy() for row in out]
+
+
+def _numpy_gn_kernel(requests: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+    """The product's GroupNormalizationGrad kernel on the stacked operands (one shape: the
+    requests' samples one after another, each ``(sample, group)`` row computed alike
+    wherever it sits), each dx a new array of its own."""
+    first, stats = requests[0][0], requests[0][3]
+    k = len(requests)
+    rows, stat_rows = (k * first.shape[0], *first.shape[1:]), (k * stats.shape[0], *stats.shape[1:])
+    x, dy, gamma = (np.stack([r[i] for r in requests]).reshape(rows) for i in range(3))
+    mean, rstd = (np.stack([r[i] for r in requests]).reshape(stat_rows) for i in (3, 4))
+    dx = np.empty_like(x)
+    plan = plan_group_norm_grad(x, dy, gamma, dx)
+    workspace = np.empty(plan.workspace_bytes, np.uint8) if plan.workspace_bytes else None
+    group_norm_grad_fast(plan, x, dy, gamma, mean, rstd, dx, workspace)
+    return [sample.copy() for sample in dx.reshape(k, *first.shape)]
 
 
 def _numpy_gnb_formula(requests: list[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
@@ -329,11 +367,15 @@ class _FeaturedBatcher:
         return record.result
 
     def _queue(
-        self, lanes: dict[int, list[_Record]], args: tuple[Any, ...], priority: int
+        self,
+        lanes: dict[int, list[_Record]],
+        args: tuple[Any, ...],
+        priority: int,
+        waiter: Any = None,
     ) -> _Record:
         """A checked request's record, in its signature's lane of ``priority``; the flush
-        scheduled."""
-        record = _Record(args, self._loop.create_future())
+        scheduled. ``waiter``: what its launch sets (default: a new future to await)."""
+        record = _Record(args, self._loop.create_future() if waiter is None else waiter)
         if not lanes:
             if not self._queued:
                 self._loop.call_soon(self._flush)
@@ -359,6 +401,133 @@ class _FeaturedBatcher:
             record.result = result
             self.completed += 1
             record.future.set_result(None)
+
+
+#: A chain's node on the graph floor: its batcher, its signature's lanes, its kind and the
+#: arrays it was built with.
+_Node = tuple["_FeaturedBatcher", dict[int, list[_Record]], str, tuple[Any, ...]]
+
+
+class _NodeWaiter:
+    """What a graph node's launch sets in the featured batcher: it moves the node's run on
+    (no task wakes per node); done once the run's caller stopped waiting (the node is then
+    never launched)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: _FloorRun) -> None:
+        self.run = run
+
+    def done(self) -> bool:
+        return self.run.future.done()
+
+    def set_result(self, _: object) -> None:
+        self.run.advance()
+
+
+class _FloorRun:
+    """One run of a chain on the graph floor: its nodes (each with its batcher and its
+    signature's lanes), the node in flight, the caller's future."""
+
+    __slots__ = ("future", "index", "nodes", "priority", "record")
+
+    def __init__(self, nodes: list[_Node], future: asyncio.Future[Any], priority: int) -> None:
+        self.nodes, self.future, self.priority = nodes, future, priority
+        self.index = 0
+        self.record: _Record | None = None
+
+    def submit(self, value: Any) -> None:
+        """Queue the next node, its input ``value`` (the previous node's output)."""
+        batcher, lanes, kind, args = self.nodes[self.index]
+        if kind == "gn":  # (x, dy, gamma, mean, rstd): the first node's dy is its own
+            x, dy, gamma, mean, rstd = args
+            args = (x, dy if value is None else value, gamma, mean, rstd)
+        else:  # GLU's grad_out is the previous output, its input the node's own
+            args = (value, args[0])
+        self.record = batcher._queue(lanes, args, self.priority, _NodeWaiter(self))
+
+    def advance(self) -> None:
+        """The node in flight has launched: its consumer is queued, or the run is done."""
+        assert self.record is not None
+        value = self.record.result
+        self.index += 1
+        if self.index == len(self.nodes):
+            self.future.set_result(value)
+        else:
+            self.submit(value)
+
+
+class _GraphFloor:
+    """The featured batcher's graph runs (the module docstring): one batcher an operator,
+    shared by every run."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._batchers = {
+            "gn": _FeaturedBatcher(_numpy_gn_kernel),
+            "glu": _FeaturedBatcher(_numpy_kernel),
+        }
+
+    def nodes_of(self, steps: list[tuple[str, tuple[Any, ...]]]) -> list[_Node]:
+        """A chain's steps as nodes, each checked once per signature (as a graph's nodes
+        are checked when added; the nodes of every chain of the same shapes share their
+        signature's lanes)."""
+        nodes: list[_Node] = []
+        for kind, args in steps:
+            batcher = self._batchers[kind]
+            signature = (kind, *[(a.shape, a.dtype) for a in args])
+            lanes = batcher._lanes.get(signature)
+            if lanes is None:
+                _check_node(kind, args)
+                lanes = batcher._lanes[signature] = {}
+            nodes.append((batcher, lanes, kind, args))
+        return nodes
+
+    async def run(self, nodes: list[_Node], priority: int = 0) -> Any:
+        """Run a chain's ``nodes``; return its last node's output."""
+        future = self._loop.create_future()
+        _FloorRun(nodes, future, priority).submit(None)
+        return await future  # cancelled with its task: its queued node never launches
+
+
+def _check_node(kind: str, args: tuple[Any, ...]) -> None:
+    """The checks of a graph floor's node: GroupNormalizationGrad's operands of one shape
+    and dtype (its kernel stacks them alike), mean and rstd one per ``(sample, group)``;
+    GLU's input halved along its last axis."""
+    first = args[0]
+    if kind == "gn":
+        x, dy, gamma, mean, rstd = args
+        ok = dy.shape == gamma.shape == x.shape and mean.shape == rstd.shape == x.shape[:2]
+    else:
+        ok = first.ndim > 0 and first.shape[-1] % 2 == 0
+    if not ok or any(a.dtype != first.dtype for a in args):
+        shapes = ", ".join(f"{a.shape} {a.dtype}" for a in args)
+        msg = f"graph floor: a {kind} node's arrays do not fit its operator: {shapes}"
+        raise ValueError(msg)
+
+
+def run_graph_floor(chains: list[Any], repeats: int) -> tuple[float, Any]:
+    """Seconds for one client a chain (:class:`~opsched.cli.bench_graphs._Chain`: its
+    ``steps``) running it ``repeats`` times as graphs on the featured batcher, after a
+    warm-up round as :func:`~opsched.cli.bench_graphs._concurrent` times the scheduler's;
+    and the first client's last output."""
+
+    async def main() -> tuple[float, Any]:
+        floor = _GraphFloor()
+        nodes = [floor.nodes_of(chain.steps) for chain in chains]
+
+        async def client(chain_nodes: list[_Node]) -> Any:
+            out = None
+            for _ in range(repeats):
+                out = await floor.run(chain_nodes)
+            return out
+
+        await asyncio.gather(*(client(n) for n in nodes))  # warm-up
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(client(n) for n in nodes))
+        return time.perf_counter() - start, outs[0]
+
+    return asyncio.run(main())
 
 
 #: The operators with floors, and their launch on a torch device.

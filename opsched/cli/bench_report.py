@@ -103,8 +103,10 @@ page on this kind of machine, then falls on neither).
   and medium requests and graphs, against torch's call per request (graphs: the same
   chains awaited), each row beside its target: the median and spread of at least five
   rounds, every row once a round. The floors of the coroutine rows (tiny, mixed-shape and
-  medium) run on the same requests in the same rounds: a row below its target is
-  *blocked* where the featured batcher (a batcher with the scheduler's features) stays
+  medium) run on the same requests in the same rounds, and the featured batcher runs the
+  graph row's chains as graphs (a node queued in its signature's lane, shared with every
+  run's, when the node before it has launched; no task woken per node): a row below its
+  target is *blocked* where the featured batcher (a batcher with the scheduler's features) stays
   below it in every round, and *below* (work left) where that floor reaches it.
 """
 

@@ -20,12 +20,13 @@ for the graph row it is the same chains awaited call by call.
 - Medium requests (:mod:`opsched.cli.bench_medium`): 64 KiB to 1 MiB, 32 coroutines, on
   both devices.
 - Graphs (:mod:`opsched.cli.bench_graphs`): 64 clients' 8-node chains as graphs against the
-  same chains awaited.
+  same chains awaited; beside them the featured batcher running the same chains as graphs
+  (:func:`~opsched.cli.bench_floors.run_graph_floor`), against the same peer.
 
-Beside the coroutine rows (tiny, mixed-shape and medium), the floors of
-:mod:`opsched.cli.bench_floors` on the same requests from as many coroutines, in the same
-rounds, without a target: a row whose target lies above the floor of a batcher with the
-same features cannot reach it.
+Beside the coroutine rows (tiny, mixed-shape and medium) and the graph row, the floors of
+:mod:`opsched.cli.bench_floors` on the same requests from as many coroutines (the same
+chains from as many clients), in the same rounds, without a target: a row whose target
+lies above the floor of a batcher with the same features cannot reach it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ import attrs
 import numpy as np
 
 import opsched
-from opsched.cli.bench_floors import CLIENTS, FEATURED, clients, floors_of, run_floor
+from opsched.cli.bench_floors import (
+    CLIENTS,
+    FEATURED,
+    clients,
+    floors_of,
+    run_floor,
+    run_graph_floor,
+)
 from opsched.cli.bench_graphs import _Chain, _concurrent
 from opsched.cli.bench_kernels import BenchTarget, torch_peer
 from opsched.cli.bench_medium import (
@@ -336,13 +344,33 @@ def _graph_rows(chains: int, repeats: int) -> list[TargetRow]:
     target = BenchTarget()
     work = [_Chain(np.random.default_rng(3)) for _ in range(chains)]
 
+    def awaited() -> tuple[float, np.ndarray]:
+        return asyncio.run(_concurrent(target, work, repeats, _Chain.as_awaits))
+
     def measure() -> tuple[float, float]:
-        awaited, _ = asyncio.run(_concurrent(target, work, repeats, _Chain.as_awaits))
+        peer, _ = awaited()
         graphs, _ = asyncio.run(_concurrent(target, work, repeats, _Chain.as_graph))
-        return awaited, graphs
+        return peer, graphs
+
+    def measure_floor() -> tuple[float, float]:
+        peer, expected = awaited()
+        floor, got = run_graph_floor(work, repeats)
+        assert np.array_equal(got, expected), "the graph floor's bits differ from the chain's"
+        return peer, floor
 
     label = f"8-node chains as graphs, {chains} clients"
-    return [TargetRow(label, 1.2, chains * repeats, measure, peer="awaited chains", family=label)]
+    runs = chains * repeats
+    return [
+        TargetRow(label, 1.2, runs, measure, peer="awaited chains", family=label),
+        TargetRow(
+            f"{label}, floor: {FEATURED}",
+            None,
+            runs,
+            measure_floor,
+            peer="awaited chains",
+            family=label,
+        ),
+    ]
 
 
 #: The table's groups of rows, in the order they print.

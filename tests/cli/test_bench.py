@@ -735,3 +735,93 @@ def test_the_kernel_benchmarks_torch_peers_write_into_outputs_made_once(monkeypa
         first, second = given[name]
         assert isinstance(first, torch.Tensor) and first is second  # made once, reused
     assert given["gnb"] == [None, None]
+
+
+def test_the_graph_floor_fuses_each_step_of_every_run_and_keeps_the_chains_bits():
+    """The graph floor runs 8 clients' chains as graphs: each step of the 8 runs is one
+    launch (a node queued in its signature's lane, shared by every run), and every run
+    returns what its chain awaited node by node on the scheduler returns, bit for bit."""
+    import asyncio
+
+    import opsched
+    from opsched.cli.bench_floors import _GraphFloor
+    from opsched.cli.bench_graphs import _Chain
+
+    chains = [_Chain(np.random.default_rng(seed)) for seed in range(8)]
+
+    async def main() -> tuple[list[Any], _GraphFloor]:
+        floor = _GraphFloor()
+        nodes = [floor.nodes_of(chain.steps) for chain in chains]
+        return await asyncio.gather(*(floor.run(n) for n in nodes)), floor
+
+    outs, floor = asyncio.run(main())
+    for batcher in floor._batchers.values():  # 4 nodes of each kind a chain
+        assert batcher.launches == 4 and batcher.completed == 4 * len(chains)
+
+    async def awaited() -> list[Any]:
+        async with opsched.open_scheduler() as sched:
+            return [await chain.as_awaits(sched) for chain in chains]
+
+    for got, expected in zip(outs, asyncio.run(awaited()), strict=True):
+        assert got.shape == (2, 4, 128) and np.array_equal(got, expected)
+
+
+def test_a_cancelled_graph_floor_run_never_launches_its_queued_node():
+    """Cancelling the task awaiting a run on the graph floor withdraws its queued node: the
+    step's launch takes the other run's node alone, and the other run ends as usual."""
+    import asyncio
+
+    from opsched.cli.bench_floors import _GraphFloor
+    from opsched.cli.bench_graphs import _Chain
+
+    chains = [_Chain(np.random.default_rng(seed)) for seed in range(2)]
+
+    async def main() -> tuple[Any, BaseException | Any, _GraphFloor]:
+        floor = _GraphFloor()
+        kept, dropped = (asyncio.ensure_future(floor.run(floor.nodes_of(c.steps))) for c in chains)
+        await asyncio.sleep(0)  # both runs queued their first node; nothing launched yet
+        dropped.cancel()
+        results = await asyncio.gather(kept, dropped, return_exceptions=True)
+        return results[0], results[1], floor
+
+    out, error, floor = asyncio.run(main())
+    assert isinstance(error, asyncio.CancelledError)
+    assert out.shape == (2, 4, 128)
+    for batcher in floor._batchers.values():  # only the kept run's 4 nodes of each kind
+        assert batcher.launches == 4 and batcher.completed == 4
+
+
+def test_the_graph_floor_checks_each_new_node_signature():
+    """A node whose arrays do not fit its operator is refused when its chain is prepared,
+    naming the node's kind and arrays."""
+    import asyncio
+
+    from opsched.cli.bench_floors import _GraphFloor
+
+    x = np.zeros((2, 4, 8), np.float32)
+    stats = np.zeros((2, 4), np.float32)
+
+    async def main() -> None:
+        floor = _GraphFloor()
+        with pytest.raises(ValueError, match=r"a gn node's arrays do not fit .*\(2, 3\)"):
+            floor.nodes_of([("gn", (x, x, x, np.zeros((2, 3), np.float32), stats))])
+        with pytest.raises(ValueError, match="a glu node's arrays do not fit"):
+            floor.nodes_of([("glu", (np.zeros((2, 3), np.float32),))])
+        assert len(floor.nodes_of([("gn", (x, x, x, stats, stats))])) == 1
+
+    asyncio.run(main())
+
+
+def test_the_graph_row_has_the_featured_floor_beside_it():
+    """The graph target group measures the scheduler's graph runs and the graph floor's
+    against the same peer, the chains awaited: the floor row has no target and shares the
+    row's family, so its rounds decide whether the row is blocked."""
+    pytest.importorskip("torch")
+    from opsched.cli.bench_targets import _graph_rows
+
+    row, floor = _graph_rows(2, 1)
+    assert (row.target, floor.target) == (1.2, None)
+    assert floor.label == f"{row.label}, floor: featured batcher"
+    assert row.family == floor.family and row.peer == floor.peer == "awaited chains"
+    peer, path = floor.round()
+    assert peer > 0 and path > 0
