@@ -29,7 +29,7 @@ The graph row's floor (:func:`run_graph_floor`) is the featured batcher running 
 benchmark's chains as graphs: a run's node enters its signature's lane when the node before
 it has launched, shared with every other run's nodes of that signature (so a step of 64
 runs is one launch, as the scheduler fuses it), and its launch moves the run on without
-waking a task; the run's caller awaits one future, and a cancelled run's queued node is
+waking a coroutine; the run's caller awaits one future, and a cancelled run's queued node is
 never launched. Its launches are the product's kernels on the stacked operands
 (GroupNormalizationGrad's: :func:`_numpy_gn_kernel`), each node's output an array of its
 own. The checks run once per signature, as a graph's nodes are checked when added. It has
@@ -408,26 +408,11 @@ class _FeaturedBatcher:
 _Node = tuple["_FeaturedBatcher", dict[int, list[_Record]], str, tuple[Any, ...]]
 
 
-class _NodeWaiter:
-    """What a graph node's launch sets in the featured batcher: it moves the node's run on
-    (no task wakes per node); done once the run's caller stopped waiting (the node is then
-    never launched)."""
-
-    __slots__ = ("run",)
-
-    def __init__(self, run: _FloorRun) -> None:
-        self.run = run
-
-    def done(self) -> bool:
-        return self.run.future.done()
-
-    def set_result(self, _: object) -> None:
-        self.run.advance()
-
-
 class _FloorRun:
     """One run of a chain on the graph floor: its nodes (each with its batcher and its
-    signature's lanes), the node in flight, the caller's future."""
+    signature's lanes), the node in flight, the caller's future. It is its node's waiter
+    in the featured batcher: the launch moves the run on (no coroutine woken per node),
+    and a node of a run whose future is cancelled is never launched."""
 
     __slots__ = ("future", "index", "nodes", "priority", "record")
 
@@ -444,9 +429,13 @@ class _FloorRun:
             args = (x, dy if value is None else value, gamma, mean, rstd)
         else:  # GLU's grad_out is the previous output, its input the node's own
             args = (value, args[0])
-        self.record = batcher._queue(lanes, args, self.priority, _NodeWaiter(self))
+        self.record = batcher._queue(lanes, args, self.priority, self)
 
-    def advance(self) -> None:
+    def done(self) -> bool:
+        """Whether the caller no longer waits (its queued node is then skipped)."""
+        return self.future.done()
+
+    def set_result(self, _: object) -> None:
         """The node in flight has launched: its consumer is queued, or the run is done."""
         assert self.record is not None
         value = self.record.result
@@ -487,7 +476,7 @@ class _GraphFloor:
         """Run a chain's ``nodes``; return its last node's output."""
         future = self._loop.create_future()
         _FloorRun(nodes, future, priority).submit(None)
-        return await future  # cancelled with its task: its queued node never launches
+        return await future  # cancelled with its caller: its queued node never launches
 
 
 def _check_node(kind: str, args: tuple[Any, ...]) -> None:

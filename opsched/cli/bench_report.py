@@ -105,7 +105,7 @@ page on this kind of machine, then falls on neither).
   rounds, every row once a round. The floors of the coroutine rows (tiny, mixed-shape and
   medium) run on the same requests in the same rounds, and the featured batcher runs the
   graph row's chains as graphs (a node queued in its signature's lane, shared with every
-  run's, when the node before it has launched; no task woken per node): a row below its
+  run's, when the node before it has launched; no coroutine woken per node): a row below its
   target is *blocked* where the featured batcher (a batcher with the scheduler's features) stays
   below it in every round, and *below* (work left) where that floor reaches it.
 """

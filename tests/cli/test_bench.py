@@ -767,7 +767,7 @@ def test_the_graph_floor_fuses_each_step_of_every_run_and_keeps_the_chains_bits(
 
 
 def test_a_cancelled_graph_floor_run_never_launches_its_queued_node():
-    """Cancelling the task awaiting a run on the graph floor withdraws its queued node: the
+    """Cancelling the caller awaiting a run on the graph floor withdraws its queued node: the
     step's launch takes the other run's node alone, and the other run ends as usual."""
     import asyncio
 
