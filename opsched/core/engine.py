@@ -64,7 +64,7 @@ from opsched.core.requests import (
     new_request_future,
     past_deadline,
 )
-from opsched.core.stats import Counters, SchedulerStatistics
+from opsched.core.stats import Counters, SchedulerStatistics, with_solo
 from opsched.core.trace import Tracer, log_launch
 from opsched.devices import Device
 from opsched.ops.products import Product, resolve_product
@@ -259,7 +259,8 @@ class Engine:
     def statistics(self) -> SchedulerStatistics:
         """A frozen snapshot of the counters (the loop's and the threads')."""
         c, t = self.counters, self.admission.thread_counts
-        launches = c.launches + t.launches
+        solo = c.solo_launches
+        launches = c.launches + t.launches + solo
         return SchedulerStatistics(
             submitted=c.submitted + t.submitted,
             completed=c.completed + t.completed,
@@ -271,13 +272,17 @@ class Engine:
             queued_peak=self.queue.peak,
             running=self.dispatcher.running,
             launches=launches,
-            requests_per_launch_mean=(c.served + t.served) / launches if launches else 0.0,
-            requests_per_launch_max=max(c.per_launch_max, t.per_launch_max),
+            requests_per_launch_mean=(c.served + t.served + solo) / launches if launches else 0.0,
+            requests_per_launch_max=max(c.per_launch_max, t.per_launch_max, min(solo, 1)),
             backpressure_waits=c.backpressure_waits + self.admission.thread_waits,
             graph_runs=c.graph_runs,
             graph_nodes=c.graph_nodes,
             finished_twice=c.finished_twice + t.finished_twice,
-            streams=tuple(s.statistics() for s in self.device.streams),
+            streams=with_solo(
+                [s.statistics() for s in self.device.streams],
+                solo,
+                c.solo_seconds,
+            ),
             pool=self.device.memory_statistics(),
             executor_cache=self.device.executor_statistics(),
         )
@@ -505,9 +510,9 @@ class Engine:
         end = time.perf_counter()
         counters = self.counters  # (it was counted as submitted when it was recorded)
         launched = state is not EXPIRED
-        if launched:  # a launch of stream 0, which is idle
-            counters.launched(1)
-            self.device.streams[0].ran(end - start)
+        if launched:  # a launch of stream 0, which is idle (the snapshot adds it there)
+            counters.solo_launches += 1
+            counters.solo_seconds += end - start
         finish(request, state, counters, error)
         if launched and enabled():  # the dispatcher's launch event, as for any launch
             batch = Batch([request], 0, request.key, False, launched_at=launched_at)

@@ -10,7 +10,7 @@ import attrs
 
 from opsched.devices import CacheStatistics, PoolStatistics, StreamStatistics
 
-__all__ = ["Counters", "SchedulerStatistics"]
+__all__ = ["Counters", "SchedulerStatistics", "with_solo"]
 
 
 @attrs.define
@@ -31,6 +31,11 @@ class Counters:
     graph_runs: int = 0
     graph_nodes: int = 0
     finished_twice: int = 0
+    #: Lone requests run where they were submitted, each a launch of one on stream 0
+    #: (outside its FIFO, while it is idle), and their seconds: counted apart by two
+    #: additions, folded into ``launches`` and stream 0's figures by the snapshot.
+    solo_launches: int = 0
+    solo_seconds: float = 0.0
 
     def count(self, outcome: str) -> None:
         """Count one request's final outcome (a :class:`RequestState` value other than
@@ -53,6 +58,20 @@ class Counters:
         self.served += requests
         if requests > self.per_launch_max:
             self.per_launch_max = requests
+
+
+def with_solo(
+    streams: list[StreamStatistics], launches: int, seconds: float
+) -> tuple[StreamStatistics, ...]:
+    """The streams' figures with the lone requests run where they were submitted
+    (``launches`` of them, ``seconds`` in all: :attr:`Counters.solo_launches`) added to
+    stream 0's, where they ran."""
+    if launches and streams:
+        first = streams[0]
+        streams[0] = StreamStatistics(
+            first.index, first.launches + launches, first.busy_seconds + seconds
+        )
+    return tuple(streams)
 
 
 @attrs.frozen

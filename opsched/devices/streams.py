@@ -101,12 +101,6 @@ class Stream(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Stop accepting work and release the stream's thread, if it has one."""
 
-    def ran(self, seconds: float) -> None:
-        """Count a launch that ran ``seconds`` in the calling thread outside the FIFO (a
-        lone request run where it was submitted; only on an idle stream)."""
-        self._busy += seconds
-        self._launches += 1
-
     def statistics(self) -> StreamStatistics:
         """Launch count and busy time so far."""
         return StreamStatistics(self.index, self._launches, self._busy)
