@@ -39,6 +39,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -137,7 +138,9 @@ class Engine:
     dispatcher: Dispatcher = attrs.field(init=False)
     #: Keeps the default scheduler's service task alive (asyncio holds tasks weakly).
     service: Any = attrs.field(default=None, init=False)
-    _ids: itertools.count[int] = attrs.field(factory=itertools.count, init=False)
+    #: The id of the next request of this engine (a count's own ``__next__``: no Python
+    #: call), for its checks and graph runs to number the records they make.
+    new_id: Callable[[], int] = attrs.field(factory=lambda: itertools.count().__next__, init=False)
     _wake: LoopEvent | None = attrs.field(default=None, init=False)
     _wake_at: float | None = attrs.field(default=None, init=False)
     _loop_thread: int = attrs.field(factory=threading.get_ident, init=False)
@@ -163,7 +166,7 @@ class Engine:
             self.config.product, self.device.reported_product, self.device.name
         )
         self.admission = Admission(self.config.max_queued_requests, self.queue, self.loop)
-        self.checks = Checks(self.device, self.product, self._ids.__next__)
+        self.checks = Checks(self.device, self.product, self.new_id)
         self._withdraw_hook = self._withdraw_posted
         self.dispatcher = Dispatcher(self)
         config = self.config
@@ -386,11 +389,6 @@ class Engine:
         except BaseException:
             self.counters.rejected += 1
             raise
-
-    def record(self, fields: tuple[Any, ...]) -> Request:
-        """A new request record of this engine from a checked call's fields (a graph
-        node's: op, tensors, scalars, key, units, nbytes, priority, deadline, signature)."""
-        return Request(next(self._ids), time.monotonic(), *fields)
 
     def admit(self, request: Request) -> Request:
         """Start the journey of a request checked on the loop thread: finished at once when

@@ -19,6 +19,7 @@ import collections
 import itertools
 import weakref
 from collections.abc import Mapping, Sequence
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -174,18 +175,18 @@ class GraphRun:
         for out, shape, dtype in geometry.extra_outputs:
             tensors[out] = device.empty(shape, dtype)
         self.state[index] = _QUEUED
-        request = engine.record(
-            (
-                geometry.op,
-                tensors,
-                geometry.scalars,
-                key,
-                geometry.units,
-                geometry.nbytes,
-                self.priority,
-                self.deadline,
-                geometry.signature,
-            )
+        request = Request(
+            engine.new_id(),
+            monotonic(),
+            geometry.op,
+            tensors,
+            geometry.scalars,
+            key,
+            geometry.units,
+            geometry.nbytes,
+            self.priority,
+            self.deadline,
+            geometry.signature,
         )
         self.requests[index] = request
         self.request_ids[index] = request.id
@@ -224,8 +225,10 @@ class GraphRun:
         ):
             request.state = RUNNING  # (never queued: nothing to take it out of)
             self.at_submit.append(request)
-        else:
-            engine.enqueue(request)  # (a node still queued at the run's deadline expires)
+        else:  # (:meth:`Engine.enqueue`, without the call, as :meth:`Engine.admit` queues)
+            engine.queue.push(request)
+            if request.deadline is not None:  # (still queued then, the node expires)
+                engine.arm_timer(request.deadline)
             engine.dispatcher.schedule()
 
     # ------------------------------------------------------------------ scheduler hooks
