@@ -212,26 +212,11 @@ def glu_backward_runner(
         return None
     if not (grad_out.flags.c_contiguous and self.flags.c_contiguous and out.flags.c_contiguous):
         return None
-    loop = _LOOPS[kind.name]
-    row = 2 * half
+    loop = _ROWS_LOOPS[kind.name]
     if plan.dtype == kind.storage:  # float32: the arrays' own flat views
 
         def run(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
-            loop(
-                grad_out.ravel(),
-                0,
-                half,
-                self.ravel(),
-                0,
-                half,
-                row,
-                out.ravel(),
-                0,
-                half,
-                row,
-                outer,
-                half,
-            )
+            loop(grad_out.ravel(), self.ravel(), out.ravel(), outer, half)
 
         return run
     bits = kind.storage  # the half types: their flat views as raw 16-bit words
@@ -239,16 +224,8 @@ def glu_backward_runner(
     def run_bits(grad_out: np.ndarray, self: np.ndarray, out: np.ndarray) -> None:
         loop(
             grad_out.ravel().view(bits),
-            0,
-            half,
             self.ravel().view(bits),
-            0,
-            half,
-            row,
             out.ravel().view(bits),
-            0,
-            half,
-            row,
             outer,
             half,
         )
@@ -390,12 +367,51 @@ _LOOPS = _jit.Loops(
 )
 
 
+def _rows_signature(storage: str) -> object:
+    inp, out = _jit.readonly(storage), _jit.writeable(storage)
+    return _jit.void(inp, inp, out, _jit.I8, _jit.I8)
+
+
+@_jit.body
+def _glu_rows_body(g, x, o, rows, cols, load, store):  # type: ignore[no-untyped-def]
+    """:func:`_glu_body` on C-contiguous operands: rows ``(rows, cols)`` of ``grad_out``,
+    ``(rows, 2, cols)`` of ``self`` and ``out`` (the usual launch's, and a table row's)."""
+    _glu_body(g, 0, cols, x, 0, cols, 2 * cols, o, 0, cols, 2 * cols, rows, cols, load, store)
+
+
+# The usual launch's entry points: the same body on the same arguments as the general
+# entry point's (so the same bits), for five arguments instead of thirteen: numba types and
+# converts each argument of every call, a good part of a tiny request's launch.
+
+
+def _glu_rows_float32(g, x, o, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_rows_body(g, x, o, rows, cols, _jit.same, _jit.same)
+
+
+def _glu_rows_float16(g, x, o, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_rows_body(g, x, o, rows, cols, _jit.half_to_f32, _jit.f32_to_half)
+
+
+def _glu_rows_bfloat16(g, x, o, rows, cols):  # type: ignore[no-untyped-def]
+    _glu_rows_body(g, x, o, rows, cols, _jit.bf16_to_f32, _jit.f32_to_bf16)
+
+
+#: The usual launch's entry point of each storage kind, compiled on first use.
+_ROWS_LOOPS = _jit.Loops(
+    {
+        "float32": (_glu_rows_float32, _rows_signature("float32")),
+        "float16": (_glu_rows_float16, _rows_signature("uint16")),
+        "bfloat16": (_glu_rows_bfloat16, _rows_signature("uint16")),
+    }
+)
+
+
 @_jit.body
 def _glu_table_body(table, storage, load, store):  # type: ignore[no-untyped-def]
     """The compiled loop of a table launch: for each row of ``table`` (``grad_out``,
     ``self`` and ``out``'s addresses, ``outer``, ``half``; C-contiguous operands), that
-    request's own arrays through :func:`_glu_body`, with the arguments its solo launch
-    passes (so the same bits)."""
+    request's own arrays through :func:`_glu_rows_body`, as its solo launch computes them
+    (so the same bits)."""
     for r in range(table.shape[0]):
         outer = table[r, 3]
         half = table[r, 4]
@@ -403,7 +419,7 @@ def _glu_table_body(table, storage, load, store):  # type: ignore[no-untyped-def
         g = numba.carray(_jit.pointer(table[r, 0]), n, storage)
         x = numba.carray(_jit.pointer(table[r, 1]), 2 * n, storage)
         o = numba.carray(_jit.pointer(table[r, 2]), 2 * n, storage)
-        _glu_body(g, 0, half, x, 0, half, 2 * half, o, 0, half, 2 * half, outer, half, load, store)
+        _glu_rows_body(g, x, o, outer, half, load, store)
 
 
 def _glu_table_float32(table):  # type: ignore[no-untyped-def]
