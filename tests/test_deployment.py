@@ -48,16 +48,22 @@ def test_import_compiles_nothing_and_a_call_compiles_only_its_own_kernel():
     assert proc.returncode == 0, proc.stderr
     before, after, value = proc.stdout.splitlines()
     assert before == "[]"
-    assert after == "['opsched.kernels.glu._glu_float32']"
+    assert after == "['opsched.kernels.glu._glu_rows_float32']"
     assert float(value) == pytest.approx(0.5 * (1 / (1 + np.exp(-1.0))) * 2, rel=1e-6)
 
 
 def test_warm_compiles_every_entry_point(capsys):
     assert main(["warm"]) == 0
-    assert "23 kernel entry points" in capsys.readouterr().out
-    assert len(_jit.compiled()) == 23
+    assert "26 kernel entry points" in capsys.readouterr().out
+    assert len(_jit.compiled()) == 26
     names = {name.rsplit(".", 1)[1] for name in _jit.compiled()}
-    assert {"_glu_bfloat16", "_gn_float16", "_gnb_float32", "_sigmoid_loop"} <= names
+    assert {
+        "_glu_bfloat16",
+        "_glu_rows_float16",
+        "_gn_float16",
+        "_gnb_float32",
+        "_sigmoid_loop",
+    } <= names
     assert {"_glu_table_float16", "_gnb_table_float32", "_addresses3", "_addresses8"} <= names
 
 
