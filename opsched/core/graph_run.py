@@ -225,10 +225,8 @@ class GraphRun:
         ):
             request.state = RUNNING  # (never queued: nothing to take it out of)
             self.at_submit.append(request)
-        else:  # (:meth:`Engine.enqueue`, without the call, as :meth:`Engine.admit` queues)
-            engine.queue.push(request)
-            if request.deadline is not None:  # (still queued then, the node expires)
-                engine.arm_timer(request.deadline)
+        else:
+            engine.enqueue(request)  # (a node still queued at the run's deadline expires)
             engine.dispatcher.schedule()
 
     # ------------------------------------------------------------------ scheduler hooks
