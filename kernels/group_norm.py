@@ -20,6 +20,7 @@ a launch nor batching it with other requests' rows changes a bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "GroupNormPlan",
     "group_norm_grad_fast",
     "group_norm_grad_reference",
+    "group_norm_grad_runner",
     "make_group_norm_plan",
     "plan_group_norm_grad",
 ]
@@ -176,6 +178,48 @@ def group_norm_grad_fast(
         np.copyto(dx, target.reshape(dx.shape))
 
 
+def group_norm_grad_runner(
+    plan: GroupNormPlan,
+    x: np.ndarray,
+    dy: np.ndarray,
+    gamma: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    dx: np.ndarray,
+) -> (
+    Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None] | None
+):
+    """The usual launch of ``plan`` with its layout checked once, on these arrays: a
+    function ``run(x, dy, gamma, mean, rstd, dx)`` for every later call whose arrays have
+    these shapes, dtypes and strides and whose output overlaps no input (it needs no
+    workspace). None for any other launch: FLOAT16 and BFLOAT16 (their statistics are
+    converted to float32 in the workspace), a staged operand, an operand that is not
+    C-contiguous, or nothing to compute; those go through :func:`group_norm_grad_fast`,
+    which checks the layout at every call.
+
+    The same compiled body on the same values as :func:`group_norm_grad_fast`'s (so the
+    same bits), through an entry point of eight arguments instead of twelve."""
+    rows, m = x.shape[0] * x.shape[1], math.prod(x.shape[2:])
+    if rows * m == 0 or plan.stage_x or plan.stage_dy or plan.stage_gamma or plan.stage_out:
+        return None
+    arrays = (x, dy, gamma, mean, rstd, dx)
+    if any(a.dtype != F32 or not a.flags.c_contiguous for a in arrays):
+        return None
+    loop = _ROWS_LOOPS["float32"]
+
+    def run(
+        x: np.ndarray,
+        dy: np.ndarray,
+        gamma: np.ndarray,
+        mean: np.ndarray,
+        rstd: np.ndarray,
+        dx: np.ndarray,
+    ) -> None:
+        loop(x.ravel(), dy.ravel(), gamma.ravel(), dx.ravel(), mean.ravel(), rstd.ravel(), rows, m)
+
+    return run
+
+
 @_jit.body
 def _gn_body(x, xs, dy, dys, gamma, gs, dx, dxs, mean, rstd, rows, m, load, store):  # type: ignore[no-untyped-def]
     """The compiled GroupNormalizationGrad loop: row ``r`` of ``x`` / ``dy`` / ``gamma`` /
@@ -270,3 +314,21 @@ _LOOPS = _jit.Loops(
         "bfloat16": (_gn_bfloat16, _signature("uint16")),
     }
 )
+
+
+def _rows_signature(storage: str) -> object:
+    inp, stats = _jit.readonly(storage), _jit.readonly("float32")
+    # x, dy, gamma read; dx written; mean and rstd read; rows, m
+    return _jit.void(inp, inp, inp, _jit.writeable(storage), stats, stats, _jit.I8, _jit.I8)
+
+
+def _gn_rows_float32(x, dy, gamma, dx, mean, rstd, rows, m):  # type: ignore[no-untyped-def]
+    """:func:`_gn_float32` on C-contiguous operands (every row ``m`` elements after the
+    last): eight arguments instead of twelve, since numba types and converts each argument
+    of every call."""
+    _gn_body(x, m, dy, m, gamma, m, dx, m, mean, rstd, rows, m, _jit.same, _jit.same)
+
+
+#: The usual launch's entry point (:func:`group_norm_grad_runner`: FLOAT requests only),
+#: compiled on first use.
+_ROWS_LOOPS = _jit.Loops({"float32": (_gn_rows_float32, _rows_signature("float32"))})

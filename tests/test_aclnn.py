@@ -158,14 +158,16 @@ def test_rebinding_overlapping_arrays_on_unstaged_plan_is_invalid():
 
 
 def test_kernel_failure_is_runtime_launch_error_with_cause(monkeypatch):
-    args = gn_inputs(np.random.default_rng(0), (2, 2, 4), F32)
-    dx = np.empty(args[0].shape, F32)
-    size, ex = aclnn.group_norm_grad_get_workspace_size(*args, dx)
-
     def boom(*a, **k):
         raise FloatingPointError("injected")
 
-    monkeypatch.setattr("opsched.devices.host.group_norm_grad.group_norm_grad_fast", boom)
+    # the kernel's usual launch (the runner's) and its general one both fail
+    host = "opsched.devices.host.group_norm_grad"
+    monkeypatch.setattr(f"{host}.group_norm_grad_runner", lambda *a: boom)
+    monkeypatch.setattr(f"{host}.group_norm_grad_fast", boom)
+    args = gn_inputs(np.random.default_rng(0), (2, 2, 4), F32)
+    dx = np.empty(args[0].shape, F32)
+    size, ex = aclnn.group_norm_grad_get_workspace_size(*args, dx)
     with pytest.raises(RuntimeLaunchError, match="injected") as info:
         aclnn.group_norm_grad(ws(size), size, ex)
     assert info.value.status == 361001

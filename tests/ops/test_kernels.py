@@ -14,6 +14,7 @@ from opsched.kernels.glu import glu_backward_fast, glu_backward_reference, plan_
 from opsched.kernels.group_norm import (
     group_norm_grad_fast,
     group_norm_grad_reference,
+    group_norm_grad_runner,
     plan_group_norm_grad,
 )
 from opsched.ops import GLU_BACKWARD, GROUP_NORM_BACKWARD, GROUP_NORM_GRAD
@@ -252,6 +253,49 @@ def test_gn_row_bits_independent_of_position_and_layout(m):
         plan, *views[:3], *args[3:], views[3], np.empty(plan.workspace_bytes, np.uint8)
     )
     assert_same_bits(views[3], whole)
+
+
+def test_gn_runner_gives_the_general_launchs_bits_on_later_arrays():
+    """The usual launch, its layout checked once: later arrays of the same layout get the
+    bits the general launch (layout checked at every call) gives them, within tolerance of
+    the float64 formula."""
+    rng = np.random.default_rng(5)
+    dtype = np.dtype(np.float32)
+    first = gn_inputs(rng, (3, 2, 40), dtype)
+    dx = np.empty(first[0].shape, dtype)
+    plan = plan_group_norm_grad(*first[:3], dx)
+    run = group_norm_grad_runner(plan, *first, dx)
+    assert run is not None
+    for _ in range(2):
+        args = gn_inputs(rng, (3, 2, 40), dtype)
+        got, want = np.empty_like(dx), np.empty_like(dx)
+        run(*args, got)
+        group_norm_grad_fast(plan, *args, want, np.empty(plan.workspace_bytes, np.uint8))
+        assert_same_bits(got, want)
+        assert_close(got, gn_golden(*args), dtype, "group_norm_grad")
+
+
+def test_gn_runner_is_none_where_the_launch_is_not_the_usual_one():
+    rng = np.random.default_rng(6)
+    f32 = np.dtype(np.float32)
+    x, dy, gamma, mean, rstd = gn_inputs(rng, (2, 2, 8), f32)
+    dx = np.empty_like(x)
+
+    def runner(x, dy, gamma, mean, rstd, dx):
+        return group_norm_grad_runner(
+            plan_group_norm_grad(x, dy, gamma, dx), x, dy, gamma, mean, rstd, dx
+        )
+
+    assert runner(x, dy, gamma, mean, rstd, dx) is not None
+    assert runner(x, dy, gamma, mean, rstd, x) is None  # dx overlaps x: staged
+    assert runner(np.asfortranarray(x), dy, gamma, mean, rstd, dx) is None  # staged input
+    assert runner(x, dy, gamma, mean[:, ::-1], rstd, dx) is None  # statistics not C-ordered
+    assert runner(x, dy, gamma, mean.astype(np.float64), rstd, dx) is None  # not FLOAT
+    half = [a.astype(np.float16) for a in (x, dy, gamma, mean, rstd, np.zeros_like(dx))]
+    assert runner(*half) is None  # statistics converted in the workspace
+    empty = np.empty((0, 2, 8), f32)
+    stats = np.empty((0, 2), f32)
+    assert runner(empty, empty, empty, stats, stats, empty.copy()) is None
 
 
 def test_gn_group_result_independent_of_batch():
