@@ -15,7 +15,8 @@ from opsched import (
     Status,
     aclnn,
 )
-from opsched.devices.host.executor import PlanCache
+from opsched._lru import LRU
+from opsched.devices.host.executor import PLANS, PlanCache
 from opsched.devices.host.launchers import launcher_of
 from opsched.ops import GLU_BACKWARD
 from tests.helpers import assert_close, assert_same_bits, glu_golden, gn_inputs, rand
@@ -161,7 +162,9 @@ def test_kernel_failure_is_runtime_launch_error_with_cause(monkeypatch):
     def boom(*a, **k):
         raise FloatingPointError("injected")
 
-    # the kernel's usual launch (the runner's) and its general one both fail
+    # the kernel's usual launch (the runner's) and its general one both fail; an empty
+    # plan cache for the test (the process's may hold a runner of this geometry already)
+    monkeypatch.setattr(PLANS, "_plans", LRU(PLANS.limit))
     host = "opsched.devices.host.group_norm_grad"
     monkeypatch.setattr(f"{host}.group_norm_grad_runner", lambda *a: boom)
     monkeypatch.setattr(f"{host}.group_norm_grad_fast", boom)
