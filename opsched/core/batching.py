@@ -166,6 +166,29 @@ class RequestQueue:
                 self._deadlines = [e for e in deadlines if _queued(e[2]())]
                 heapq.heapify(self._deadlines)
 
+    def push_all(self, requests: list[Request]) -> None:
+        """Queue new ``requests`` (made in this order, so in order of id), as :meth:`push`
+        each. Those after the first that share its key and priority and have no deadline
+        (a launch's graph consumers, the usual case) join its lane behind it at once."""
+        first = requests[0]
+        self.push(first)
+        rest = requests[1:]
+        if not rest:
+            return
+        key, priority = first.key, first.priority
+        lane = self._lanes[key][priority]
+        if lane[-1] is first and all(
+            [r.key == key and r.priority == priority and r.deadline is None for r in rest]
+        ):  # behind ``first``, in order of id: its key's head is unchanged
+            lane.extend(rest)
+            self._bytes[key] += sum([r.nbytes for r in rest])
+            self.live += len(rest)
+            if self.live > self.peak:
+                self.peak = self.live
+        else:
+            for request in rest:
+                self.push(request)
+
     def _list(self, key: Hashable, entry: tuple[int, int]) -> None:
         self._listed[key] = entry
         heads = self._heads

@@ -253,8 +253,8 @@ class Dispatcher:
             if inline:
                 # Consumers queued by launched() are dispatched only after this returns,
                 # when the inline run is over: they need no event to wait on.
-                for r in nodes:
-                    r.graph[0].launched(r.graph[1], None)
+                if nodes:
+                    self._nodes_launched(nodes, None)
             else:
                 self.device.wait_events(stream, waits)
                 post = self.loop.post
@@ -281,8 +281,16 @@ class Dispatcher:
                 # can wait for it, so its consumers are queued when it has finished
                 self.loop.report(exc, "opsched: recording a graph launch's event failed")
                 return
-            for r in nodes:
-                r.graph[0].launched(r.graph[1], event)
+            self._nodes_launched(nodes, event)
+
+    def _nodes_launched(self, nodes: list[Request], event: Any) -> None:
+        """Tell each graph node's run that it launched (``event``: as
+        :meth:`GraphRun.launched`), then queue together the consumers those calls submit."""
+        queued: list[Request] = []
+        for r in nodes:
+            r.graph[0].launched(r.graph[1], event, queued)
+        if queued:
+            self.engine.enqueue_all(queued)
 
     def _out_of_memory(self, group: list[Batch], last: bool) -> bool:
         batch = group[0]

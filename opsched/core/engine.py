@@ -635,6 +635,15 @@ class Engine:
         if request.deadline is not None:
             self.arm_timer(request.deadline)
 
+    def enqueue_all(self, requests: list[Request]) -> None:
+        """Queue new ``requests`` (:meth:`enqueue` each, in order) and have the dispatcher
+        take them at its next turn."""
+        self.queue.push_all(requests)
+        deadlines = [r.deadline for r in requests if r.deadline is not None]
+        if deadlines:
+            self.arm_timer(min(deadlines))
+        self.dispatcher.schedule()
+
     def expired(self, request: Request) -> None:
         """Finish a request whose deadline passed before its launch."""
         late = time.monotonic() - (request.deadline or 0.0)

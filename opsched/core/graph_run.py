@@ -139,10 +139,11 @@ class GraphRun:
         for index in self.plan.ready:
             self._submit(index)
 
-    def _submit(self, index: int) -> None:
-        """Bind node ``index``'s arguments and outputs, and queue its request. Its checks
-        ran when it was added; a run binds arrays of exactly the checked geometry, so
-        nothing is checked again."""
+    def _submit(self, index: int, queued: list[Request] | None = None) -> None:
+        """Bind node ``index``'s arguments and outputs, and queue its request (given
+        ``queued``, the caller's list of requests to queue together, appended to it). Its
+        checks ran when it was added; a run binds arrays of exactly the checked geometry,
+        so nothing is checked again."""
         node = self.nodes[index]
         geometry = node.geometry  # (one object for every node of its geometry)
         engine = self.engine
@@ -225,15 +226,20 @@ class GraphRun:
         ):
             request.state = RUNNING  # (never queued: nothing to take it out of)
             self.at_submit.append(request)
+        elif queued is not None:
+            queued.append(request)
         else:
             engine.enqueue(request)  # (a node still queued at the run's deadline expires)
             engine.dispatcher.schedule()
 
     # ------------------------------------------------------------------ scheduler hooks
 
-    def launched(self, index: int, event: Event | None) -> None:
+    def launched(
+        self, index: int, event: Event | None, queued: list[Request] | None = None
+    ) -> None:
         """Node ``index``'s launch was enqueued; ``event`` completes when it has run (None:
-        it runs inline, before any consumer can be dispatched)."""
+        it runs inline, before any consumer can be dispatched). Its consumers' requests
+        are queued now, or (``queued``) appended to the caller's list to queue together."""
         state, waiting = self.state, self.waiting
         state[index] = _LAUNCHED
         if event is not None:
@@ -242,7 +248,7 @@ class GraphRun:
             waiting[consumer] -= 1
             if not waiting[consumer] and state[consumer] is _WAITING and not self.cancelled:
                 try:
-                    self._submit(consumer)
+                    self._submit(consumer, queued)
                 except Exception as exc:  # boundary: from the dispatcher (no memory for
                     # its output, a device error taking its arrays): the consumer fails,
                     # with what depends on it, never the dispatch that launched ``index``

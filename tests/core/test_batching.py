@@ -263,23 +263,31 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed, plain):
     # no deadline, so that a take may find its lane whole), mixed sizes in one key, taken
     # requests are put back (older ids pushed after newer ones, as after a launch that
     # could not start), some are discarded or expire, and batches are cut by count, by
-    # bytes, and by the largest request that fuses.
+    # bytes, and by the largest request that fuses. Some new requests come several at once
+    # (``push_all``, as a launch's graph consumers do).
     rng = random.Random(seed)
     q = RequestQueue()
     live: list[Request] = []
+    peak = 0
     key, per = glu_request().key, glu_request().nbytes
     for _ in range(300):
         action = rng.random()
         if action < 0.5:
-            r = glu_request(
-                rows=rng.choice([2, 2, 4]),
-                cols=rng.choice([8, 8, 16]),
-                priority=0 if plain else rng.choice([0, 0, 0, 1, 5, -2]),
-                deadline=None if plain else rng.choice([None, None, None, 0.5, 2.0]),
-            )
-            assert r.key == key
-            q.push(r)
-            live.append(r)
+            new = [
+                glu_request(
+                    rows=rng.choice([2, 2, 4]),
+                    cols=rng.choice([8, 8, 16]),
+                    priority=0 if plain else rng.choice([0, 0, 0, 1, 5, -2]),
+                    deadline=None if plain else rng.choice([None, None, None, 0.5, 2.0]),
+                )
+                for _ in range(rng.choice([1, 1, 1, 2, 5]))
+            ]
+            assert all(r.key == key for r in new)
+            if len(new) == 1:
+                q.push(new[0])
+            else:
+                q.push_all(new)
+            live.extend(new)
         elif action < 0.6 and live:
             r = rng.choice(live)
             q.discard(r, RequestState.CANCELLED)
@@ -311,6 +319,8 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed, plain):
                     q.push(r)
                     live.append(r)
         assert len(q) == len(live)
+        peak = max(peak, len(live))
+        assert q.peak == peak
         assert q.queued_bytes(key) == sum(r.nbytes for r in live)
         head = q.head(key)
         assert head is min(live, key=lambda r: (-r.priority, r.id), default=None)
@@ -319,7 +329,9 @@ def test_queue_takes_in_priority_then_id_order_whatever_the_pushes(seed, plain):
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["push", "push", "push", "pop", "take", "cancel", "requeue"]),
+            st.sampled_from(
+                ["push", "push", "push", "push_all", "pop", "take", "cancel", "requeue"]
+            ),
             st.integers(0, 8),
         ),
         min_size=4,
@@ -339,6 +351,16 @@ def test_the_next_key_is_always_the_one_whose_head_comes_first(steps):
             request = glu_request(dtype=dtypes[n % 3], priority=n // 3)
             q.push(request)
             queued.append(request)
+        elif what == "push_all":  # new requests at once: one key and priority, or mixed
+            same = n % 2 == 0
+            new = [
+                glu_request(
+                    dtype=dtypes[n % 3 if same else i % 3], priority=n // 3 if same else i % 2
+                )
+                for i in range(2 + n % 4)
+            ]
+            q.push_all(new)
+            queued.extend(new)
         elif what == "requeue" and taken:
             request = taken.pop(n % len(taken))
             request.state = RequestState.QUEUED
