@@ -104,6 +104,33 @@ def test_cancel_a_queued_future_and_deadline():
     assert stats.cancelled == 1 and stats.expired == 1 and stats.completed == 1
 
 
+def test_futures_cancelled_in_the_inbox_end_cancelled_never_launched():
+    # The loop thread is held inside an inline launch, so what a thread submits meanwhile
+    # waits in the inbox. The futures cancelled there end cancelled when the loop drains
+    # it, never launched; the others run.
+    rng = np.random.default_rng(8)
+    blocker = glu_args(rng)
+    gate = Gate(hold=blocker[1])
+    with opsched.sync.open_scheduler(streams=1) as sched:
+        sched.scheduler.device.inject_faults(gate)
+        first = sched.submit_glu_backward(*blocker)
+        assert gate.entered.wait(10)  # the loop thread is in the held launch
+        args = [glu_args(rng) for _ in range(5)]
+        futures = [sched.submit_glu_backward(*a) for a in args]
+        for future in futures[::2]:
+            assert future.cancel()
+        gate.open()
+        first.result(timeout=30)
+        kept = [(a, f.result(timeout=30)) for a, f in zip(args[1::2], futures[1::2], strict=True)]
+        stats = sched.statistics()
+    for future in futures[::2]:
+        assert future.cancelled()
+    assert not any(gate.launched_array(a[1]) for a in args[::2])
+    for (g, x), result in kept:
+        assert_same_bits(result, solo_glu(g, x, -1))
+    assert (stats.submitted, stats.completed, stats.cancelled) == (6, 3, 3)
+
+
 @pytest.fixture(
     params=["RequestFuture", pytest.param("LeanRequestFuture", marks=pytest.mark.internals)]
 )

@@ -59,7 +59,6 @@ from opsched.core.requests import (
     EXPIRED,
     Call,
     Request,
-    RequestFuture,
     RequestState,
     finish,
     new_request_future,
@@ -414,30 +413,36 @@ class Engine:
             dispatcher.schedule()  # others are about to submit: let them, then fuse
         return request
 
-    def _admit_posted(self, request: Request, future: RequestFuture) -> None:
-        """Queue a request a thread submitted (:meth:`_drain_inbox`), which holds
-        ``future``; its dispatch comes after the whole drained burst."""
-        request.future = future
-        self.counters.submitted += 1
-        if not request.nbytes:
-            self.finish_empty(request)
-            return
-        self.enqueue(request)
-        future._request, future._withdraw = request, self._withdraw_hook
-        if future.withdrawn:  # cancelled while in the inbox: withdrawn at once
-            self.abandon(request)
-            return
-        self.dispatcher.schedule()
-
     def _drain_inbox(self) -> None:
-        """Queue every request submitted from threads since the last drain (loop thread)."""
+        """Queue every request submitted from threads since the last drain (loop thread),
+        together (:meth:`enqueue_all`); one whose future was cancelled while in the inbox
+        ends cancelled, never queued."""
+        queued: list[Request] = []
+        withdrawn = False
+        counters, hook = self.counters, self._withdraw_hook
         for future in self.admission.take_inbox():
             request, future.checked = future.checked, None
             assert request is not None  # put_threadsafe set it
             if self.state is not OPEN:
                 future.set_exception(SchedulerClosedError("the scheduler was closed"))
                 continue
-            self._admit_posted(request, future)
+            request.future = future
+            counters.submitted += 1
+            if not request.nbytes:
+                self.finish_empty(request)
+                continue
+            # linked first, then looked at: a cancel from now on withdraws it through the
+            # hook (on the loop, after this drain), one before it left the flag
+            future._request, future._withdraw = request, hook
+            if future.withdrawn:
+                finish(request, RequestState.CANCELLED, counters)
+                withdrawn = True
+            else:
+                queued.append(request)
+        if queued:
+            self.enqueue_all(queued)
+        if withdrawn:
+            self.room()  # the inbox held its slot
 
     def _withdraw_posted(self, request: Request) -> None:
         """A thread's future was cancelled (any thread): withdraw its request on the loop."""
