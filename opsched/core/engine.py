@@ -355,15 +355,10 @@ class Engine:
         if threading.get_ident() == self._loop_thread:
             msg = "submit_threadsafe was called on the scheduler's own loop thread; await instead"
             raise RuntimeError(msg)
-        op, args, out, priority, deadline, timeout = call
         try:
             if self.state is not OPEN or self.device.lost is not None:
                 self.require_open("new requests")  # raises
-            request = None
-            if out is None and deadline is None and timeout is None and type(priority) is int:
-                request = self.checks.known(op, args, priority)  # the usual call: one lookup
-            if request is None:
-                request = self.checks.call(call)
+            request = self.checks.call(call)  # (one lookup for a call seen before)
         except BaseException:
             self.admission.refused_in_thread()
             raise
